@@ -1,0 +1,106 @@
+"""The compiled CPU engine: ops/host.c built into hvd_aps/_hostcodec*.so by setup.py, driven
+through ctypes. Large arrays are cut into one chunk per core and converted in a thread pool;
+ctypes releases the GIL during each call, so the chunks really run in parallel.
+"""
+import concurrent.futures
+import ctypes
+import importlib.machinery
+import os
+import pathlib
+
+import numpy as np
+
+_MIN_CHUNK = 1 << 18  # below this, thread hand-off costs more than it saves
+
+
+class _Fmt(ctypes.Structure):
+    _fields_ = [("exp_bits", ctypes.c_int32), ("man_bits", ctypes.c_int32),
+                ("policy", ctypes.c_int32), ("saturate", ctypes.c_int32)]
+
+
+def _find_library():
+    here = pathlib.Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_hostcodec{suffix}"
+        if path.exists():
+            return path
+    return None
+
+
+def _load():
+    path = _find_library()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.hvd_encode.argtypes = [ptr, ptr, i64, i64, _Fmt, i32, i32, ctypes.c_uint64]
+    lib.hvd_encode.restype = None
+    lib.hvd_decode_table.argtypes = [ptr, _Fmt, i32]
+    lib.hvd_decode_table.restype = None
+    for name in ("hvd_gather_u8", "hvd_gather_u16"):
+        getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
+        getattr(lib, name).restype = None
+    lib.hvd_amax.argtypes = [ptr, i64]
+    lib.hvd_amax.restype = ctypes.c_float
+    return lib
+
+
+_lib = _load()
+available = _lib is not None
+_threads = max(1, int(os.environ.get("HVD_APS_THREADS", os.cpu_count() or 1)))
+_pool = concurrent.futures.ThreadPoolExecutor(_threads, thread_name_prefix="hvd_aps") if _threads > 1 else None
+
+
+def _chunks(n):
+    if _pool is None or n < 2 * _MIN_CHUNK:
+        return [(0, n)]
+    step = -(-n // _threads)
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+def _run(fn, n):
+    """Call fn(lo, hi) over the chunks of range(n), in parallel where it pays."""
+    parts = _chunks(n)
+    if len(parts) == 1:
+        return [fn(0, n)]
+    return list(_pool.map(lambda p: fn(*p), parts))
+
+
+def _c_fmt(fmt, saturate=False):
+    return _Fmt(fmt.exp_bits, fmt.man_bits, fmt.policy, int(bool(saturate)))
+
+
+def encode(x, fmt, shift, rounding, seed, saturate):
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(x.shape, dtype=fmt.code_dtype)
+    cfmt, stochastic = _c_fmt(fmt, saturate), int(rounding == "stochastic")
+    xp, op = x.ctypes.data, out.ctypes.data
+    size = out.itemsize
+
+    def work(lo, hi):
+        _lib.hvd_encode(xp + 4 * lo, op + size * lo, hi - lo, lo, cfmt, shift, stochastic, seed)
+
+    _run(work, x.size)
+    return out
+
+
+def decode_table(fmt, shift):
+    table = np.empty(1 << fmt.bits, dtype=np.float32)
+    _lib.hvd_decode_table(table.ctypes.data, _c_fmt(fmt), shift)
+    return table
+
+
+def decode(codes, fmt, shift):
+    codes = np.ascontiguousarray(codes, dtype=fmt.code_dtype)
+    out = np.empty(codes.shape, dtype=np.float32)
+    table = decode_table(fmt, shift)
+    gather = _lib.hvd_gather_u8 if codes.itemsize == 1 else _lib.hvd_gather_u16
+    cp, op, tp, size = codes.ctypes.data, out.ctypes.data, table.ctypes.data, codes.itemsize
+    _run(lambda lo, hi: gather(cp + size * lo, op + 4 * lo, hi - lo, tp), codes.size)
+    return out
+
+
+def amax(x):
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    xp = x.ctypes.data
+    return max(_run(lambda lo, hi: _lib.hvd_amax(xp + 4 * lo, hi - lo), x.size), default=0.0)

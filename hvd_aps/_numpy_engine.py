@@ -1,0 +1,113 @@
+"""The codec in vectorised NumPy: the fallback where the compiled engine is missing, and a second,
+independently written implementation of ops/fpcodec.h that the tests hold the others against.
+"""
+import numpy as np
+
+from .formats import FINITE, FN_NAN, IEEE
+
+_U64 = np.uint64
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z):
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return z ^ (z >> _U64(31))
+
+
+def random32(seed, start, n):
+    """The 32 random bits ops/fpcodec.h's hvd_random32 draws for flat indices start..start+n-1."""
+    mixed = int(_mix64(np.array([seed & _MASK64], dtype=_U64))[0])
+    index = np.arange(start + 1, start + n + 1, dtype=_U64)
+    with np.errstate(over="ignore"):
+        z = _U64(mixed) + index * _U64(0x9E3779B97F4A7C15)
+        return (_mix64(z) >> _U64(32)).astype(np.uint32)
+
+
+def _limits(fmt):
+    all_ones = (1 << (fmt.exp_bits + fmt.man_bits)) - 1
+    inf_code = ((1 << fmt.exp_bits) - 1) << fmt.man_bits
+    return all_ones, inf_code, fmt.max_code
+
+
+def _special_codes(a, sign, fmt):
+    """Codes for NaN/Inf inputs (a = |x| bits), matching ml_dtypes for every policy."""
+    all_ones, inf_code, max_code = _limits(fmt)
+    top = np.uint32(fmt.exp_bits + fmt.man_bits)
+    is_inf = a == 0x7F800000
+    if fmt.policy == IEEE:
+        nan_mag = inf_code | ((1 << (fmt.man_bits - 1)) if fmt.man_bits else 0)
+        return (sign << top) | np.where(is_inf, inf_code, nan_mag).astype(np.uint32)
+    if fmt.policy == FN_NAN:
+        return (sign << top) | np.uint32(all_ones)
+    return np.where(is_inf, (sign << top) | np.uint32(max_code), (sign ^ np.uint32(1)) << top)
+
+
+def encode(x, fmt, shift, rounding, seed, saturate):
+    """Codes of x * 2**shift (x float32, any shape) as uint32."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    sign, a = u >> np.uint32(31), u & np.uint32(0x7FFFFFFF)
+    e32 = (a >> np.uint32(23)).astype(np.int64)
+    sig = ((a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)).astype(np.int64)
+    sub = (e32 == 0) & (a != 0)
+    if sub.any():  # float32 subnormals: normalise
+        m = a[sub].astype(np.int64)
+        p = np.floor(np.log2(m.astype(np.float64))).astype(np.int64)
+        e32[sub] = p - 22
+        sig[sub] = m << (23 - p)
+    t = e32 - 127 + shift + fmt.bias - 1
+    drop = np.where(t >= 0, 23 - fmt.man_bits, np.minimum(23 - fmt.man_bits - t, 56))
+    base = np.where(t >= 0, np.minimum(t, 1 << fmt.exp_bits) << fmt.man_bits, 0)
+    q = sig >> drop
+    rem = sig - (q << drop)
+    if rounding == "stochastic":
+        rnd = random32(seed, 0, u.size).reshape(u.shape).astype(np.int64)
+        threshold = np.where(drop <= 32, rem << np.maximum(32 - drop, 0), rem >> np.maximum(drop - 32, 0))
+        up = rnd < threshold
+    else:
+        half = np.int64(1) << (drop - 1)
+        up = (rem > half) | ((rem == half) & ((base + q) & 1).astype(bool))  # even *code*
+    mag = base + q + up
+    _, inf_code, max_code = _limits(fmt)
+    if saturate or fmt.policy == FINITE:
+        overflow_mag = max_code
+    else:
+        overflow_mag = inf_code if fmt.policy == IEEE else _limits(fmt)[0]
+    mag = np.where(mag > max_code, overflow_mag, mag).astype(np.uint32)
+    codes = (sign << np.uint32(fmt.exp_bits + fmt.man_bits)) | mag
+    codes = np.where(a == 0, sign << np.uint32(fmt.exp_bits + fmt.man_bits), codes)
+    special = a >= 0x7F800000
+    if special.any():
+        codes[special] = _special_codes(a[special], sign[special], fmt)
+    return codes
+
+
+def decode_table(fmt, shift):
+    """float32 value of every code, times 2**-shift."""
+    codes = np.arange(1 << fmt.bits, dtype=np.int64)
+    m = fmt.man_bits
+    sign = (codes >> (fmt.bits - 1)) & 1
+    mag = codes & ((1 << (fmt.bits - 1)) - 1)
+    ef, man = mag >> m, mag & ((1 << m) - 1)
+    significand = np.where(ef > 0, man | (1 << m), man).astype(np.float64)
+    exponent = np.maximum(ef, 1) - fmt.bias - m - shift
+    with np.errstate(over="ignore"):  # the Inf/NaN slots, overwritten below
+        values = np.ldexp(significand, exponent).astype(np.float32)  # exact, then one rounding
+    values = np.where(sign == 1, -values, values)
+    all_ones = (1 << (fmt.bits - 1)) - 1
+    if fmt.policy == IEEE:
+        top = ef == (1 << fmt.exp_bits) - 1
+        values = np.where(top & (man == 0), np.copysign(np.inf, -sign + 0.5), values)
+        values = np.where(top & (man != 0), np.copysign(np.nan, -sign + 0.5), values)
+    elif fmt.policy == FN_NAN:
+        values = np.where(mag == all_ones, np.copysign(np.nan, -sign + 0.5), values)
+    return values.astype(np.float32)
+
+
+def decode(codes, fmt, shift):
+    return decode_table(fmt, shift)[codes]
+
+
+def amax(x):
+    a = np.max(np.abs(x)) if x.size else np.float32(0)
+    return float(a) if np.isfinite(a) else float("inf")

@@ -1,0 +1,136 @@
+"""encode / decode / quantize between float32 and a FloatFormat's codes, plus sub-byte packing.
+
+Semantics (every engine, bit for bit): round to nearest with ties to the even code (also when
+man_bits=0, where "even" is the exponent's last bit), gradual underflow, signed zero, and NaN,
+Inf and overflow exactly as ml_dtypes' `astype` treats them for every format it has. The APS
+`shift` multiplies the input by 2**shift inside the conversion (and decode multiplies by
+2**-shift), so scaling never rounds on its own.
+"""
+import os
+import secrets
+
+import numpy as np
+
+from . import _host_engine, _numpy_engine
+from .formats import FloatFormat
+
+_ROUNDINGS = ("nearest", "stochastic")
+_INPUT_KINDS = "fiub"  # float, signed, unsigned, bool: numbers NumPy converts exactly or by rounding
+
+
+def _engine():
+    choice = os.environ.get("HVD_APS_ENGINE", "auto")
+    if choice not in ("auto", "host", "numpy"):
+        raise ValueError(f"HVD_APS_ENGINE must be auto, host or numpy, got {choice!r}")
+    if choice == "numpy" or (choice == "auto" and not _host_engine.available):
+        return _numpy_engine
+    if not _host_engine.available:
+        raise RuntimeError("HVD_APS_ENGINE=host but the compiled engine is not built; "
+                           "reinstall hvd_aps with a C compiler present")
+    return _host_engine
+
+
+def engine_name():
+    """Which CPU engine encode/decode use: "host" (compiled ops/host.c) or "numpy"."""
+    return "host" if _engine() is _host_engine else "numpy"
+
+
+def _as_float32(x):
+    x = np.asarray(x)
+    if x.dtype.kind not in _INPUT_KINDS and x.dtype.name != "bfloat16":
+        raise TypeError(f"expected a numeric array, got dtype {x.dtype}")
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _check_shift(shift):
+    if not isinstance(shift, (int, np.integer)) or not -1000 <= shift <= 1000:
+        raise ValueError(f"shift must be an int in -1000..1000, got {shift!r}")
+    return int(shift)
+
+
+def _check_seed(rounding, seed):
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+    if rounding == "nearest":
+        return 0
+    if seed is None:
+        return secrets.randbits(64)
+    if not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    return int(seed) & ((1 << 64) - 1)
+
+
+def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0):
+    """Codes of x * 2**shift in `fmt`: uint8 for formats of <= 8 bits, else uint16.
+
+    x: float32 array (float16, bfloat16, float64 and integer arrays are converted to float32 first).
+    rounding="stochastic" rounds up with probability equal to the discarded fraction, from a
+    counter-based hash of (seed, flat index): the same seed gives the same codes on every engine.
+    saturate=True clamps finite overflow to +-max; Inf and NaN stay non-finite where the format
+    can say so, because hiding them would hide a diverging run.
+    """
+    fmt = FloatFormat.parse(fmt)
+    seed = _check_seed(rounding, seed)
+    x, shift = _as_float32(x), _check_shift(shift)
+    return _engine().encode(x, fmt, shift, rounding, seed, saturate).astype(fmt.code_dtype, copy=False)
+
+
+def decode(codes, fmt, shift=0):
+    """float32 values of `codes` (as produced by encode), times 2**-shift."""
+    fmt = FloatFormat.parse(fmt)
+    codes = np.asarray(codes)
+    if codes.dtype.kind not in "ui":
+        raise TypeError(f"codes must be an unsigned integer array, got dtype {codes.dtype}")
+    if codes.size and int(codes.max()) >= 1 << fmt.bits:
+        raise ValueError(f"codes hold values >= 2**{fmt.bits}, which {fmt} cannot have produced")
+    return _engine().decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift))
+
+
+def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0):
+    """x rounded onto fmt's grid (scaled by 2**shift and back), as float32."""
+    fmt = FloatFormat.parse(fmt)
+    seed = _check_seed(rounding, seed)
+    x, shift, engine = _as_float32(x), _check_shift(shift), _engine()
+    return engine.decode(engine.encode(x, fmt, shift, rounding, seed, saturate), fmt, shift)
+
+
+def amax(x):
+    """max |x| as a Python float, or +inf when x holds any NaN or Inf."""
+    return _engine().amax(_as_float32(x).ravel())
+
+
+def packed_size(n, fmt):
+    """Bytes that `n` codes of `fmt` take when packed."""
+    return -(-n * FloatFormat.parse(fmt).bits // 8)
+
+
+def pack(codes, fmt):
+    """Codes as a dense little-endian bit stream: two 4-bit codes a byte, four 6-bit codes in
+    three bytes, and so on. Returns a flat uint8 array of packed_size(codes.size) bytes."""
+    fmt = FloatFormat.parse(fmt)
+    codes = np.ascontiguousarray(codes, dtype=fmt.code_dtype).ravel()
+    if fmt.bits == 8:
+        return codes.copy()
+    if fmt.bits == 4:
+        padded = np.append(codes, np.zeros(codes.size % 2, np.uint8))
+        return padded[0::2] | (padded[1::2] << 4)
+    bits = np.unpackbits(codes.view(np.uint8).reshape(codes.size, codes.itemsize), axis=1, bitorder="little")
+    return np.packbits(bits[:, :fmt.bits].ravel(), bitorder="little")
+
+
+def unpack(packed, fmt, n):
+    """Inverse of pack: the first `n` codes of the packed bytes."""
+    fmt = FloatFormat.parse(fmt)
+    packed = np.ascontiguousarray(packed, dtype=np.uint8).ravel()
+    if packed.size < packed_size(n, fmt):
+        raise ValueError(f"{n} codes of {fmt} need {packed_size(n, fmt)} bytes, got {packed.size}")
+    if fmt.bits == 8:
+        return packed[:n].copy()
+    if fmt.bits == 4:
+        both = np.stack([packed & 0x0F, packed >> 4], axis=1).ravel()
+        return both[:n].copy()
+    bits = np.unpackbits(packed, bitorder="little")[: n * fmt.bits].reshape(n, fmt.bits)
+    width = np.dtype(fmt.code_dtype).itemsize * 8
+    full = np.zeros((n, width), np.uint8)
+    full[:, :fmt.bits] = bits
+    return np.packbits(full, axis=1, bitorder="little").view(fmt.code_dtype).ravel()

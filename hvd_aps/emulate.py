@@ -1,0 +1,79 @@
+"""One-process emulation of an N-worker low-precision allreduce (CPD's "emulate-node"), for
+studying formats, APS and accumulation without a cluster.
+"""
+import numpy as np
+
+from . import codec, scaling
+from .formats import FloatFormat
+
+_ACCUMULATE = ("fp32", "format")
+
+
+def _validated(arrays):
+    arrays = [np.asarray(a) for a in arrays]
+    if not arrays:
+        raise ValueError("allreduce needs at least one array")
+    if any(a.shape != arrays[0].shape for a in arrays):
+        raise ValueError(f"all arrays must have one shape, got {sorted({a.shape for a in arrays})}")
+    return [codec._as_float32(a) for a in arrays]
+
+
+def _summer(accumulate, fmt, kahan):
+    """acc, term -> new acc (and compensation) in fp32 or rounded to the format after each add."""
+    if accumulate not in _ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {_ACCUMULATE}, got {accumulate!r}")
+    rnd = (lambda v: v) if accumulate == "fp32" else (lambda v: codec.quantize(v, fmt))
+
+    def add(acc, comp, term):
+        if not kahan:
+            return rnd(acc + term), comp
+        y = rnd(term - comp)
+        t = rnd(acc + y)
+        return t, rnd(rnd(t - acc) - y)
+
+    return add
+
+
+def allreduce(arrays, fmt, aps=True, accumulate="fp32", kahan=False, rounding="nearest", seed=None):
+    """The average that N workers (one per array) get from an allreduce carrying `fmt`.
+
+    Each worker rounds its gradient, scaled by the APS shift agreed over all workers (aps=True)
+    or unscaled (aps=False, the naive cast), onto fmt's grid. The terms are summed in rank order
+    in float32 (accumulate="fp32", what hvd_aps's wire paths do) or with a rounding to fmt after
+    every addition (accumulate="format", the paper's low-precision ring), optionally with Kahan
+    compensation; then unscaled and divided by N. Exact for man_bits <= 10: a float32 sum of two
+    such grid values rounds at most once before the format's rounding. A NaN or Inf on any worker
+    makes the tensor go unscaled and unrounded, so it stays visible in the result.
+    """
+    fmt = FloatFormat.parse(fmt)
+    arrays = _validated(arrays)
+    add = _summer(accumulate, fmt, kahan)
+    n = len(arrays)
+    amax = max(codec.amax(a) for a in arrays)
+    if not np.isfinite(amax):
+        return (np.sum(arrays, axis=0, dtype=np.float32) / np.float32(n)).astype(np.float32)
+    shift = scaling.shift_for(amax, n, fmt) if aps else 0
+    base_seed = codec._check_seed(rounding, seed)
+    acc = comp = np.zeros_like(arrays[0])
+    for rank, a in enumerate(arrays):
+        term = codec.decode(codec.encode(a, fmt, rounding, base_seed + rank, shift=shift), fmt)
+        acc, comp = add(acc, comp, term)
+    return (np.ldexp(acc, -shift, dtype=np.float32) / np.float32(n)).astype(np.float32)
+
+
+def relative_error(result, arrays):
+    """||result - exact mean|| / ||exact mean||, the exact mean taken in float64."""
+    exact = np.mean(np.asarray(arrays, dtype=np.float64), axis=0)
+    return float(np.linalg.norm(result - exact) / np.linalg.norm(exact))
+
+
+def probe(fmt, ranks=8, size=100_000, sigma=1e-4, seed=0):
+    """Rows of (fmt, aps, accumulate, relative error) for Gaussian(0, sigma) float32 gradients."""
+    rng = np.random.default_rng(seed)
+    arrays = [rng.normal(0.0, sigma, size).astype(np.float32) for _ in range(ranks)]
+    rows = []
+    for aps in (True, False):
+        for accumulate in _ACCUMULATE:
+            result = allreduce(arrays, fmt, aps=aps, accumulate=accumulate)
+            rows.append((str(FloatFormat.parse(fmt)), aps, accumulate, relative_error(result, arrays)))
+    return rows

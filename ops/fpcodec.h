@@ -1,0 +1,163 @@
+/*
+ * Per-element conversion between float32 and a custom float format, written once for the host
+ * compiler (the CPU engine, loaded through ctypes) and for NVRTC/nvcc (the CuPy kernels).
+ *
+ * Every function works on integers only: no float arithmetic touches the value being rounded,
+ * so the result cannot depend on FTZ/DAZ modes, fused multiply-adds or the compiler, and the
+ * two engines agree bit for bit. The APS power-of-two scale is folded into the exponent
+ * (x * 2^shift is never formed), so scaling adds no rounding either.
+ */
+#ifndef HVD_APS_FPCODEC_H_
+#define HVD_APS_FPCODEC_H_
+
+#ifdef __CUDACC__
+#define HVD_HD __host__ __device__ __forceinline__
+typedef unsigned int hvd_u32;
+typedef int hvd_i32;
+typedef unsigned long long hvd_u64;
+#else
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#define HVD_HD static inline
+typedef uint32_t hvd_u32;
+typedef int32_t hvd_i32;
+typedef uint64_t hvd_u64;
+#endif
+
+/* Special-value policies (FloatFormat.variant in Python). */
+#define HVD_IEEE 0   /* top exponent holds Inf and NaN, like IEEE 754 and float8_e5m2 */
+#define HVD_FN_NAN 1 /* no Inf; the all-ones magnitude is NaN (OCP FP8 E4M3, float8_e4m3fn) */
+#define HVD_FINITE 2 /* every code is a number (OCP FP6/FP4, float4_e2m1fn) */
+
+typedef struct {
+  hvd_i32 exp_bits;
+  hvd_i32 man_bits;
+  hvd_i32 policy;
+  hvd_i32 saturate; /* finite overflow clamps to +-max instead of Inf/NaN */
+} hvd_fmt_t;
+
+HVD_HD hvd_u32 hvd_f32_bits(float x) {
+#ifdef __CUDACC__
+  return __float_as_uint(x);
+#else
+  hvd_u32 u;
+  memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+HVD_HD float hvd_bits_f32(hvd_u32 u) {
+#ifdef __CUDACC__
+  return __uint_as_float(u);
+#else
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+HVD_HD hvd_u32 hvd_all_ones(hvd_fmt_t f) { return (1u << (f.exp_bits + f.man_bits)) - 1u; }
+
+HVD_HD hvd_u32 hvd_inf_code(hvd_fmt_t f) { return ((1u << f.exp_bits) - 1u) << f.man_bits; }
+
+/* Largest finite magnitude code. */
+HVD_HD hvd_u32 hvd_max_code(hvd_fmt_t f) {
+  return f.policy == HVD_IEEE ? hvd_inf_code(f) - 1u
+         : f.policy == HVD_FN_NAN ? hvd_all_ones(f) - 1u : hvd_all_ones(f);
+}
+
+/*
+ * Counter-based randomness for stochastic rounding: splitmix64 of (mixed seed, element index).
+ * Any engine that knows the seed and an element's flat index draws the same 32 bits for it,
+ * whatever the chunking or thread layout.
+ */
+HVD_HD hvd_u64 hvd_mix64(hvd_u64 z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+HVD_HD hvd_u32 hvd_random32(hvd_u64 seed, hvd_u64 index) {
+  return (hvd_u32)(hvd_mix64(hvd_mix64(seed) + (index + 1ull) * 0x9E3779B97F4A7C15ull) >> 32);
+}
+
+/* Everything hvd_encode_one needs that does not depend on the element: computed once per call,
+ * so the per-element code is branch-free selects that compilers vectorise. */
+typedef struct {
+  hvd_i32 exp_bits, man_bits;
+  hvd_u32 max_code;     /* largest finite magnitude */
+  hvd_u32 overflow_mag; /* finite overflow: Inf (ieee), NaN (fn) or max (saturate, finite-only) */
+  hvd_u32 inf_mag;      /* Inf input: Inf, NaN or max, as ml_dtypes has it */
+  hvd_u32 nan_mag;      /* NaN input; formats without NaN give a zero ... */
+  hvd_u32 nan_flip;     /* ... of the opposite sign, as ml_dtypes does */
+} hvd_encoder_t;
+
+HVD_HD hvd_encoder_t hvd_encoder(hvd_fmt_t f) {
+  const hvd_u32 quiet = f.man_bits ? 1u << (f.man_bits - 1) : 0u;
+  hvd_encoder_t p;
+  p.exp_bits = f.exp_bits;
+  p.man_bits = f.man_bits;
+  p.max_code = hvd_max_code(f);
+  p.inf_mag = f.policy == HVD_IEEE ? hvd_inf_code(f) : f.policy == HVD_FN_NAN ? hvd_all_ones(f) : p.max_code;
+  p.overflow_mag = (f.saturate || f.policy == HVD_FINITE) ? p.max_code : p.inf_mag;
+  p.nan_mag = f.policy == HVD_IEEE ? hvd_inf_code(f) | quiet : f.policy == HVD_FN_NAN ? hvd_all_ones(f) : 0u;
+  p.nan_flip = f.policy == HVD_FINITE;
+  return p;
+}
+
+/*
+ * Code of x * 2^shift. `stochastic` rounds up with probability equal to the discarded fraction,
+ * resolved to 2^-32, using `rnd`; otherwise round to nearest, ties to the even code.
+ */
+HVD_HD hvd_u32 hvd_encode_one(float x, hvd_encoder_t p, hvd_i32 shift, int stochastic, hvd_u32 rnd) {
+  const hvd_i32 E = p.exp_bits, M = p.man_bits;
+  const hvd_u32 u = hvd_f32_bits(x);
+  const hvd_u32 sign = u >> 31, a = u & 0x7FFFFFFFu;
+  /* float32 subnormals are normalised through an exact int->float conversion */
+  const hvd_u32 b = hvd_f32_bits((float)(hvd_i32)(a & 0x7FFFFFu));
+  const int sub = a < 0x800000u;
+  const hvd_i32 e32 = sub ? (hvd_i32)(b >> 23) - 149 : (hvd_i32)(a >> 23);
+  const hvd_u32 sig = ((sub ? b : a) & 0x7FFFFFu) | 0x800000u;
+  /* t = biased target exponent - 1; t < 0 means the value lands in the target's subnormals */
+  const hvd_i32 t = e32 - 129 + shift + (1 << (E - 1));
+  const hvd_i32 tmax = 1 << E;
+  const hvd_u32 base = t > 0 ? (hvd_u32)(t < tmax ? t : tmax) << M : 0u;
+  const hvd_i32 drop = 23 - M - (t < 0 ? t : 0);
+  hvd_u32 q, up;
+  if (stochastic) { /* 64-bit: the threshold keeps 32 random bits below the kept ones */
+    const hvd_i32 d = drop < 56 ? drop : 56;
+    const hvd_u64 rem = (hvd_u64)sig & ((1ull << d) - 1ull);
+    q = (hvd_u32)((hvd_u64)sig >> d);
+    up = (hvd_u64)rnd < (d <= 32 ? rem << (32 - d) : rem >> (d - 32));
+  } else { /* 32-bit: past 25 dropped bits a 24-bit significand rounds to 0 either way */
+    const hvd_i32 d = drop < 25 ? drop : 25;
+    /* ties go to the even *code*: with man_bits=0, base + q's last bit is the exponent's */
+    q = (sig + (1u << (d - 1)) - 1u + ((base + (sig >> d)) & 1u)) >> d;
+    up = 0u;
+  }
+  hvd_u32 mag = base + q + up;
+  mag = mag > p.max_code ? p.overflow_mag : mag;
+  mag = a == 0u ? 0u : mag;
+  const int nan = a > 0x7F800000u;
+  mag = a == 0x7F800000u ? p.inf_mag : nan ? p.nan_mag : mag;
+  return ((sign ^ (nan & p.nan_flip)) << (E + M)) | mag;
+}
+
+/* float32 value of code * 2^-shift (one rounding, only where the result leaves float32's range). */
+HVD_HD float hvd_decode_one(hvd_u32 code, hvd_fmt_t f, hvd_i32 shift) {
+  const hvd_i32 E = f.exp_bits, M = f.man_bits;
+  const hvd_u32 sign = (code >> (E + M)) & 1u, mag = code & hvd_all_ones(f);
+  const hvd_u32 ef = mag >> M, man = mag & ((1u << M) - 1u);
+  const hvd_u32 sbit = sign << 31;
+  if (f.policy == HVD_IEEE && ef == (1u << E) - 1u)
+    return hvd_bits_f32(sbit | (man ? 0x7FC00000u : 0x7F800000u));
+  if (f.policy == HVD_FN_NAN && mag == hvd_all_ones(f)) return hvd_bits_f32(sbit | 0x7FC00000u);
+  const hvd_i32 bias = (1 << (E - 1)) - 1;
+  const hvd_i32 significand = (hvd_i32)(ef ? (man | (1u << M)) : man);
+  const hvd_i32 k = (hvd_i32)(ef ? ef : 1u) - bias - M - shift;
+  const float v = ldexpf((float)significand, k);
+  return sign ? -v : v;
+}
+
+#endif /* HVD_APS_FPCODEC_H_ */

@@ -1,0 +1,55 @@
+/*
+ * CPU engine: plain loops over the shared per-element functions of fpcodec.h. Loaded with
+ * ctypes; Python splits large arrays into chunks and calls these from a thread pool (ctypes
+ * drops the GIL), so this file stays free of threading code. `offset` is the chunk's first flat
+ * index, which keeps stochastic rounding independent of the chunking.
+ */
+#include "fpcodec.h"
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+/* One build runs everywhere; machines with AVX2 get the vectorised clone of the encode loops. */
+#define HVD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define HVD_CLONES
+#endif
+
+#define ENCODE_LOOP(T, STOCHASTIC)                                                           \
+  for (int64_t i = 0; i < n; ++i) {                                                          \
+    const hvd_u32 r = STOCHASTIC ? hvd_random32(seed, (hvd_u64)(offset + i)) : 0u;           \
+    ((T *)out)[i] = (T)hvd_encode_one(x[i], enc, shift, STOCHASTIC, r);                        \
+  }
+
+HVD_CLONES void hvd_encode(const float *x, void *out, int64_t n, int64_t offset, hvd_fmt_t f,
+                           int32_t shift, int32_t stochastic, uint64_t seed) {
+  const int wide = f.exp_bits + f.man_bits >= 8;
+  const hvd_encoder_t enc = hvd_encoder(f);
+  if (stochastic) {
+    if (wide) ENCODE_LOOP(uint16_t, 1) else ENCODE_LOOP(uint8_t, 1)
+  } else {
+    if (wide) ENCODE_LOOP(uint16_t, 0) else ENCODE_LOOP(uint8_t, 0)
+  }
+}
+
+/* Table of every code's value; decoding is then a gather, whatever the format. */
+void hvd_decode_table(float *table, hvd_fmt_t f, int32_t shift) {
+  const hvd_u32 count = 1u << (1 + f.exp_bits + f.man_bits);
+  for (hvd_u32 c = 0; c < count; ++c) table[c] = hvd_decode_one(c, f, shift);
+}
+
+HVD_CLONES void hvd_gather_u8(const uint8_t *codes, float *out, int64_t n, const float *table) {
+  for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]];
+}
+
+HVD_CLONES void hvd_gather_u16(const uint16_t *codes, float *out, int64_t n, const float *table) {
+  for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]];
+}
+
+/* max |x|, or +Inf when x holds a NaN or Inf: APS must see every non-finite value. */
+HVD_CLONES float hvd_amax(const float *x, int64_t n) {
+  hvd_u32 m = 0u;
+  for (int64_t i = 0; i < n; ++i) {
+    const hvd_u32 a = hvd_f32_bits(x[i]) & 0x7FFFFFFFu;
+    m = a > m ? a : m;
+  }
+  return m >= 0x7F800000u ? INFINITY : hvd_bits_f32(m);
+}

@@ -1,0 +1,156 @@
+"""Build Horovod 0.28.1 against today's torch / TensorFlow and install it from a wheel cache.
+
+Horovod's last release predates torch 2.x and TF 2.21. Three things break its build; each patch
+below names the one it fixes and fails loudly if the text it replaces has moved, so a different
+sdist can never be "patched" silently into something untested.
+"""
+import argparse
+import importlib.metadata as md
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+
+HOROVOD_VERSION = "0.28.1"
+
+# (file, old text, new text, why)
+PATCHES = [
+    ("CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
+     "torch 2.x and TF 2.21 headers need C++17"),
+    ("horovod/torch/CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
+     "torch 2.x headers need C++17"),
+    # Building the one gloo that torch links as C++17 removes the duplicate-symbol clash
+    # (gloo::rendezvous::Store::kDefaultTimeout) between C++11 gloo and C++17 horovod code,
+    # and works for a torch-only build too (the compatible17_gloo copy exists only with TF).
+    ("third_party/gloo/CMakeLists.txt", "-std=c++11 -fPIC", "-std=c++17 -fPIC",
+     "gloo must match the C++17 ABI of the code that links it"),
+    ("horovod/tensorflow/CMakeLists.txt",
+     'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")', "",
+     "XLA headers in the TF 2.21 wheel need highwayhash, which it lacks; XLA ops are optional"),
+]
+
+
+def log(msg):
+    print(f"[build_horovod] {msg}", flush=True)
+
+
+def die(msg):
+    log(f"ERROR: {msg}")
+    sys.exit(1)
+
+
+def version_of(dist):
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def frameworks():
+    torch = version_of("torch")
+    tf = version_of("tensorflow") or version_of("tensorflow-cpu")
+    if not torch and not tf:
+        die("neither torch nor tensorflow is installed in this environment")
+    return torch, tf
+
+
+def cache_dir(torch, tf):
+    root = pathlib.Path(os.environ.get("HVD_APS_CACHE", pathlib.Path.home() / ".cache" / "hvd_aps"))
+    py = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    cuda = "cuda" if shutil.which("nvidia-smi") else "cpu"
+    key = f"horovod-{HOROVOD_VERSION}_torch-{torch or 'none'}_tf-{tf or 'none'}_{py}_{cuda}"
+    return root / "wheels" / key.replace("+", "-")
+
+
+def download_sdist(workdir):
+    log(f"downloading the horovod {HOROVOD_VERSION} sdist")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(workdir), f"horovod=={HOROVOD_VERSION}"], check=True)
+    sdist = next(workdir.glob("horovod-*.tar.gz"), None)
+    if sdist is None:
+        die("pip download produced no horovod sdist")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(workdir, filter="data")
+    return workdir / f"horovod-{HOROVOD_VERSION}"
+
+
+def apply_patches(src):
+    for rel, old, new, why in PATCHES:
+        path = src / rel
+        text = path.read_text()
+        if old not in text:
+            die(f"patch target not found in {rel}: {old!r} (needed because {why})")
+        path.write_text(text.replace(old, new))
+        log(f"patched {rel}: {why}")
+
+
+def build_env(torch, tf):
+    env = dict(os.environ)
+    env.update(HOROVOD_WITH_GLOO="1", HOROVOD_WITHOUT_MXNET="1", MAKEFLAGS=env.get("MAKEFLAGS", "-j3"),
+               CMAKE_POLICY_VERSION_MINIMUM="3.5")  # gloo asks for cmake 2.8; cmake 4 refuses that
+    env["HOROVOD_WITH_PYTORCH" if torch else "HOROVOD_WITHOUT_PYTORCH"] = "1"
+    env["HOROVOD_WITH_TENSORFLOW" if tf else "HOROVOD_WITHOUT_TENSORFLOW"] = "1"
+    env["HOROVOD_WITH_MPI" if shutil.which("mpicxx") else "HOROVOD_WITHOUT_MPI"] = "1"
+    if shutil.which("nvidia-smi") and shutil.which("nvcc"):
+        env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+        nccl_home = nccl_from_wheel()
+        if nccl_home:
+            env.setdefault("HOROVOD_NCCL_HOME", nccl_home)
+    return env
+
+
+def nccl_from_wheel():
+    """The CUDA torch wheel brings NCCL as the nvidia-nccl package; Horovod can build against it."""
+    for base in sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]:
+        home = pathlib.Path(base) / "nvidia" / "nccl"
+        if (home / "include" / "nccl.h").exists():
+            lib = home / "lib"
+            so = next(lib.glob("libnccl.so*"), None)
+            if so and not (lib / "libnccl.so").exists():
+                (lib / "libnccl.so").symlink_to(so.name)
+            return str(home)
+    return None
+
+
+def build_wheel(dest, torch, tf):
+    with tempfile.TemporaryDirectory(prefix="hvd_aps_horovod_") as tmp:
+        src = download_sdist(pathlib.Path(tmp))
+        apply_patches(src)
+        log("building the horovod wheel (about 12 minutes on 2 cores)")
+        staging = pathlib.Path(tmp) / "wheel"
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                        "-w", str(staging), str(src)], check=True, env=build_env(torch, tf))
+        dest.mkdir(parents=True, exist_ok=True)
+        for whl in staging.glob("horovod-*.whl"):
+            shutil.copy2(whl, dest / whl.name)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rebuild", action="store_true", help="ignore a cached wheel")
+    args = parser.parse_args()
+    torch, tf = frameworks()
+    cache = cache_dir(torch, tf)
+    stamp = pathlib.Path(sys.prefix) / "hvd_aps-horovod-build"  # which cached build is installed
+    if not args.rebuild and stamp.exists() and stamp.read_text() == cache.name and version_of("horovod"):
+        log(f"horovod {HOROVOD_VERSION} from {cache.name} is already installed")
+        return
+    wheel = next(cache.glob("horovod-*.whl"), None) if cache.exists() else None
+    if wheel is None or args.rebuild:
+        build_wheel(cache, torch, tf)
+        wheel = next(cache.glob("horovod-*.whl"), None)
+        if wheel is None:
+            die("the build finished but left no wheel")
+    else:
+        log(f"using cached wheel {wheel}")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall",
+                    str(wheel)], check=True)
+    stamp.write_text(cache.name)
+
+
+if __name__ == "__main__":
+    main()

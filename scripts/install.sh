@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The project's one installer: README set-up, .ci/run and both Dockerfiles call it.
+#
+#   scripts/install.sh [--torch-only]
+#
+# Creates (or reuses) .venv in the repository root, installs torch 2.13.0 and TensorFlow 2.21
+# (CPU builds, or the CUDA builds and CuPy where nvidia-smi finds a GPU), builds Horovod 0.28.1
+# against them with Gloo (+NCCL on GPU hosts, +MPI where mpicxx is found; the wheel is cached, see
+# scripts/build_horovod.py), installs hvd_aps itself in editable mode (compiling ops/host.c) and
+# checks the result with `horovodrun --check-build`. Any failure stops it with the reason.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_ONLY=0
+for arg in "$@"; do
+  case "$arg" in
+    --torch-only) TORCH_ONLY=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --torch-only)" >&2; exit 2 ;;
+  esac
+done
+
+say() { echo "[install] $*"; }
+fail() { echo "[install] ERROR: $*" >&2; exit 1; }
+
+PYTHON=${PYTHON:-python3}
+command -v "$PYTHON" >/dev/null || fail "$PYTHON not found"
+command -v cmake >/dev/null || say "no cmake on PATH: it comes from PyPI below"
+command -v g++ >/dev/null || fail "g++ is needed to build Horovod and the CPU codec"
+
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
+  "$PYTHON" -m venv .venv || fail "python venv failed (Debian: apt-get install python3-venv)"
+fi
+PIP=".venv/bin/python -m pip"
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+  say "GPU host: CUDA builds of torch and TensorFlow, CuPy"
+  FRAMEWORKS="torch==2.13.0 cupy-cuda13x"
+  [ "$TORCH_ONLY" = 1 ] || FRAMEWORKS="$FRAMEWORKS tensorflow==2.21.0"
+else
+  say "CPU host: CPU builds of torch and TensorFlow"
+  FRAMEWORKS="torch==2.13.0"
+  [ "$TORCH_ONLY" = 1 ] || FRAMEWORKS="$FRAMEWORKS tensorflow-cpu==2.21.0"
+fi
+command -v cmake >/dev/null || FRAMEWORKS="$FRAMEWORKS cmake<4"
+
+say "installing $FRAMEWORKS and the test/example dependencies"
+# Horovod's own build needs cloudpickle, psutil, pyyaml and packaging (no build isolation).
+$PIP install -q $FRAMEWORKS numpy ml_dtypes pytest hypothesis scikit-learn matplotlib \
+  cloudpickle psutil pyyaml packaging setuptools wheel || fail "pip install of the dependencies failed"
+
+say "building Horovod"
+.venv/bin/python scripts/build_horovod.py || fail "the Horovod build failed (see above)"
+
+say "installing hvd_aps (editable; compiles ops/host.c)"
+$PIP install -q --no-build-isolation --no-deps -e . || fail "pip install -e . failed"
+
+say "checking the Horovod build"
+CHECK=$(.venv/bin/horovodrun --check-build 2>/dev/null) || fail "horovodrun --check-build failed"
+WANT="PyTorch Gloo"
+[ "$TORCH_ONLY" = 1 ] || WANT="TensorFlow $WANT"
+for item in $WANT; do
+  echo "$CHECK" | grep -q "\[X\] $item" || { echo "$CHECK"; fail "Horovod was built without $item"; }
+done
+.venv/bin/python -c "import hvd_aps; from hvd_aps import codec; print('[install] hvd_aps', hvd_aps.__version__, 'codec engine:', codec.engine_name())"
+say "done: Horovod with $WANT"

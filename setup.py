@@ -1,0 +1,25 @@
+"""hvd_aps: Horovod gradient compression into tiny custom float formats with Auto-Precision Scaling."""
+from setuptools import Extension, setup
+
+setup(
+    name="hvd_aps",
+    version="0.1.0",
+    description=__doc__,
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    # ops/ (the kernel sources) ships inside the wheel as hvd_aps/ops.
+    packages=["hvd_aps", "hvd_aps.ops"],
+    package_dir={"hvd_aps.ops": "ops"},
+    python_requires=">=3.9",
+    install_requires=["numpy>=1.24"],
+    extras_require={
+        "torch": ["torch>=2.1"],
+        "tensorflow": ["tensorflow>=2.16"],
+        "cupy": ["cupy-cuda13x>=14"],
+        "test": ["pytest", "hypothesis", "ml_dtypes>=0.5"],
+    },
+    # The CPU engine: ops/host.c as a plain shared library, loaded through ctypes.
+    ext_modules=[Extension("hvd_aps._hostcodec", sources=["ops/host.c"], depends=["ops/fpcodec.h"],
+                           extra_compile_args=["-O3", "-std=c11", "-fno-trapping-math"], py_limited_api=True)],
+    package_data={"hvd_aps.ops": ["*.h", "*.c", "*.cu"]},
+)

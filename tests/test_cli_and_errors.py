@@ -1,0 +1,57 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import hvd_aps
+
+
+def run_cli(*args):
+    out = subprocess.run([sys.executable, "-m", "hvd_aps", *args], capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def test_formats_table():
+    out = run_cli("formats")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip()}
+    assert rows["e4m3"][1:4] == ["8", "ieee", "240"] and rows["e4m3"][-1] == "float8_e4m3"
+    assert rows["e4m3fn"][3] == "448" and rows["e3m0"][-1] == "-"
+    assert rows["fp16"][3] == "65504"
+
+
+def test_probe_table():
+    out = run_cli("probe", "--format", "e4m3", "--ranks", "4", "--size", "5000")
+    rows = [line.split() for line in out.splitlines() if line.startswith("e4m3")]
+    assert [(r[1], r[2]) for r in rows] == [("on", "fp32"), ("on", "format"), ("off", "fp32"), ("off", "format")]
+    assert float(rows[0][3]) < 0.03 and float(rows[2][3]) == 1.0
+
+
+def test_cli_rejects_bad_format():
+    out = subprocess.run([sys.executable, "-m", "hvd_aps", "probe", "--format", "e9m9"], capture_output=True, text=True)
+    assert out.returncode != 0 and "exp_bits must be in 1..8" in out.stderr
+
+
+def test_codec_bad_input():
+    with pytest.raises(TypeError, match="numeric array"):
+        hvd_aps.encode(np.array(["a", "b"]), "e4m3")
+    with pytest.raises(ValueError, match="rounding"):
+        hvd_aps.encode(np.zeros(3), "e4m3", rounding="up")
+    with pytest.raises(TypeError, match="seed"):
+        hvd_aps.encode(np.zeros(3), "e4m3", rounding="stochastic", seed="x")
+    with pytest.raises(ValueError, match="shift"):
+        hvd_aps.encode(np.zeros(3), "e4m3", shift=1.5)
+    with pytest.raises(ValueError, match="cannot have produced"):
+        hvd_aps.decode(np.array([16], np.uint8), "e2m1fn")
+    with pytest.raises(TypeError, match="unsigned integer"):
+        hvd_aps.decode(np.zeros(3, np.float32), "e4m3")
+    with pytest.raises(ValueError, match="need 2 bytes"):
+        hvd_aps.unpack(np.zeros(1, np.uint8), "e2m1fn", 3)
+    with pytest.raises(ValueError, match="unknown format"):
+        hvd_aps.encode(np.zeros(3), "float8")
+
+
+def test_import_pulls_in_no_framework():
+    code = "import sys, hvd_aps; print(any(m in sys.modules for m in ('torch', 'tensorflow')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,106 @@
+"""The codec against things nobody here wrote: ml_dtypes' and NumPy's casts, code by code."""
+import numpy as np
+import pytest
+
+import hvd_aps
+from conftest import same_bits, twin_dtype
+
+TWINNED = [f for f in hvd_aps.PRESETS.values() if f.ml_dtypes_name]
+
+
+def oracle_codes(x, fmt):
+    with np.errstate(all="ignore"):
+        y = np.asarray(x, np.float32).astype(twin_dtype(fmt))
+    return y.view(np.uint8 if fmt.bits <= 8 else np.uint16).astype(np.int64)
+
+
+def check_encode(x, fmt):
+    x = np.asarray(x, np.float32)
+    got = hvd_aps.encode(x, fmt).astype(np.int64)
+    want = oracle_codes(x, fmt)
+    if fmt.ml_dtypes_name == "float16":  # NumPy keeps NaN payload bits; the codec canonicalises
+        nan = np.isnan(x)
+        assert same_bits(hvd_aps.decode(got[nan], fmt), x[nan].astype(np.float16)).all()
+        x, got, want = x[~nan], got[~nan], want[~nan]
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, f"{bad.size} mismatches, e.g. x={x[bad[:5]]} got={got[bad[:5]]} want={want[bad[:5]]}"
+
+
+def grid(fmt):
+    """Every finite value of fmt, from its twin type."""
+    codes = np.arange(1 << fmt.bits, dtype=np.uint8 if fmt.bits <= 8 else np.uint16)
+    values = codes.view(twin_dtype(fmt)).astype(np.float32)
+    return np.unique(values[np.isfinite(values)])
+
+
+@pytest.mark.parametrize("fmt", TWINNED, ids=str)
+def test_decode_every_code(fmt, engine):
+    codes = np.arange(1 << fmt.bits, dtype=fmt.code_dtype)
+    want = codes.view(np.uint8 if fmt.bits <= 8 else np.uint16).view(twin_dtype(fmt)).astype(np.float32)
+    assert same_bits(hvd_aps.decode(codes, fmt), want).all()
+
+
+@pytest.mark.parametrize("fmt", TWINNED, ids=str)
+def test_encode_every_float16(fmt, engine):
+    check_encode(np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32), fmt)
+
+
+@pytest.mark.parametrize("fmt", TWINNED, ids=str)
+def test_encode_straddles_values_and_midpoints(fmt, engine):
+    g = grid(fmt).astype(np.float64)
+    mids = (g[:-1] + g[1:]) / 2  # exact: a grid value has at most 8 significant bits
+    beyond = np.array([fmt.max + (fmt.max - g[-2]) / 2])  # the overflow tie
+    points = np.concatenate([g, mids, beyond, -g, -mids, -beyond]).astype(np.float32)
+    assert (points.astype(np.float64) == np.concatenate([g, mids, beyond, -g, -mids, -beyond])).all()
+    near = [points, np.nextafter(points, np.float32(np.inf)), np.nextafter(points, np.float32(-np.inf))]
+    check_encode(np.concatenate(near), fmt)
+
+
+@pytest.mark.parametrize("fmt", TWINNED, ids=str)
+def test_encode_specials_and_float32_subnormals(fmt, engine):
+    rng = np.random.default_rng(1)
+    subnormals = rng.integers(1, 1 << 23, 20000, dtype=np.uint32).view(np.float32)
+    big = min(fmt.max * 1.01, 3.4028235e38)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1.4e-45, -1.4e-45, 1.1754942e-38,
+                         3.4028235e38, -3.4028235e38, big, -big], np.float32)
+    check_encode(np.concatenate([specials, subnormals, -subnormals]), fmt)
+
+
+@pytest.mark.parametrize("fmt", TWINNED, ids=str)
+def test_encode_random_wide_range(fmt, engine):
+    rng = np.random.default_rng(2)
+    n = 1_000_000
+    with np.errstate(over="ignore"):
+        x = (rng.standard_normal(n) * np.exp2(rng.uniform(-150, 129, n))).astype(np.float32)
+    check_encode(x, fmt)
+
+
+@pytest.mark.parametrize("fmt", TWINNED, ids=str)
+def test_saturate_clamps_finite_overflow_only(fmt, engine):
+    big = min(fmt.max * 3, float(np.finfo(np.float32).max))
+    x = np.array([big, -big, np.inf, np.nan], np.float32)
+    y = hvd_aps.quantize(x, fmt, saturate=True)
+    assert y[0] == fmt.max and y[1] == -fmt.max
+    if fmt.has_inf:
+        assert y[2] == np.inf
+    elif fmt.has_nan:
+        assert np.isnan(y[2])
+    else:
+        assert y[2] == fmt.max
+
+
+def test_wider_inputs_are_converted(engine):
+    x = np.array([0.3, -1.7, 1e-3], np.float64)
+    want = hvd_aps.encode(x.astype(np.float32), "e4m3")
+    assert (hvd_aps.encode(x, "e4m3") == want).all()
+    assert (hvd_aps.encode(x.astype(np.float16), "e4m3") == hvd_aps.encode(x.astype(np.float16).astype(np.float32), "e4m3")).all()
+    import ml_dtypes
+    assert (hvd_aps.encode(x.astype(ml_dtypes.bfloat16), "e5m2") ==
+            hvd_aps.encode(x.astype(ml_dtypes.bfloat16).astype(np.float32), "e5m2")).all()
+
+
+def test_shapes_are_kept(engine):
+    x = np.linspace(-3, 3, 24, dtype=np.float32).reshape(2, 3, 4)
+    assert hvd_aps.encode(x, "e4m3").shape == (2, 3, 4)
+    assert hvd_aps.quantize(x, "e4m3").shape == (2, 3, 4)
+    assert hvd_aps.encode(x[:, ::2], "e4m3").shape == (2, 2, 4)

@@ -1,0 +1,93 @@
+import ml_dtypes
+import numpy as np
+import pytest
+
+import hvd_aps
+from hvd_aps import emulate, scaling
+
+
+def gaussian_ranks(n=8, size=100_000, sigma=1e-4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(0, sigma, size).astype(np.float32) for _ in range(n)]
+
+
+def test_shift_examples():
+    # 8 ranks, max |g| = 1e-4: 8e-4 * 2**s <= 240 < 2 * 8e-4 * 2**s  ->  s = 18
+    assert scaling.shift_for(1e-4, 8, hvd_aps.e4m3) == 18
+    assert scaling.shift_for(1e-4, 8, hvd_aps.e4m3fn) == 19  # 448 has one more binade than 240
+    assert scaling.shift_for(0.0, 8, hvd_aps.e4m3) == 0
+    assert scaling.shift_for(np.inf, 8, hvd_aps.e4m3) == 0
+    assert scaling.shifts_for([1e-4, 0.0, 1e3], 8, "e5m2").tolist() == [26, 0, 2]
+    with pytest.raises(ValueError, match="world_size"):
+        scaling.shift_for(1.0, 0, hvd_aps.e4m3)
+    with pytest.raises(ValueError, match=">= 0"):
+        scaling.shift_for(-1.0, 2, hvd_aps.e4m3)
+
+
+def test_emulated_allreduce_equals_an_ml_dtypes_reference():
+    arrays = gaussian_ranks(4, 10_000)
+    s = scaling.shift_for(max(float(np.abs(a).max()) for a in arrays), 4, hvd_aps.e4m3)
+    terms = [np.ldexp(a, s).astype(ml_dtypes.float8_e4m3).astype(np.float32) for a in arrays]
+    acc = np.zeros_like(arrays[0])
+    for t in terms:
+        acc = acc + t
+    want = np.ldexp(acc, -s).astype(np.float32) / np.float32(4)
+    got = emulate.allreduce(arrays, "e4m3")
+    assert got.dtype == np.float32 and (got == want).all()
+
+
+def test_in_format_accumulation_rounds_every_partial_sum():
+    arrays = gaussian_ranks(4, 10_000)
+    s = scaling.shift_for(max(hvd_aps.amax(a) for a in arrays), 4, hvd_aps.e5m2)
+    terms = [np.ldexp(a, s).astype(ml_dtypes.float8_e5m2).astype(np.float32) for a in arrays]
+    acc = terms[0]
+    for t in terms[1:]:
+        acc = (acc + t).astype(ml_dtypes.float8_e5m2).astype(np.float32)
+    want = np.ldexp(acc, -s).astype(np.float32) / np.float32(4)
+    assert (emulate.allreduce(arrays, "e5m2", accumulate="format") == want).all()
+
+
+def test_aps_rescues_small_gradients_and_the_naive_cast_loses_them():
+    arrays = gaussian_ranks()
+    with_aps = emulate.relative_error(emulate.allreduce(arrays, "e4m3"), arrays)
+    naive = emulate.relative_error(emulate.allreduce(arrays, "e4m3", aps=False), arrays)
+    assert with_aps < 0.03
+    assert naive == 1.0  # every value is below e4m3's smallest subnormal: all flushed to zero
+    in_format = emulate.relative_error(emulate.allreduce(arrays, "e4m3", accumulate="format"), arrays)
+    kahan = emulate.relative_error(emulate.allreduce(arrays, "e4m3", accumulate="format", kahan=True), arrays)
+    assert with_aps <= in_format and kahan <= in_format
+
+
+def test_zeros_stay_zeros_and_non_finite_stays_visible():
+    zeros = [np.zeros(100, np.float32)] * 4
+    out = emulate.allreduce(zeros, "e3m0")
+    assert (out == 0).all()
+    arrays = gaussian_ranks(4, 100)
+    for bad in (np.nan, np.inf):
+        poisoned = [a.copy() for a in arrays]
+        poisoned[2][7] = bad
+        for fmt in ("e4m3", "e2m1fn"):  # e2m1fn has neither NaN nor Inf
+            out = emulate.allreduce(poisoned, fmt)
+            assert not np.isfinite(out[7]) and np.isfinite(np.delete(out, 7)).all()
+
+
+def test_stochastic_emulation_is_reproducible():
+    arrays = gaussian_ranks(4, 1000)
+    a = emulate.allreduce(arrays, "e3m0", rounding="stochastic", seed=5)
+    b = emulate.allreduce(arrays, "e3m0", rounding="stochastic", seed=5)
+    assert (a == b).all()
+
+
+def test_emulator_bad_input():
+    with pytest.raises(ValueError, match="at least one"):
+        emulate.allreduce([], "e4m3")
+    with pytest.raises(ValueError, match="one shape"):
+        emulate.allreduce([np.zeros(3), np.zeros(4)], "e4m3")
+    with pytest.raises(ValueError, match="accumulate"):
+        emulate.allreduce([np.zeros(3)], "e4m3", accumulate="fp16")
+
+
+def test_probe_rows():
+    rows = emulate.probe("e4m3", ranks=8, size=20_000)
+    assert [(r[1], r[2]) for r in rows] == [(True, "fp32"), (True, "format"), (False, "fp32"), (False, "format")]
+    assert rows[0][3] < 0.03 and rows[2][3] == 1.0
