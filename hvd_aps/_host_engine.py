@@ -37,7 +37,7 @@ def _load():
     lib.hvd_encode.restype = None
     lib.hvd_decode_table.argtypes = [ptr, _Fmt, i32]
     lib.hvd_decode_table.restype = None
-    for name in ("hvd_gather_u8", "hvd_gather_u16"):
+    for name in ("hvd_gather_u8_f32", "hvd_gather_u16_f32", "hvd_gather_u8_f16", "hvd_gather_u16_f16"):
         getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
         getattr(lib, name).restype = None
     lib.hvd_amax.argtypes = [ptr, i64]
@@ -90,13 +90,13 @@ def decode_table(fmt, shift):
     return table
 
 
-def decode(codes, fmt, shift):
+def decode(codes, fmt, shift, dtype):
     codes = np.ascontiguousarray(codes, dtype=fmt.code_dtype)
-    out = np.empty(codes.shape, dtype=np.float32)
-    table = decode_table(fmt, shift)
-    gather = _lib.hvd_gather_u8 if codes.itemsize == 1 else _lib.hvd_gather_u16
-    cp, op, tp, size = codes.ctypes.data, out.ctypes.data, table.ctypes.data, codes.itemsize
-    _run(lambda lo, hi: gather(cp + size * lo, op + 4 * lo, hi - lo, tp), codes.size)
+    out = np.empty(codes.shape, dtype=dtype)
+    table = decode_table(fmt, shift).astype(dtype)
+    gather = getattr(_lib, f"hvd_gather_u{8 * codes.itemsize}_f{8 * out.itemsize}")
+    cp, op, tp, csize, osize = codes.ctypes.data, out.ctypes.data, table.ctypes.data, codes.itemsize, out.itemsize
+    _run(lambda lo, hi: gather(cp + csize * lo, op + osize * lo, hi - lo, tp), codes.size)
     return out
 
 

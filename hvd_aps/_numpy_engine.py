@@ -104,8 +104,8 @@ def decode_table(fmt, shift):
     return values.astype(np.float32)
 
 
-def decode(codes, fmt, shift):
-    return decode_table(fmt, shift)[codes]
+def decode(codes, fmt, shift, dtype):
+    return decode_table(fmt, shift).astype(dtype)[codes]
 
 
 def amax(x):

@@ -75,23 +75,37 @@ def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0):
     return _engine().encode(x, fmt, shift, rounding, seed, saturate).astype(fmt.code_dtype, copy=False)
 
 
-def decode(codes, fmt, shift=0):
-    """float32 values of `codes` (as produced by encode), times 2**-shift."""
+def _check_dtype(dtype, fmt):
+    dtype = np.dtype(dtype)
+    if dtype == np.float16 and fmt.fits_float16:
+        return dtype
+    if dtype != np.float32:
+        raise ValueError(f"values come as float32, or as float16 where the grid fits it; {fmt} in {dtype} is neither")
+    return dtype
+
+
+def decode(codes, fmt, shift=0, dtype=np.float32):
+    """Values of `codes` (as produced by encode) times 2**-shift, as float32 (or float16 where
+    fmt.fits_float16 and the scaled values stay in float16's range)."""
     fmt = FloatFormat.parse(fmt)
     codes = np.asarray(codes)
     if codes.dtype.kind not in "ui":
         raise TypeError(f"codes must be an unsigned integer array, got dtype {codes.dtype}")
     if codes.size and int(codes.max()) >= 1 << fmt.bits:
         raise ValueError(f"codes hold values >= 2**{fmt.bits}, which {fmt} cannot have produced")
-    return _engine().decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift))
+    dtype = _check_dtype(dtype, fmt)
+    return _engine().decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift), dtype)
 
 
-def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0):
-    """x rounded onto fmt's grid (scaled by 2**shift and back), as float32."""
+def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, unscale=True,
+             dtype=np.float32):
+    """x rounded onto fmt's grid after scaling by 2**shift, and scaled back unless unscale=False.
+    dtype float16 (where fmt.fits_float16) gives the grid values in half the bytes, exactly."""
     fmt = FloatFormat.parse(fmt)
     seed = _check_seed(rounding, seed)
-    x, shift, engine = _as_float32(x), _check_shift(shift), _engine()
-    return engine.decode(engine.encode(x, fmt, shift, rounding, seed, saturate), fmt, shift)
+    x, shift, engine, dtype = _as_float32(x), _check_shift(shift), _engine(), _check_dtype(dtype, fmt)
+    codes = engine.encode(x, fmt, shift, rounding, seed, saturate)
+    return engine.decode(codes, fmt, shift if unscale else 0, dtype)
 
 
 def amax(x):

@@ -56,7 +56,7 @@ def allreduce(arrays, fmt, aps=True, accumulate="fp32", kahan=False, rounding="n
     base_seed = codec._check_seed(rounding, seed)
     acc = comp = np.zeros_like(arrays[0])
     for rank, a in enumerate(arrays):
-        term = codec.decode(codec.encode(a, fmt, rounding, base_seed + rank, shift=shift), fmt)
+        term = codec.quantize(a, fmt, rounding, base_seed + rank, shift=shift, unscale=False)
         acc, comp = add(acc, comp, term)
     return (np.ldexp(acc, -shift, dtype=np.float32) / np.float32(n)).astype(np.float32)
 

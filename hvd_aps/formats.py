@@ -71,6 +71,11 @@ class FloatFormat:
         return "uint8" if self.bits <= 8 else "uint16"
 
     @property
+    def fits_float16(self):
+        """Whether float16 holds every value of the format exactly (all 8-bit-and-below formats)."""
+        return self.exp_bits <= 5 and self.man_bits <= 10 and self.max <= 65504.0
+
+    @property
     def bias(self):
         return (1 << (self.exp_bits - 1)) - 1
 

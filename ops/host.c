@@ -36,13 +36,15 @@ void hvd_decode_table(float *table, hvd_fmt_t f, int32_t shift) {
   for (hvd_u32 c = 0; c < count; ++c) table[c] = hvd_decode_one(c, f, shift);
 }
 
-HVD_CLONES void hvd_gather_u8(const uint8_t *codes, float *out, int64_t n, const float *table) {
-  for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]];
-}
-
-HVD_CLONES void hvd_gather_u16(const uint16_t *codes, float *out, int64_t n, const float *table) {
-  for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]];
-}
+/* out[i] = table[codes[i]], for 1- or 2-byte codes and 4-byte (float32) or 2-byte (float16) values */
+#define GATHER(NAME, CODE, VALUE)                                                             \
+  HVD_CLONES void NAME(const CODE *codes, VALUE *out, int64_t n, const VALUE *table) {        \
+    for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]];                                \
+  }
+GATHER(hvd_gather_u8_f32, uint8_t, float)
+GATHER(hvd_gather_u16_f32, uint16_t, float)
+GATHER(hvd_gather_u8_f16, uint8_t, uint16_t)
+GATHER(hvd_gather_u16_f16, uint16_t, uint16_t)
 
 /* max |x|, or +Inf when x holds a NaN or Inf: APS must see every non-finite value. */
 HVD_CLONES float hvd_amax(const float *x, int64_t n) {

@@ -1,0 +1,141 @@
+"""APSCompressor: one Horovod Compressor for horovod.torch and horovod.tensorflow alike.
+
+Horovod sums whatever compress() returns and cannot sum uint8 codes, so on this (stock) path the
+gradient is scaled by the agreed APS shift, rounded onto the format's grid and carried in the
+narrowest standard dtype that holds that grid exactly and that Horovod sums: float16 for every
+format of 8 bits and below (half of fp32's bytes), float32 otherwise (pure emulation). The
+codes-on-the-wire path that sends 1 byte or less per element is `hvd_aps.torch.DistributedOptimizer`.
+
+This class holds the numerics (NumPy, through the codec); the per-framework steps (max |g|, the
+Max-allreduce, moving data between tensor and array) live in thin adapters, chosen per tensor.
+"""
+import dataclasses
+import secrets
+
+import numpy as np
+
+from . import codec, scaling
+from .formats import FloatFormat
+
+_ADAPTERS = {"torch": "hvd_aps.torch", "tensorflow": "hvd_aps.tensorflow"}
+_SCALINGS = ("aps", None)
+
+
+@dataclasses.dataclass
+class TensorStats:
+    """What the last compress() of one tensor did."""
+    shift: int = 0          # APS exponent applied before rounding (0 with scaling=None)
+    elements: int = 0
+    flushed: float = 0.0    # fraction of nonzero inputs that rounded to zero
+    saturated: int = 0      # finite inputs whose scaled magnitude exceeded the format's max
+    bytes_in: int = 0
+    bytes_carried: int = 0  # what Horovod moves for it (per rank, before the allreduce)
+    finite: bool = True     # False: some rank held NaN/Inf, so the tensor went unscaled
+
+
+def _adapter(tensor):
+    """The framework adapter module for a tensor, or None for anything else."""
+    root = type(tensor).__module__.split(".")[0]
+    if root not in _ADAPTERS:
+        return None
+    # __import__, not importlib: TF's autograph traces compress() and warns on importlib's frames
+    return __import__(_ADAPTERS[root], fromlist=["compress"])
+
+
+class APSCompressor:
+    """Horovod Compressor that sends gradients on a custom float format's grid with APS.
+
+    fmt: a FloatFormat or its name ("e4m3", "e5m2", "e3m0", ...).
+    rounding: "nearest" (ties to even) or "stochastic" (seeded per rank and call).
+    scaling: "aps" (default) or None for the naive cast without scaling, for comparison.
+    saturate: clamp finite overflow to +-max instead of Inf/NaN.
+    stats: record a TensorStats per tensor in `self.stats` (costs two passes over the data).
+
+    Every rank must use an equal compressor: compress() checks the format and options across ranks
+    in the same Max-allreduce that agrees on the scale, and raises on a mismatch.
+    """
+
+    def __init__(self, fmt, rounding="nearest", scaling="aps", saturate=False, seed=None, stats=True):
+        self.fmt = FloatFormat.parse(fmt)
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+        if scaling not in _SCALINGS:
+            raise ValueError(f"scaling must be 'aps' or None, got {scaling!r}")
+        self.rounding, self.scaling, self.saturate, self.collect_stats = rounding, scaling, saturate, stats
+        self.carrier = np.dtype(np.float16 if self.fmt.fits_float16 else np.float32)
+        self.seed = secrets.randbits(63) if seed is None else int(seed)
+        self.stats = {}
+        self._calls = 0
+
+    def __repr__(self):
+        return (f"APSCompressor({str(self.fmt)!r}, rounding={self.rounding!r}, scaling={self.scaling!r}, "
+                f"saturate={self.saturate})")
+
+    # Horovod's Compressor interface -----------------------------------------------------------
+    def compress(self, tensor):
+        adapter = _adapter(tensor)
+        if adapter is None or not adapter.is_dense_float(tensor):
+            return tensor, None
+        return adapter.compress(tensor, self)
+
+    def decompress(self, tensor, ctx):
+        if ctx is None:  # passed through, or Horovod's sparse path calling without a context
+            return tensor
+        return _adapter(tensor).decompress(tensor, ctx, self)
+
+    # The numerics, on NumPy arrays; adapters call these -----------------------------------------
+    @property
+    def signature(self):
+        """A small integer naming fmt and options: equal on every rank or compress() raises."""
+        f = self.fmt
+        return (((f.exp_bits * 32 + f.man_bits) * 2 + (f.variant == "fn")) * 2
+                + (self.rounding == "stochastic")) * 4 + (self.scaling == "aps") * 2 + bool(self.saturate)
+
+    def metadata(self, local_amax):
+        """The vector every rank Max-allreduces: [amax, signature, -signature]."""
+        return np.array([local_amax, self.signature, -self.signature], np.float32)
+
+    def check_agreed(self, agreed):
+        """From the Max-allreduced metadata to the agreed amax, after checking the signatures."""
+        amax, high, neg_low = (float(v) for v in np.asarray(agreed, np.float32).ravel())
+        if high != -neg_low:
+            raise ValueError(f"APSCompressor mismatch across ranks: this rank uses {self!r} (signature "
+                             f"{self.signature}) but signatures range from {-neg_low:g} to {high:g}")
+        return amax
+
+    def to_wire(self, x, agreed_amax, world_size, rank, label):
+        """Scale x by the agreed APS shift and round it onto the grid: (carrier array, shift).
+        Stochastic rounding draws from (seed, rank, call number): no two ranks or calls share bits."""
+        x = np.ascontiguousarray(x, np.float32)
+        finite = bool(np.isfinite(agreed_amax))
+        shift = scaling.shift_for(agreed_amax, world_size, self.fmt) if finite and self.scaling else 0
+        if finite:
+            self._calls += 1
+            seed = hash((self.seed, rank, self._calls)) & ((1 << 64) - 1)
+            wire = codec.quantize(x, self.fmt, self.rounding, seed, self.saturate, shift, unscale=False,
+                                  dtype=self.carrier)
+        else:  # unscaled and unrounded: the NaN/Inf reaches every rank's sum
+            wire = x.astype(self.carrier)
+        if self.collect_stats:
+            self.stats[label] = self._measure(x, wire, shift, finite)
+        return wire, shift
+
+    def from_wire(self, wire, shift):
+        """Undo the shift: float32 values of the summed wire tensor (exact, one rounding at most)."""
+        return np.ldexp(np.asarray(wire, np.float32), -int(shift), dtype=np.float32)
+
+    def _measure(self, x, wire, shift, finite):
+        limit = np.float32(np.ldexp(self.fmt.max, -shift)) if finite else np.inf
+        nonzero = np.count_nonzero(x)
+        return TensorStats(shift=shift, elements=x.size,
+                           flushed=float((nonzero - np.count_nonzero(wire)) / nonzero) if nonzero else 0.0,
+                           saturated=int(np.count_nonzero((x > limit) | (x < -limit))) if finite else 0,
+                           bytes_in=x.nbytes, bytes_carried=wire.nbytes, finite=finite)
+
+    def totals(self):
+        """TensorStats summed over the tensors of the last round (flushed weighted by elements)."""
+        s = list(self.stats.values())
+        n = sum(t.elements for t in s)
+        return TensorStats(shift=0, elements=n, flushed=sum(t.flushed * t.elements for t in s) / n if n else 0.0,
+                           saturated=sum(t.saturated for t in s), bytes_in=sum(t.bytes_in for t in s),
+                           bytes_carried=sum(t.bytes_carried for t in s), finite=all(t.finite for t in s))

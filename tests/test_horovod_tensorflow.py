@@ -1,0 +1,58 @@
+"""APSCompressor and the Keras 3 wrapper under real `horovodrun -np 2 --gloo` processes."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from horovod_run import horovodrun, load
+from test_horovod_torch import stock_reference
+from workers.common import KERAS_LR, KERAS_W0, keras_data, rank_data
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tf")
+    horovodrun("tensorflow_checks.py", tmp)
+    return load(tmp, "tf")
+
+
+def test_average_is_bit_exact_eager_and_in_a_graph(ranks):
+    want, _ = stock_reference([rank_data(0), rank_data(1)], ml_dtypes.float8_e4m3, "e4m3")
+    for r in ranks:
+        assert r["avg_eager"].tobytes() == want.tobytes()
+        assert r["avg_graph"].tobytes() == want.tobytes()
+
+
+def test_naive_zeros_nan_and_dtype(ranks):
+    for r in ranks:
+        assert (r["naive"] == 0).all() and (r["zeros"] == 0).all()
+        assert not np.isfinite(r["nan"][3]) and np.isfinite(np.delete(r["nan"], 3)).all()
+        assert bool(r["f16_dtype_ok"])
+
+
+@pytest.mark.parametrize("key", ["tape_graph", "tape_eager", "v1_optimizer", "keras_aps"])
+def test_training_leaves_parameters_bit_identical(ranks, key):
+    assert ranks[0][key].tobytes() == ranks[1][key].tobytes()
+    assert np.isfinite(ranks[0][key]).all()
+
+
+def keras_reference():
+    """One SGD step of the MSE loss on both ranks' data concatenated, from rank 0's weights."""
+    x = np.concatenate([keras_data(0)[0], keras_data(1)[0]]).astype(np.float64)
+    y = np.concatenate([keras_data(0)[1], keras_data(1)[1]]).astype(np.float64)
+    w, b = KERAS_W0.astype(np.float64), 0.0
+    err = x @ w + b - y
+    grad_w, grad_b = 2 * x.T @ err / len(x), 2 * err.mean()
+    return np.concatenate([(w - KERAS_LR * grad_w).ravel(), [b - KERAS_LR * grad_b]])
+
+
+def test_keras3_wrapper_averages_like_one_process_on_all_data(ranks):
+    want = keras_reference()
+    for r in ranks:
+        assert np.allclose(r["keras_none"], want, rtol=1e-5, atol=1e-6)
+    update = np.abs(want - np.append(KERAS_W0.ravel(), 0.0))
+    assert (np.abs(ranks[0]["keras_aps"] - want) <= 0.07 * update + 1e-6).all()  # e4m3: 3 mantissa bits
+
+
+def test_format_mismatch_fails_on_every_rank(ranks):
+    for r in ranks:
+        assert "APSCompressor mismatch across ranks" in str(r["mismatch"])

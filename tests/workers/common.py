@@ -1,0 +1,26 @@
+"""Inputs shared by the Horovod worker scripts and the tests that check their outputs."""
+import numpy as np
+
+SIZE = 1000
+
+
+def rank_data(rank, sigma=1e-4, seed=0):
+    """Rank-specific gradients: Gaussian(0, sigma), different on every rank."""
+    return np.random.default_rng(1000 * seed + rank).normal(0, sigma, SIZE).astype(np.float32)
+
+
+def poisoned(rank, bad):
+    x = rank_data(rank, seed=7)
+    if rank == 1:
+        x[3] = bad
+    return x
+
+
+def keras_data(rank, batch=16):
+    rng = np.random.default_rng(50 + rank)
+    x = rng.normal(size=(batch, 4)).astype(np.float32)
+    return x, (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32) + 0.25).astype(np.float32)
+
+
+KERAS_W0 = np.array([[0.1], [0.2], [-0.3], [0.4]], np.float32)
+KERAS_LR = 0.1

@@ -1,0 +1,84 @@
+"""Run under `horovodrun -np 2 --gloo`: APSCompressor through horovod.tensorflow and the Keras 3
+wrapper; each rank saves what it got to OUTDIR/tf_rank<r>.npz for tests/test_horovod_tensorflow.py."""
+import sys
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+import hvd_aps
+import hvd_aps.keras
+from common import KERAS_LR, KERAS_W0, keras_data, poisoned, rank_data
+
+hvd.init()
+rank, out = hvd.rank(), {}
+e4m3 = hvd_aps.APSCompressor(hvd_aps.e4m3)
+
+
+def reduce(x, comp, op=hvd.Average):
+    return hvd.allreduce(tf.constant(x), op=op, compression=comp).numpy()
+
+
+@tf.function
+def reduce_in_graph(x):
+    return hvd.allreduce(x, op=hvd.Average, compression=e4m3)
+
+
+out["avg_eager"] = reduce(rank_data(rank), e4m3)
+out["avg_graph"] = reduce_in_graph(tf.constant(rank_data(rank))).numpy()
+out["naive"] = reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3", scaling=None))
+out["zeros"] = reduce(np.zeros(100, np.float32), e4m3)
+out["nan"] = reduce(poisoned(rank, np.nan), e4m3)
+out["f16_dtype_ok"] = np.array(hvd.allreduce(tf.constant(rank_data(rank), tf.float16), compression=e4m3).dtype == tf.float16)
+
+
+def tape_training(use_function):
+    w = tf.Variable(tf.linspace(-1.0, 1.0, 10)[:, None])
+    b = tf.Variable([0.5])
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((tf.matmul(xb, w) + b - yb) ** 2)
+        grads = hvd.DistributedGradientTape(tape, compression=e4m3).gradient(loss, [w, b])
+        for v, g in zip([w, b], grads):
+            v.assign_sub(0.1 * g)
+
+    step = tf.function(step) if use_function else step
+    rng = np.random.default_rng(rank)
+    for _ in range(3):
+        step(rng.normal(size=(8, 10)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32))
+    return np.concatenate([w.numpy().ravel(), b.numpy()])
+
+
+out["tape_graph"] = tape_training(True)
+out["tape_eager"] = tape_training(False)
+
+v1_w = tf.Variable(tf.ones([4, 1]))
+v1 = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), compression=e4m3)
+xb, yb = keras_data(rank)
+for _ in range(2):
+    v1.minimize(lambda: tf.reduce_mean((tf.matmul(xb, v1_w) - yb) ** 2), var_list=[v1_w])
+out["v1_optimizer"] = v1_w.numpy().ravel()
+
+
+def keras_step(compression):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.set_weights([KERAS_W0 * (rank + 1), np.array([rank], np.float32)])  # rank 0's must win
+    opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.SGD(KERAS_LR), compression=compression)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = keras_data(rank)
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, callbacks=[hvd_aps.keras.BroadcastInitialState()])
+    return np.concatenate([w.ravel() for w in model.get_weights()])
+
+
+out["keras_none"] = keras_step(hvd.Compression.none)
+out["keras_aps"] = keras_step(hvd_aps.APSCompressor("e4m3"))
+
+try:
+    reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3" if rank == 0 else "e5m2"))
+    out["mismatch"] = np.array("no error")
+except (ValueError, tf.errors.OpError) as err:  # eager re-raises the ValueError itself
+    out["mismatch"] = np.array(str(err))
+
+np.savez(f"{sys.argv[1]}/tf_rank{rank}.npz", **out)
