@@ -139,3 +139,15 @@ class APSCompressor:
         return TensorStats(shift=0, elements=n, flushed=sum(t.flushed * t.elements for t in s) / n if n else 0.0,
                            saturated=sum(t.saturated for t in s), bytes_in=sum(t.bytes_in for t in s),
                            bytes_carried=sum(t.bytes_carried for t in s), finite=all(t.finite for t in s))
+
+
+def from_name(name, stock):
+    """A compressor from a command-line name: "none" and "fp16" give Horovod's own (`stock` is the
+    framework's horovod Compression namespace), "aps-<format>" an APSCompressor, and
+    "naive-<format>" the same format without scaling."""
+    if name in ("none", "fp16"):
+        return getattr(stock, name)
+    kind, _, fmt = name.partition("-")
+    if kind not in ("aps", "naive") or not fmt:
+        raise ValueError(f"unknown compression {name!r}: use none, fp16, aps-<format> or naive-<format>")
+    return APSCompressor(fmt, scaling="aps" if kind == "aps" else None)
