@@ -58,10 +58,18 @@ def frameworks():
     return torch, tf
 
 
+def cuda_build():
+    """GPU build (NCCL) where install.sh decided so, or where a GPU and nvcc are visible."""
+    device = os.environ.get("HVD_APS_DEVICE", "auto")
+    if device != "auto":
+        return device == "cuda"
+    return bool(shutil.which("nvidia-smi") and shutil.which("nvcc"))
+
+
 def cache_dir(torch, tf):
     root = pathlib.Path(os.environ.get("HVD_APS_CACHE", pathlib.Path.home() / ".cache" / "hvd_aps"))
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    cuda = "cuda" if shutil.which("nvidia-smi") else "cpu"
+    cuda = "cuda" if cuda_build() else "cpu"
     key = f"horovod-{HOROVOD_VERSION}_torch-{torch or 'none'}_tf-{tf or 'none'}_{py}_{cuda}"
     return root / "wheels" / key.replace("+", "-")
 
@@ -95,7 +103,7 @@ def build_env(torch, tf):
     env["HOROVOD_WITH_PYTORCH" if torch else "HOROVOD_WITHOUT_PYTORCH"] = "1"
     env["HOROVOD_WITH_TENSORFLOW" if tf else "HOROVOD_WITHOUT_TENSORFLOW"] = "1"
     env["HOROVOD_WITH_MPI" if shutil.which("mpicxx") else "HOROVOD_WITHOUT_MPI"] = "1"
-    if shutil.which("nvidia-smi") and shutil.which("nvcc"):
+    if cuda_build():
         env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
         nccl_home = nccl_from_wheel()
         if nccl_home:

@@ -3,6 +3,9 @@
 #
 #   scripts/install.sh [--torch-only]
 #
+# HVD_APS_DEVICE=cuda|cpu overrides the GPU detection (docker build sees no GPU); PYTHON picks the
+# interpreter that creates .venv (default python3).
+#
 # Creates (or reuses) .venv in the repository root, installs torch 2.13.0 and TensorFlow 2.21
 # (CPU builds, or the CUDA builds and CuPy where nvidia-smi finds a GPU), builds Horovod 0.28.1
 # against them with Gloo (+NCCL on GPU hosts, +MPI where mpicxx is found; the wheel is cached, see
@@ -33,7 +36,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=".venv/bin/python -m pip"
 
-if command -v nvidia-smi >/dev/null 2>&1; then
+DEVICE=${HVD_APS_DEVICE:-auto}
+case "$DEVICE" in
+  auto) if command -v nvidia-smi >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi ;;
+  cuda|cpu) ;;
+  *) fail "HVD_APS_DEVICE must be auto, cuda or cpu, not $DEVICE" ;;
+esac
+export HVD_APS_DEVICE=$DEVICE
+
+if [ "$DEVICE" = cuda ]; then
   say "GPU host: CUDA builds of torch and TensorFlow, CuPy"
   FRAMEWORKS="torch==2.13.0 cupy-cuda13x"
   [ "$TORCH_ONLY" = 1 ] || FRAMEWORKS="$FRAMEWORKS tensorflow==2.21.0"
