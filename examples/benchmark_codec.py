@@ -1,9 +1,13 @@
-"""Codec throughput on the CPU against ml_dtypes' and torch's float8 casts, measured in one run.
+"""Codec throughput against peers measured in the same run.
 
-    python examples/benchmark_codec.py [--mib 64] [--repeats 7]
+    python examples/benchmark_codec.py [--mib 64] [--repeats 7]          # CPU
+    python examples/benchmark_codec.py --device cuda [--repeats 20]      # GPU, 1 MiB .. 1 GiB
 
-GB/s counts the float32 bytes converted (one round trip = encode + decode of the tensor).
-Each figure is the median of --repeats timed runs after one warm-up run.
+CPU: GB/s of float32 converted (a round trip is encode + decode), against ml_dtypes' astype and
+torch's float8 casts. GPU: GB/s of bytes read + written by encode, decode and decode-accumulate
+(4 ranks' code buffers into one float32 sum), against a device-to-device copy (its bytes read +
+written) and torch's `.to(torch.float8_e4m3fn)`. Figures are medians of --repeats timed runs
+after a warm-up run.
 """
 import argparse
 import statistics
@@ -48,11 +52,53 @@ def ml_dtypes_round_trip(x, fmt):
     return lambda: x.astype(dtype).astype(np.float32)
 
 
+def gpu_seconds(fn, repeats):
+    """Median time of fn on the GPU, from CUDA events around each call."""
+    import cupy
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return statistics.median(times)
+
+
+def gpu_main(repeats):
+    import cupy
+    import torch
+    print(f"GPU {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, e4m3, median of {repeats}; "
+          "GB/s of bytes read + written")
+    header = ["size", "copy", "encode", "x copy", "decode", "x copy", "decode-acc(4)", "x copy", "torch cast", "enc/torch"]
+    print("  ".join(f"{h:>13}" for h in header))
+    for mib in (1, 4, 16, 64, 256, 1024):
+        n = mib << 18
+        x = cupy.random.standard_normal(n, dtype=cupy.float32)
+        codes = hvd_aps.encode(x, "e4m3")
+        stacked = cupy.stack([codes] * 4)
+        out = cupy.empty_like(x)
+        tx = torch.from_dlpack(x)
+        copy = 8 * n / gpu_seconds(lambda: cupy.copyto(out, x), repeats) / 1e9
+        enc = 5 * n / gpu_seconds(lambda: hvd_aps.encode(x, "e4m3"), repeats) / 1e9
+        dec = 5 * n / gpu_seconds(lambda: hvd_aps.decode(codes, "e4m3"), repeats) / 1e9
+        acc = 12 * n / gpu_seconds(lambda: hvd_aps.decode_sum(stacked, "e4m3", out=out), repeats) / 1e9
+        cast = 5 * n / gpu_seconds(lambda: tx.to(torch.float8_e4m3fn), repeats) / 1e9
+        row = [f"{mib} MiB", f"{copy:.0f}", f"{enc:.0f}", f"{enc / copy:.2f}", f"{dec:.0f}", f"{dec / copy:.2f}",
+               f"{acc:.0f}", f"{acc / copy:.2f}", f"{cast:.0f}", f"{enc / cast:.2f}x"]
+        print("  ".join(f"{c:>13}" for c in row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=64, help="float32 tensor size in MiB")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--mib", type=int, default=64, help="CPU: float32 tensor size in MiB")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
+    if args.device == "cuda":
+        return gpu_main(args.repeats)
     x = np.random.default_rng(0).standard_normal(args.mib * (1 << 18)).astype(np.float32)
     gbs = lambda seconds: x.nbytes / seconds / 1e9
     print(f"{args.mib} MiB float32, median of {args.repeats}, engine={codec.engine_name()}")

@@ -37,8 +37,15 @@ def _load():
     lib.hvd_encode.restype = None
     lib.hvd_decode_table.argtypes = [ptr, _Fmt, i32]
     lib.hvd_decode_table.restype = None
-    for name in ("hvd_gather_u8_f32", "hvd_gather_u16_f32", "hvd_gather_u8_f16", "hvd_gather_u16_f16"):
+    for name in ("hvd_gather_u8_f32", "hvd_gather_u16_f32", "hvd_gather_u8_f16", "hvd_gather_u16_f16",
+                 "hvd_accumulate_u8", "hvd_accumulate_u16"):
         getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
+        getattr(lib, name).restype = None
+    for name in ("hvd_pack_u8", "hvd_pack_u16"):
+        getattr(lib, name).argtypes = [ptr, i64, i32, ptr, i64, i64]
+        getattr(lib, name).restype = None
+    for name in ("hvd_unpack_u8", "hvd_unpack_u16"):
+        getattr(lib, name).argtypes = [ptr, i32, ptr, i64, i64]
         getattr(lib, name).restype = None
     lib.hvd_amax.argtypes = [ptr, i64]
     lib.hvd_amax.restype = ctypes.c_float
@@ -97,6 +104,34 @@ def decode(codes, fmt, shift, dtype):
     gather = getattr(_lib, f"hvd_gather_u{8 * codes.itemsize}_f{8 * out.itemsize}")
     cp, op, tp, csize, osize = codes.ctypes.data, out.ctypes.data, table.ctypes.data, codes.itemsize, out.itemsize
     _run(lambda lo, hi: gather(cp + csize * lo, op + osize * lo, hi - lo, tp), codes.size)
+    return out
+
+
+def decode_accumulate(codes, fmt, shift, out=None):
+    codes = np.ascontiguousarray(codes, dtype=fmt.code_dtype)
+    out = np.zeros(codes.shape[1:], np.float32) if out is None else out
+    table = decode_table(fmt, shift)
+    add = _lib.hvd_accumulate_u8 if codes.itemsize == 1 else _lib.hvd_accumulate_u16
+    op, tp, size = out.ctypes.data, table.ctypes.data, codes.itemsize
+    for rank_codes in codes:  # rank order, as every engine sums
+        cp = rank_codes.ctypes.data
+        _run(lambda lo, hi: add(cp + size * lo, op + 4 * lo, hi - lo, tp), out.size)
+    return out
+
+
+def pack(codes, bits):
+    out = np.empty(-(-codes.size * bits // 8), np.uint8)
+    fn = _lib.hvd_pack_u8 if codes.itemsize == 1 else _lib.hvd_pack_u16
+    cp, op, n = codes.ctypes.data, out.ctypes.data, codes.size
+    _run(lambda lo, hi: fn(cp, n, bits, op, lo, hi), out.size)
+    return out
+
+
+def unpack(packed, bits, n, dtype):
+    out = np.empty(n, dtype)
+    fn = _lib.hvd_unpack_u8 if dtype.itemsize == 1 else _lib.hvd_unpack_u16
+    pp, op = packed.ctypes.data, out.ctypes.data
+    _run(lambda lo, hi: fn(pp, bits, op, lo, hi), n)
     return out
 
 

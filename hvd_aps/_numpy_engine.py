@@ -108,6 +108,26 @@ def decode(codes, fmt, shift, dtype):
     return decode_table(fmt, shift).astype(dtype)[codes]
 
 
+def decode_accumulate(codes, fmt, shift, out=None):
+    table = decode_table(fmt, shift)
+    out = np.zeros(codes.shape[1:], np.float32) if out is None else out
+    for rank_codes in codes:
+        out += table[rank_codes]
+    return out
+
+
 def amax(x):
     a = np.max(np.abs(x)) if x.size else np.float32(0)
     return float(a) if np.isfinite(a) else float("inf")
+
+
+def pack(codes, bits):
+    """Dense little-endian bit stream of the codes' low `bits` bits (see ops/fpcodec.h)."""
+    planes = np.unpackbits(codes.view(np.uint8).reshape(codes.size, codes.itemsize), axis=1, bitorder="little")
+    return np.packbits(planes[:, :bits].ravel(), bitorder="little")
+
+
+def unpack(packed, bits, n, dtype):
+    planes = np.zeros((n, dtype.itemsize * 8), np.uint8)
+    planes[:, :bits] = np.unpackbits(packed, bitorder="little")[: n * bits].reshape(n, bits)
+    return np.packbits(planes, axis=1, bitorder="little").view(dtype).ravel()

@@ -1,5 +1,9 @@
 """encode / decode / quantize between float32 and a FloatFormat's codes, plus sub-byte packing.
 
+Arrays on a CUDA device (CuPy arrays, CUDA torch tensors, anything exporting DLPack from a CUDA
+device) are converted zero-copy and handled by the CuPy engine, and results come back as CuPy
+arrays; everything else goes through NumPy and the compiled CPU engine.
+
 Semantics (every engine, bit for bit): round to nearest with ties to the even code (also when
 man_bits=0, where "even" is the exponent's last bit), gradual underflow, signed zero, and NaN,
 Inf and overflow exactly as ml_dtypes' `astype` treats them for every format it has. The APS
@@ -18,6 +22,38 @@ _ROUNDINGS = ("nearest", "stochastic")
 _INPUT_KINDS = "fiub"  # float, signed, unsigned, bool: numbers NumPy converts exactly or by rounding
 
 
+def _cuda_array(x):
+    """x as a CuPy array when it lives on a CUDA device (zero-copy through DLPack), else None."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        return x
+    device = getattr(x, "__dlpack_device__", None)
+    if device is None or device()[0] not in (2, 13):  # kDLCUDA, kDLCUDAManaged
+        return None
+    import cupy
+    return cupy.from_dlpack(x)
+
+
+def as_array(x):
+    """x as the codec sees it: a CuPy array for CUDA-resident data, a NumPy array otherwise."""
+    gpu = _cuda_array(x)
+    return gpu if gpu is not None else np.asarray(x)
+
+
+def array_module(a):
+    """cupy for CuPy arrays, numpy otherwise: lets callers write one code path for both."""
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+def _engine_for(a):
+    if array_module(a) is not np:
+        from . import _cupy_engine
+        return _cupy_engine
+    return _engine()
+
+
 def _engine():
     choice = os.environ.get("HVD_APS_ENGINE", "auto")
     if choice not in ("auto", "host", "numpy"):
@@ -31,15 +67,15 @@ def _engine():
 
 
 def engine_name():
-    """Which CPU engine encode/decode use: "host" (compiled ops/host.c) or "numpy"."""
+    """Which engine NumPy inputs use: "host" (compiled ops/host.c) or "numpy"."""
     return "host" if _engine() is _host_engine else "numpy"
 
 
 def _as_float32(x):
-    x = np.asarray(x)
+    x = as_array(x)
     if x.dtype.kind not in _INPUT_KINDS and x.dtype.name != "bfloat16":
         raise TypeError(f"expected a numeric array, got dtype {x.dtype}")
-    return np.ascontiguousarray(x, dtype=np.float32)
+    return array_module(x).ascontiguousarray(x, dtype=np.float32)
 
 
 def _check_shift(shift):
@@ -72,7 +108,7 @@ def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0):
     fmt = FloatFormat.parse(fmt)
     seed = _check_seed(rounding, seed)
     x, shift = _as_float32(x), _check_shift(shift)
-    return _engine().encode(x, fmt, shift, rounding, seed, saturate).astype(fmt.code_dtype, copy=False)
+    return _engine_for(x).encode(x, fmt, shift, rounding, seed, saturate).astype(fmt.code_dtype, copy=False)
 
 
 def _check_dtype(dtype, fmt):
@@ -88,13 +124,24 @@ def decode(codes, fmt, shift=0, dtype=np.float32):
     """Values of `codes` (as produced by encode) times 2**-shift, as float32 (or float16 where
     fmt.fits_float16 and the scaled values stay in float16's range)."""
     fmt = FloatFormat.parse(fmt)
-    codes = np.asarray(codes)
+    codes = as_array(codes)
     if codes.dtype.kind not in "ui":
         raise TypeError(f"codes must be an unsigned integer array, got dtype {codes.dtype}")
     if codes.size and int(codes.max()) >= 1 << fmt.bits:
         raise ValueError(f"codes hold values >= 2**{fmt.bits}, which {fmt} cannot have produced")
     dtype = _check_dtype(dtype, fmt)
-    return _engine().decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift), dtype)
+    return _engine_for(codes).decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift), dtype)
+
+
+def decode_sum(codes, fmt, shift=0, out=None):
+    """Sum over codes' leading axis (one code buffer per rank) of decode(codes[r]) * 2**-shift, added
+    in rank order in float32, into `out` (float32, added to) or a new array: decode and
+    accumulate in one pass per buffer, for exchanges that carry the codes themselves."""
+    fmt = FloatFormat.parse(fmt)
+    codes = as_array(codes)
+    if codes.ndim < 1 or codes.dtype != np.dtype(fmt.code_dtype):
+        raise TypeError(f"codes must be a {fmt.code_dtype} array of shape (ranks, ...), got {codes.dtype}{codes.shape}")
+    return _engine_for(codes).decode_accumulate(codes, fmt, _check_shift(shift), out)
 
 
 def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, unscale=True,
@@ -103,14 +150,16 @@ def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, uns
     dtype float16 (where fmt.fits_float16) gives the grid values in half the bytes, exactly."""
     fmt = FloatFormat.parse(fmt)
     seed = _check_seed(rounding, seed)
-    x, shift, engine, dtype = _as_float32(x), _check_shift(shift), _engine(), _check_dtype(dtype, fmt)
+    x, shift, dtype = _as_float32(x), _check_shift(shift), _check_dtype(dtype, fmt)
+    engine = _engine_for(x)
     codes = engine.encode(x, fmt, shift, rounding, seed, saturate)
     return engine.decode(codes, fmt, shift if unscale else 0, dtype)
 
 
 def amax(x):
     """max |x| as a Python float, or +inf when x holds any NaN or Inf."""
-    return _engine().amax(_as_float32(x).ravel())
+    x = _as_float32(x).ravel()
+    return _engine_for(x).amax(x)
 
 
 def packed_size(n, fmt):
@@ -122,29 +171,16 @@ def pack(codes, fmt):
     """Codes as a dense little-endian bit stream: two 4-bit codes a byte, four 6-bit codes in
     three bytes, and so on. Returns a flat uint8 array of packed_size(codes.size) bytes."""
     fmt = FloatFormat.parse(fmt)
-    codes = np.ascontiguousarray(codes, dtype=fmt.code_dtype).ravel()
-    if fmt.bits == 8:
-        return codes.copy()
-    if fmt.bits == 4:
-        padded = np.append(codes, np.zeros(codes.size % 2, np.uint8))
-        return padded[0::2] | (padded[1::2] << 4)
-    bits = np.unpackbits(codes.view(np.uint8).reshape(codes.size, codes.itemsize), axis=1, bitorder="little")
-    return np.packbits(bits[:, :fmt.bits].ravel(), bitorder="little")
+    codes = as_array(codes)
+    codes = array_module(codes).ascontiguousarray(codes, dtype=fmt.code_dtype).ravel()
+    return _engine_for(codes).pack(codes, fmt.bits)
 
 
 def unpack(packed, fmt, n):
     """Inverse of pack: the first `n` codes of the packed bytes."""
     fmt = FloatFormat.parse(fmt)
-    packed = np.ascontiguousarray(packed, dtype=np.uint8).ravel()
+    packed = as_array(packed)
+    packed = array_module(packed).ascontiguousarray(packed, dtype=np.uint8).ravel()
     if packed.size < packed_size(n, fmt):
         raise ValueError(f"{n} codes of {fmt} need {packed_size(n, fmt)} bytes, got {packed.size}")
-    if fmt.bits == 8:
-        return packed[:n].copy()
-    if fmt.bits == 4:
-        both = np.stack([packed & 0x0F, packed >> 4], axis=1).ravel()
-        return both[:n].copy()
-    bits = np.unpackbits(packed, bitorder="little")[: n * fmt.bits].reshape(n, fmt.bits)
-    width = np.dtype(fmt.code_dtype).itemsize * 8
-    full = np.zeros((n, width), np.uint8)
-    full[:, :fmt.bits] = bits
-    return np.packbits(full, axis=1, bitorder="little").view(fmt.code_dtype).ravel()
+    return _engine_for(packed).unpack(packed, fmt.bits, n, np.dtype(fmt.code_dtype))

@@ -104,9 +104,11 @@ class APSCompressor:
         return amax
 
     def to_wire(self, x, agreed_amax, world_size, rank, label):
-        """Scale x by the agreed APS shift and round it onto the grid: (carrier array, shift).
-        Stochastic rounding draws from (seed, rank, call number): no two ranks or calls share bits."""
-        x = np.ascontiguousarray(x, np.float32)
+        """Scale x (NumPy, or CuPy on a GPU) by the agreed APS shift and round it onto the grid:
+        (carrier array, shift). Stochastic rounding draws from (seed, rank, call number), so no
+        two ranks or calls share random bits."""
+        xp = codec.array_module(x)
+        x = xp.ascontiguousarray(x, dtype=xp.float32)
         finite = bool(np.isfinite(agreed_amax))
         shift = scaling.shift_for(agreed_amax, world_size, self.fmt) if finite and self.scaling else 0
         if finite:
@@ -117,19 +119,20 @@ class APSCompressor:
         else:  # unscaled and unrounded: the NaN/Inf reaches every rank's sum
             wire = x.astype(self.carrier)
         if self.collect_stats:
-            self.stats[label] = self._measure(x, wire, shift, finite)
+            self.stats[label] = self._measure(xp, x, wire, shift, finite)
         return wire, shift
 
     def from_wire(self, wire, shift):
         """Undo the shift: float32 values of the summed wire tensor (exact, one rounding at most)."""
-        return np.ldexp(np.asarray(wire, np.float32), -int(shift), dtype=np.float32)
+        xp = codec.array_module(wire)
+        return xp.ldexp(wire.astype(xp.float32), xp.int32(-int(shift))).astype(xp.float32)
 
-    def _measure(self, x, wire, shift, finite):
+    def _measure(self, xp, x, wire, shift, finite):
         limit = np.float32(np.ldexp(self.fmt.max, -shift)) if finite else np.inf
-        nonzero = np.count_nonzero(x)
+        nonzero = int(xp.count_nonzero(x))
         return TensorStats(shift=shift, elements=x.size,
-                           flushed=float((nonzero - np.count_nonzero(wire)) / nonzero) if nonzero else 0.0,
-                           saturated=int(np.count_nonzero((x > limit) | (x < -limit))) if finite else 0,
+                           flushed=(nonzero - int(xp.count_nonzero(wire))) / nonzero if nonzero else 0.0,
+                           saturated=int(xp.count_nonzero((x > limit) | (x < -limit))) if finite else 0,
                            bytes_in=x.nbytes, bytes_carried=wire.nbytes, finite=finite)
 
     def totals(self):

@@ -15,6 +15,7 @@
 typedef unsigned int hvd_u32;
 typedef int hvd_i32;
 typedef unsigned long long hvd_u64;
+typedef long long hvd_i64;
 #else
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +24,7 @@ typedef unsigned long long hvd_u64;
 typedef uint32_t hvd_u32;
 typedef int32_t hvd_i32;
 typedef uint64_t hvd_u64;
+typedef int64_t hvd_i64;
 #endif
 
 /* Special-value policies (FloatFormat.variant in Python). */
@@ -158,6 +160,35 @@ HVD_HD float hvd_decode_one(hvd_u32 code, hvd_fmt_t f, hvd_i32 shift) {
   const hvd_i32 k = (hvd_i32)(ef ? ef : 1u) - bias - M - shift;
   const float v = ldexpf((float)significand, k);
   return sign ? -v : v;
+}
+
+/*
+ * Sub-byte packing: n codes of `bits` bits as one little-endian bit stream (code i occupies bits
+ * i*bits .. i*bits+bits-1). Each output byte, and each unpacked code, depends only on its own
+ * index, so one thread per byte (or code) packs (unpacks) in a single pass.
+ */
+/* The part of code i that lands in byte j of the stream. */
+HVD_HD hvd_u32 hvd_pack_piece(hvd_u32 code, hvd_i64 i, hvd_i32 bits, hvd_i64 j) {
+  const hvd_i64 offset = i * bits - 8 * j;
+  return (offset >= 0 ? code << offset : code >> -offset) & 0xFFu;
+}
+
+/* Codes that overlap byte j: first..last (inclusive), clipped to n codes. */
+HVD_HD hvd_i64 hvd_pack_first(hvd_i64 j, hvd_i32 bits) { return 8 * j / bits; }
+HVD_HD hvd_i64 hvd_pack_last(hvd_i64 j, hvd_i32 bits, hvd_i64 n) {
+  const hvd_i64 last = (8 * j + 7) / bits;
+  return last < n - 1 ? last : n - 1;
+}
+
+/* Code i read back from the stream. */
+HVD_HD hvd_u32 hvd_unpack_code(const unsigned char *packed, hvd_i64 i, hvd_i32 bits) {
+  const hvd_i64 start = i * bits;
+  hvd_u32 v = 0u;
+  for (hvd_i64 k = start / 8; k <= (start + bits - 1) / 8; ++k) {
+    const hvd_i64 offset = 8 * k - start;
+    v |= offset >= 0 ? (hvd_u32)packed[k] << offset : (hvd_u32)packed[k] >> -offset;
+  }
+  return v & ((1u << bits) - 1u);
 }
 
 #endif /* HVD_APS_FPCODEC_H_ */

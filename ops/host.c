@@ -46,6 +46,34 @@ GATHER(hvd_gather_u16_f32, uint16_t, float)
 GATHER(hvd_gather_u8_f16, uint8_t, uint16_t)
 GATHER(hvd_gather_u16_f16, uint16_t, uint16_t)
 
+/* acc[i] += table[codes[i]]: one rank's buffer into the float32 sum (codes-on-the-wire path) */
+#define ACCUMULATE(NAME, CODE)                                                                \
+  HVD_CLONES void NAME(const CODE *codes, float *acc, int64_t n, const float *table) {        \
+    for (int64_t i = 0; i < n; ++i) acc[i] += table[codes[i]];                                \
+  }
+ACCUMULATE(hvd_accumulate_u8, uint8_t)
+ACCUMULATE(hvd_accumulate_u16, uint16_t)
+
+#define PACK(NAME, CODE)                                                                      \
+  void NAME(const CODE *codes, int64_t n, int32_t bits, uint8_t *out, int64_t lo, int64_t hi) { \
+    for (int64_t j = lo; j < hi; ++j) {                                                        \
+      hvd_u32 byte = 0u;                                                                       \
+      for (int64_t i = hvd_pack_first(j, bits); i <= hvd_pack_last(j, bits, n); ++i)           \
+        byte |= hvd_pack_piece(codes[i], i, bits, j);                                          \
+      out[j] = (uint8_t)byte;                                                                  \
+    }                                                                                          \
+  }
+PACK(hvd_pack_u8, uint8_t)
+PACK(hvd_pack_u16, uint16_t)
+
+void hvd_unpack_u8(const uint8_t *packed, int32_t bits, uint8_t *out, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) out[i] = (uint8_t)hvd_unpack_code(packed, i, bits);
+}
+
+void hvd_unpack_u16(const uint8_t *packed, int32_t bits, uint16_t *out, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) out[i] = (uint16_t)hvd_unpack_code(packed, i, bits);
+}
+
 /* max |x|, or +Inf when x holds a NaN or Inf: APS must see every non-finite value. */
 HVD_CLONES float hvd_amax(const float *x, int64_t n) {
   hvd_u32 m = 0u;

@@ -1,9 +1,12 @@
 """Property tests (hypothesis) over arbitrary formats and inputs."""
+import os
+
 import numpy as np
 from hypothesis import assume, given, settings, strategies as st
 
 import hvd_aps
 from hvd_aps import FloatFormat, scaling
+from conftest import ENGINES
 
 formats = st.tuples(st.integers(1, 8), st.integers(0, 7), st.sampled_from(["ieee", "fn"]))
 
@@ -39,9 +42,17 @@ def test_pack_unpack_round_trip(exp_bits, man_bits, n, data):
         assume(False)
     codes = np.array(data.draw(st.lists(st.integers(0, (1 << fmt.bits) - 1), min_size=n, max_size=n)),
                      dtype=fmt.code_dtype)
-    packed = hvd_aps.pack(codes, fmt)
-    assert packed.dtype == np.uint8 and packed.size == hvd_aps.packed_size(n, fmt) == -(-n * fmt.bits // 8)
-    assert (hvd_aps.unpack(packed, fmt, n) == codes).all()
+    results = []
+    for engine in ENGINES:  # the compiled engine and NumPy write the same stream
+        os.environ["HVD_APS_ENGINE"] = engine
+        try:
+            packed = hvd_aps.pack(codes, fmt)
+            assert packed.dtype == np.uint8 and packed.size == hvd_aps.packed_size(n, fmt) == -(-n * fmt.bits // 8)
+            assert (hvd_aps.unpack(packed, fmt, n) == codes).all()
+            results.append(packed)
+        finally:
+            del os.environ["HVD_APS_ENGINE"]
+    assert all((r == results[0]).all() for r in results)
 
 
 @settings(max_examples=300, deadline=None)

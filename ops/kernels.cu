@@ -1,0 +1,149 @@
+/*
+ * GPU engine: grid-stride kernels over the per-element functions of fpcodec.h, compiled by CuPy
+ * (NVRTC, hvd_aps/_cupy_engine.py) and, in the tests, by nvcc for sm_80 and sm_90. Each kernel
+ * makes one pass over memory. Encode and decode move four elements per thread with 16-byte float
+ * loads where the pointers allow it (CuPy allocations are 256-byte aligned; `vector_ok` says so).
+ */
+#include "fpcodec.h"
+
+__device__ __forceinline__ hvd_fmt_t hvd_make_fmt(int exp_bits, int man_bits, int policy, int saturate) {
+  hvd_fmt_t f;
+  f.exp_bits = exp_bits;
+  f.man_bits = man_bits;
+  f.policy = policy;
+  f.saturate = saturate;
+  return f;
+}
+
+template <typename Code>
+__device__ __forceinline__ void hvd_encode_at(const float *x, Code *out, long long i, hvd_encoder_t p,
+                                              int shift, int stochastic, unsigned long long seed) {
+  const unsigned int r = stochastic ? hvd_random32(seed, (unsigned long long)i) : 0u;
+  out[i] = (Code)hvd_encode_one(x[i], p, shift, stochastic, r);
+}
+
+/* codes[i] = encode(x[i] * 2^shift) */
+template <typename Code>
+__device__ void hvd_encode_kernel(const float *x, Code *out, long long n, int exp_bits, int man_bits,
+                                  int policy, int saturate, int shift, int stochastic,
+                                  unsigned long long seed, int vector_ok) {
+  const hvd_encoder_t p = hvd_encoder(hvd_make_fmt(exp_bits, man_bits, policy, saturate));
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long n4 = vector_ok ? n / 4 : 0;
+  for (long long k = start; k < n4; k += stride) {
+    const float4 v = reinterpret_cast<const float4 *>(x)[k];
+    const float a[4] = {v.x, v.y, v.z, v.w};
+    Code c[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const unsigned int r = stochastic ? hvd_random32(seed, (unsigned long long)(4 * k + t)) : 0u;
+      c[t] = (Code)hvd_encode_one(a[t], p, shift, stochastic, r);
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) out[4 * k + t] = c[t];
+  }
+  for (long long i = 4 * n4 + start; i < n; i += stride) hvd_encode_at(x, out, i, p, shift, stochastic, seed);
+}
+
+extern "C" __global__ void hvd_encode_u8(const float *x, unsigned char *out, long long n, int e, int m,
+                                         int policy, int saturate, int shift, int stochastic,
+                                         unsigned long long seed, int vector_ok) {
+  hvd_encode_kernel(x, out, n, e, m, policy, saturate, shift, stochastic, seed, vector_ok);
+}
+
+extern "C" __global__ void hvd_encode_u16(const float *x, unsigned short *out, long long n, int e, int m,
+                                          int policy, int saturate, int shift, int stochastic,
+                                          unsigned long long seed, int vector_ok) {
+  hvd_encode_kernel(x, out, n, e, m, policy, saturate, shift, stochastic, seed, vector_ok);
+}
+
+/* The value table of a format of <= 8 bits, built by each block in shared memory. */
+__device__ __forceinline__ void hvd_fill_table(float *table, int count, hvd_fmt_t f, int shift) {
+  for (int c = threadIdx.x; c < count; c += blockDim.x) table[c] = hvd_decode_one((unsigned int)c, f, shift);
+  __syncthreads();
+}
+
+/* out[i] (+)= decode(codes[r * n + i]) * 2^-shift, summed over `ranks` code buffers in rank
+ * order in float32: decode (ranks=1, accumulate=0) and the codes path's decode-and-accumulate. */
+template <typename Code>
+__device__ void hvd_decode_kernel(const Code *codes, float *out, long long n, int ranks, int accumulate,
+                                  int exp_bits, int man_bits, int policy, int shift) {
+  __shared__ float table[256];
+  const hvd_fmt_t f = hvd_make_fmt(exp_bits, man_bits, policy, 0);
+  const int small = 1 + exp_bits + man_bits <= 8;
+  if (small) hvd_fill_table(table, 1 << (1 + exp_bits + man_bits), f, shift);
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    float acc = accumulate ? out[i] : 0.0f;
+    for (int r = 0; r < ranks; ++r) {
+      const unsigned int c = codes[(long long)r * n + i];
+      acc += small ? table[c] : hvd_decode_one(c, f, shift);
+    }
+    out[i] = acc;
+  }
+}
+
+extern "C" __global__ void hvd_decode_u8(const unsigned char *codes, float *out, long long n, int ranks,
+                                         int accumulate, int e, int m, int policy, int shift) {
+  hvd_decode_kernel(codes, out, n, ranks, accumulate, e, m, policy, shift);
+}
+
+extern "C" __global__ void hvd_decode_u16(const unsigned short *codes, float *out, long long n, int ranks,
+                                          int accumulate, int e, int m, int policy, int shift) {
+  hvd_decode_kernel(codes, out, n, ranks, accumulate, e, m, policy, shift);
+}
+
+template <typename Code>
+__device__ void hvd_pack_kernel(const Code *codes, long long n, int bits, unsigned char *out, long long bytes) {
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < bytes; j += stride) {
+    unsigned int byte = 0u;
+    for (long long i = hvd_pack_first(j, bits); i <= hvd_pack_last(j, bits, n); ++i)
+      byte |= hvd_pack_piece(codes[i], i, bits, j);
+    out[j] = (unsigned char)byte;
+  }
+}
+
+extern "C" __global__ void hvd_pack_u8(const unsigned char *codes, long long n, int bits, unsigned char *out,
+                                       long long bytes) {
+  hvd_pack_kernel(codes, n, bits, out, bytes);
+}
+
+extern "C" __global__ void hvd_pack_u16(const unsigned short *codes, long long n, int bits, unsigned char *out,
+                                        long long bytes) {
+  hvd_pack_kernel(codes, n, bits, out, bytes);
+}
+
+template <typename Code>
+__device__ void hvd_unpack_kernel(const unsigned char *packed, int bits, Code *out, long long n) {
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = (Code)hvd_unpack_code(packed, i, bits);
+}
+
+extern "C" __global__ void hvd_unpack_u8(const unsigned char *packed, int bits, unsigned char *out, long long n) {
+  hvd_unpack_kernel(packed, bits, out, n);
+}
+
+extern "C" __global__ void hvd_unpack_u16(const unsigned char *packed, int bits, unsigned short *out, long long n) {
+  hvd_unpack_kernel(packed, bits, out, n);
+}
+
+/* result[0] = max over i of the bits of |x[i]|: comparing IEEE bits as integers orders magnitudes,
+ * and every NaN compares above Inf, which the caller reads as "non-finite". result starts at 0. */
+extern "C" __global__ void hvd_amax_bits(const float *x, long long n, unsigned int *result) {
+  __shared__ unsigned int partial[32];
+  unsigned int m = 0u;
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    m = max(m, hvd_f32_bits(x[i]) & 0x7FFFFFFFu);
+  for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_down_sync(0xFFFFFFFFu, m, offset));
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < (blockDim.x + 31) / 32 ? partial[threadIdx.x] : 0u;
+    for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_down_sync(0xFFFFFFFFu, m, offset));
+    if (threadIdx.x == 0) atomicMax(result, m);
+  }
+}

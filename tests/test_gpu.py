@@ -1,0 +1,80 @@
+"""The CuPy engine against the CPU engines, bit for bit. Skipped where there is no CUDA device."""
+import os
+
+import numpy as np
+import pytest
+
+import hvd_aps
+
+cupy = pytest.importorskip("cupy")
+try:
+    cupy.cuda.runtime.getDeviceCount()
+except cupy.cuda.runtime.CUDARuntimeError:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+SIZES = [1, 3, 1023, 1_000_003]
+
+
+def cpu(fn, *args, **kwargs):
+    os.environ["HVD_APS_ENGINE"] = "numpy"
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        del os.environ["HVD_APS_ENGINE"]
+
+
+def inputs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    with np.errstate(over="ignore"):
+        x = (rng.standard_normal(n) * np.exp2(rng.uniform(-150, 129, n))).astype(np.float32)
+    x[: min(n, 6)] = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45])[: min(n, 6)]
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(hvd_aps.PRESETS) + ["e5m3", "e4m0"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("n", SIZES)
+def test_encode_decode_match_the_cpu(name, rounding, n):
+    x = inputs(n)
+    want = cpu(hvd_aps.encode, x, name, rounding, seed=9, shift=5)
+    got = hvd_aps.encode(cupy.asarray(x), name, rounding, seed=9, shift=5)
+    assert isinstance(got, cupy.ndarray) and (cupy.asnumpy(got) == want).all()
+    decoded = cupy.asnumpy(hvd_aps.decode(got, name, shift=5))
+    assert (decoded.view(np.uint32) == cpu(hvd_aps.decode, want, name, shift=5).view(np.uint32)).all()
+
+
+def test_non_contiguous_and_sums():
+    x = inputs(4001).reshape(4001, 1)[::3]
+    assert (cupy.asnumpy(hvd_aps.encode(cupy.asarray(inputs(4001).reshape(4001, 1))[::3], "e4m3")) ==
+            cpu(hvd_aps.encode, x, "e4m3")).all()
+    codes = np.random.default_rng(1).integers(0, 255, (4, 10_001)).astype(np.uint8)
+    got = cupy.asnumpy(hvd_aps.decode_sum(cupy.asarray(codes), "e4m3", shift=2))
+    want = cpu(hvd_aps.decode_sum, codes, "e4m3", shift=2)
+    assert (got.view(np.uint32) == want.view(np.uint32)).all()
+
+
+@pytest.mark.parametrize("name", ["e2m1fn", "e3m2fn", "e4m3", "e5m10", "e1m2fn"])
+def test_pack_unpack_and_amax(name):
+    fmt = hvd_aps.FloatFormat.parse(name)
+    codes = np.random.default_rng(2).integers(0, 1 << fmt.bits, 10_007).astype(fmt.code_dtype)
+    packed = hvd_aps.pack(cupy.asarray(codes), fmt)
+    assert (cupy.asnumpy(packed) == cpu(hvd_aps.pack, codes, fmt)).all()
+    assert (cupy.asnumpy(hvd_aps.unpack(packed, fmt, codes.size)) == codes).all()
+    x = inputs(100_000)[6:]
+    assert hvd_aps.amax(cupy.asarray(x)) == cpu(hvd_aps.amax, x)
+    assert hvd_aps.amax(cupy.asarray(inputs(100))) == float("inf")
+
+
+def test_torch_and_tensorflow_inputs_stay_on_the_device():
+    torch = pytest.importorskip("torch")
+    x = inputs(10_000)
+    got = hvd_aps.encode(torch.from_numpy(x).cuda(), "e4m3")
+    assert isinstance(got, cupy.ndarray) and (cupy.asnumpy(got) == cpu(hvd_aps.encode, x, "e4m3")).all()
+    try:
+        import tensorflow as tf
+    except ImportError:
+        return
+    if tf.config.list_physical_devices("GPU"):
+        with tf.device("GPU:0"):
+            t = tf.constant(x)
+        assert (cupy.asnumpy(hvd_aps.encode(t, "e4m3")) == cpu(hvd_aps.encode, x, "e4m3")).all()
