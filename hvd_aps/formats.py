@@ -4,6 +4,7 @@ Names follow ml_dtypes' suffixes so that `e4m3` here is `ml_dtypes.float8_e4m3` 
 `ml_dtypes.float8_e4m3fn`; the codec is tested bit for bit against every format ml_dtypes has.
 """
 import dataclasses
+import math
 import re
 
 _VARIANTS = ("ieee", "fn")
@@ -103,6 +104,8 @@ class FloatFormat:
     @property
     def max(self):
         exp_field, man = divmod(self.max_code, 1 << self.man_bits)
+        if exp_field == 0:  # only e1mX ieee: its one finite binade is subnormal
+            return man / (1 << self.man_bits) * self.min_normal
         return (1 + man / (1 << self.man_bits)) * 2.0 ** (exp_field - self.bias)
 
     @property
@@ -116,7 +119,12 @@ class FloatFormat:
     @property
     def max_exponent(self):
         """floor(log2(max)): the largest power of two the format holds."""
-        return self.max_code // (1 << self.man_bits) - self.bias
+        return math.frexp(self.max)[1] - 1
+
+    @property
+    def max_ulp(self):
+        """Spacing of the grid at max: where the next value would be, had the format one."""
+        return 2.0 ** (max(self.max_exponent, 1 - self.bias) - self.man_bits)
 
     @property
     def ml_dtypes_name(self):
