@@ -8,7 +8,7 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     # ops/ (the kernel sources) ships inside the wheel as hvd_aps/ops.
-    packages=["hvd_aps", "hvd_aps.ops"],
+    packages=["hvd_aps", "hvd_aps.torch", "hvd_aps.tensorflow", "hvd_aps.ops"],
     package_dir={"hvd_aps.ops": "ops"},
     python_requires=">=3.9",
     install_requires=["numpy>=1.24"],

@@ -47,6 +47,11 @@ def array_module(a):
     return np
 
 
+def to_numpy(a):
+    """A NumPy copy of a CuPy array; NumPy arrays as they are."""
+    return a.get() if array_module(a) is not np else np.asarray(a)
+
+
 def _engine_for(a):
     if array_module(a) is not np:
         from . import _cupy_engine

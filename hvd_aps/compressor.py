@@ -17,7 +17,7 @@ import numpy as np
 from . import codec, scaling
 from .formats import FloatFormat
 
-_ADAPTERS = {"torch": "hvd_aps.torch", "tensorflow": "hvd_aps.tensorflow"}
+_ADAPTERS = {"torch": "hvd_aps.torch.adapter", "tensorflow": "hvd_aps.tensorflow.adapter"}
 _SCALINGS = ("aps", None)
 
 
@@ -31,6 +31,11 @@ class TensorStats:
     bytes_in: int = 0
     bytes_carried: int = 0  # what Horovod moves for it (per rank, before the allreduce)
     finite: bool = True     # False: some rank held NaN/Inf, so the tensor went unscaled
+
+    def __str__(self):
+        ratio = self.bytes_carried / self.bytes_in if self.bytes_in else 0.0
+        return (f"{self.bytes_in} gradient bytes in, {self.bytes_carried} carried ({ratio:.2f}x), "
+                f"{self.flushed:.2%} of nonzero values flushed to zero, {self.saturated} saturated")
 
 
 def _adapter(tensor):
@@ -91,31 +96,41 @@ class APSCompressor:
         return (((f.exp_bits * 32 + f.man_bits) * 2 + (f.variant == "fn")) * 2
                 + (self.rounding == "stochastic")) * 4 + (self.scaling == "aps") * 2 + bool(self.saturate)
 
-    def metadata(self, local_amax):
-        """The vector every rank Max-allreduces: [amax, signature, -signature]."""
-        return np.array([local_amax, self.signature, -self.signature], np.float32)
+    def metadata(self, *local_amaxes):
+        """The vector every rank Max-allreduces: [amax..., signature, -signature]."""
+        return np.array([*local_amaxes, self.signature, -self.signature], np.float32)
 
     def check_agreed(self, agreed):
         """From the Max-allreduced metadata to the agreed amax, after checking the signatures."""
-        amax, high, neg_low = (float(v) for v in np.asarray(agreed, np.float32).ravel())
+        return float(self.check_agreed_many(agreed, 1)[0])
+
+    def check_agreed_many(self, agreed, count):
+        """check_agreed for a metadata vector of `count` amaxes (one grouped allreduce)."""
+        agreed = np.asarray(agreed, np.float32).ravel()
+        if agreed.size != count + 2:
+            raise ValueError(f"metadata of {agreed.size} values for {count} tensors: ranks disagree on the bucket")
+        high, neg_low = float(agreed[-2]), float(agreed[-1])
         if high != -neg_low:
             raise ValueError(f"APSCompressor mismatch across ranks: this rank uses {self!r} (signature "
                              f"{self.signature}) but signatures range from {-neg_low:g} to {high:g}")
-        return amax
+        return agreed[:count].astype(np.float64)
+
+    def next_seed(self, rank):
+        """Seed for one stochastic encode: from (seed, rank, call number), so no two ranks or calls
+        share random bits."""
+        self._calls += 1
+        return hash((self.seed, rank, self._calls)) & ((1 << 64) - 1)
 
     def to_wire(self, x, agreed_amax, world_size, rank, label):
         """Scale x (NumPy, or CuPy on a GPU) by the agreed APS shift and round it onto the grid:
-        (carrier array, shift). Stochastic rounding draws from (seed, rank, call number), so no
-        two ranks or calls share random bits."""
+        (carrier array, shift)."""
         xp = codec.array_module(x)
         x = xp.ascontiguousarray(x, dtype=xp.float32)
         finite = bool(np.isfinite(agreed_amax))
         shift = scaling.shift_for(agreed_amax, world_size, self.fmt) if finite and self.scaling else 0
         if finite:
-            self._calls += 1
-            seed = hash((self.seed, rank, self._calls)) & ((1 << 64) - 1)
-            wire = codec.quantize(x, self.fmt, self.rounding, seed, self.saturate, shift, unscale=False,
-                                  dtype=self.carrier)
+            wire = codec.quantize(x, self.fmt, self.rounding, self.next_seed(rank), self.saturate, shift,
+                                  unscale=False, dtype=self.carrier)
         else:  # unscaled and unrounded: the NaN/Inf reaches every rank's sum
             wire = x.astype(self.carrier)
         if self.collect_stats:

@@ -44,21 +44,24 @@ def allreduce(arrays, fmt, aps=True, accumulate="fp32", kahan=False, rounding="n
     compensation; then unscaled and divided by N. Exact for man_bits <= 10: a float32 sum of two
     such grid values rounds at most once before the format's rounding. A NaN or Inf on any worker
     makes the tensor go unscaled and unrounded, so it stays visible in the result.
+    Stochastic rounding draws from (seed, flat index in the stacked workers' arrays).
     """
     fmt = FloatFormat.parse(fmt)
-    arrays = _validated(arrays)
+    stack = np.stack(_validated(arrays))  # (workers, ...): one codec call for all of them
     add = _summer(accumulate, fmt, kahan)
-    n = len(arrays)
-    amax = max(codec.amax(a) for a in arrays)
+    n = len(stack)
+    amax = codec.amax(stack)
     if not np.isfinite(amax):
-        return (np.sum(arrays, axis=0, dtype=np.float32) / np.float32(n)).astype(np.float32)
+        return (np.sum(stack, axis=0, dtype=np.float32) / np.float32(n)).astype(np.float32)
     shift = scaling.shift_for(amax, n, fmt) if aps else 0
-    base_seed = codec._check_seed(rounding, seed)
-    acc = comp = np.zeros_like(arrays[0])
-    for rank, a in enumerate(arrays):
-        term = codec.quantize(a, fmt, rounding, base_seed + rank, shift=shift, unscale=False)
-        acc, comp = add(acc, comp, term)
-    return (np.ldexp(acc, -shift, dtype=np.float32) / np.float32(n)).astype(np.float32)
+    codes = codec.encode(stack, fmt, rounding, seed, shift=shift)
+    if accumulate == "fp32" and not kahan:
+        total = codec.decode_sum(codes, fmt)  # decode and add in rank order, one pass per worker
+    else:
+        total = comp = np.zeros(stack.shape[1:], np.float32)
+        for term in codec.decode(codes, fmt):
+            total, comp = add(total, comp, term)
+    return (np.ldexp(total, -shift, dtype=np.float32) / np.float32(n)).astype(np.float32)
 
 
 def relative_error(result, arrays):

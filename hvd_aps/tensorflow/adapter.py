@@ -5,7 +5,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from . import codec
+from .. import codec
 
 
 def is_dense_float(tensor):

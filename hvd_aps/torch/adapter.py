@@ -4,7 +4,7 @@ No APS math here; hvd_aps.compressor holds it."""
 import horovod.torch as hvd
 import torch
 
-from . import codec
+from .. import codec
 
 # One name for every metadata allreduce: the calls are blocking and sequential (backward hooks
 # run one at a time), and a reused name hits Horovod's response cache (~1.3 ms instead of 2.4).

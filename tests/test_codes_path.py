@@ -1,0 +1,57 @@
+"""hvd_aps.torch.DistributedOptimizer under real `horovodrun --gloo` processes: 2 ranks, and 3,
+where shards do not divide evenly."""
+import numpy as np
+import pytest
+
+from horovod_run import horovodrun, load
+from test_wire import reference
+from workers.common import CODES_SIZES, codes_grads
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"codes{request.param}")
+    horovodrun("codes_checks.py", tmp, ranks=request.param)
+    return load(tmp, f"codes{request.param}", request.param)
+
+
+BIG = [i for i, s in enumerate(CODES_SIZES) if np.prod(s) >= 16]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1fn"])
+def test_equal_to_the_numpy_model_on_every_rank(ranks, fmt):
+    """Tensors of >= 16 elements travel as codes in one bucket, in reverse order: bit for bit as
+    the NumPy + ml_dtypes model. Smaller ones take Horovod's own float32 average."""
+    grads = [codes_grads(r) for r in range(len(ranks))]
+    want = dict(zip(BIG[::-1], reference([[g[i].ravel() for i in BIG[::-1]] for g in grads], fmt)))
+    for r in ranks:
+        for i in BIG:
+            assert r[f"{fmt}_{i}"].tobytes() == want[i].reshape(CODES_SIZES[i]).tobytes(), (fmt, i)
+        for i in set(range(len(CODES_SIZES))) - set(BIG):
+            exact = np.mean([g[i].astype(np.float64) for g in grads], axis=0)
+            assert np.allclose(r[f"{fmt}_{i}"], exact, rtol=1e-6, atol=0) and r[f"{fmt}_{i}"].shape == CODES_SIZES[i]
+        assert all(r[f"{fmt}_{i}"].tobytes() == ranks[0][f"{fmt}_{i}"].tobytes() for i in range(len(CODES_SIZES)))
+
+
+def test_bytes_sent_per_rank(ranks):
+    world = len(ranks)
+    elements = sum(int(np.prod(s)) for s in CODES_SIZES if np.prod(s) >= 16)
+    for fmt, per_element in (("e4m3", 1.0), ("e2m1fn", 0.5)):
+        ring = 2 * (world - 1) / world * elements * per_element
+        for r in ranks:
+            assert ring * 0.98 <= int(r[f"{fmt}_bytes"]) <= ring * 1.02 + 64
+
+
+def test_zeros_and_non_finite(ranks):
+    for r in ranks:
+        assert not np.isfinite(r["poisoned_0"]).all()  # the Inf reached every rank
+        assert (r["poisoned_1"] == 0).all()
+        for i in range(2, len(CODES_SIZES)):
+            assert np.isfinite(r[f"poisoned_{i}"]).all()
+
+
+def test_training_is_identical_on_every_rank(ranks):
+    for r in ranks[1:]:
+        assert r["params"].tobytes() == ranks[0]["params"].tobytes()
+    assert all(bool(r["unused_unchanged"]) for r in ranks)
+    assert int(ranks[0]["buckets"]) > 1

@@ -1,0 +1,61 @@
+"""Run under `horovodrun -np 2` (or 3) --gloo: hvd_aps.torch.DistributedOptimizer sending codes.
+Each rank saves OUTDIR/codes<N>_rank<r>.npz for tests/test_codes_path.py."""
+import sys
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+import hvd_aps
+import hvd_aps.torch
+from common import codes_grads
+
+hvd.init()
+rank, size, out = hvd.rank(), hvd.size(), {}
+
+
+def exchange(grads, fmt, key, **kwargs):
+    """Parameters whose gradients are exactly `grads` (loss = sum(p * g)); returns the averaged grads."""
+    params = [torch.zeros(g.shape, requires_grad=True) for g in grads]
+    opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), compression=hvd_aps.APSCompressor(fmt),
+                                             min_elements=16, **kwargs)
+    sum((p * torch.from_numpy(g)).sum() for p, g in zip(params, grads)).backward()
+    opt.synchronize()
+    out[f"{key}_bytes"] = np.array(opt.bytes_sent)
+    return [p.grad.numpy().copy() for p in params]
+
+
+for fmt in ("e4m3", "e2m1fn"):
+    for i, g in enumerate(exchange(codes_grads(rank), fmt, fmt)):
+        out[f"{fmt}_{i}"] = g
+poisoned = codes_grads(rank)
+poisoned[1][:] = 0.0  # an all-zero tensor
+if rank == size - 1:
+    poisoned[0][5] = np.inf
+for i, g in enumerate(exchange(poisoned, "e4m3", "poisoned")):
+    out[f"poisoned_{i}"] = g
+
+
+def train():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
+    unused = torch.nn.Linear(8, 8)  # parameters that never get a gradient
+    params = list(model.parameters()) + list(unused.parameters())
+    named = list(model.named_parameters()) + [(f"unused.{n}", p) for n, p in unused.named_parameters()]
+    opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), named_parameters=named,
+                                             compression=hvd_aps.APSCompressor("e4m3"), bucket_bytes=40_000, min_elements=100,
+                                             backward_passes_per_step=2)
+    gen = torch.Generator().manual_seed(rank)
+    before = unused.weight.detach().clone()
+    for _ in range(3):
+        for _ in range(2):
+            model(torch.randn(8, 64, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    out["unused_unchanged"] = np.array(bool(torch.equal(before, unused.weight)))
+    out["buckets"] = np.array(len(opt._buckets))
+    return torch.cat([p.detach().ravel() for p in model.parameters()]).numpy()
+
+
+out["params"] = train()
+np.savez(f"{sys.argv[1]}/codes{size}_rank{rank}.npz", **out)
