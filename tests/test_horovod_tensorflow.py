@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from horovod_run import horovodrun, load
+from test_wire import reference
+from workers.common import CODES_SIZES, codes_grads
 from test_horovod_torch import stock_reference
 from workers.common import KERAS_LR, KERAS_W0, keras_data, rank_data
 
@@ -29,7 +31,8 @@ def test_naive_zeros_nan_and_dtype(ranks):
         assert bool(r["f16_dtype_ok"])
 
 
-@pytest.mark.parametrize("key", ["tape_graph", "tape_eager", "v1_optimizer", "keras_aps"])
+@pytest.mark.parametrize("key", ["tape_graph", "tape_eager", "v1_optimizer", "keras_aps", "tape_codes_graph",
+                                 "keras_codes"])
 def test_training_leaves_parameters_bit_identical(ranks, key):
     assert ranks[0][key].tobytes() == ranks[1][key].tobytes()
     assert np.isfinite(ranks[0][key]).all()
@@ -56,3 +59,24 @@ def test_keras3_wrapper_averages_like_one_process_on_all_data(ranks):
 def test_format_mismatch_fails_on_every_rank(ranks):
     for r in ranks:
         assert "APSCompressor mismatch across ranks" in str(r["mismatch"])
+
+
+@pytest.mark.parametrize("key, fmt", [("codes_e4m3", "e4m3"), ("codes_e2m1fn", "e2m1fn"), ("codes_graph", "e4m3")])
+def test_codes_path_equals_the_numpy_model(ranks, key, fmt):
+    big = [i for i, s in enumerate(CODES_SIZES) if np.prod(s) >= 16]
+    grads = [codes_grads(r) for r in range(2)]
+    want = dict(zip(big[::-1], reference([[g[i].ravel() for i in big[::-1]] for g in grads], fmt)))
+    for r in ranks:
+        for i in big:
+            assert r[f"{key}_{i}"].tobytes() == want[i].reshape(CODES_SIZES[i]).tobytes(), (key, i)
+
+
+def test_codes_path_non_finite_stays_visible(ranks):
+    for r in ranks:
+        assert np.isnan(r["codes_nan"]).all()
+
+
+def test_keras_codes_close_to_one_process(ranks):
+    want = keras_reference()
+    update = np.abs(want - np.append(KERAS_W0.ravel(), 0.0))
+    assert (np.abs(ranks[0]["keras_codes"] - want) <= 0.07 * update + 1e-6).all()

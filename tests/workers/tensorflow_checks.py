@@ -9,7 +9,8 @@ import tensorflow as tf
 
 import hvd_aps
 import hvd_aps.keras
-from common import KERAS_LR, KERAS_W0, keras_data, poisoned, rank_data
+import hvd_aps.tensorflow
+from common import KERAS_LR, KERAS_W0, codes_grads, keras_data, poisoned, rank_data
 
 hvd.init()
 rank, out = hvd.rank(), {}
@@ -33,14 +34,16 @@ out["nan"] = reduce(poisoned(rank, np.nan), e4m3)
 out["f16_dtype_ok"] = np.array(hvd.allreduce(tf.constant(rank_data(rank), tf.float16), compression=e4m3).dtype == tf.float16)
 
 
-def tape_training(use_function):
+def tape_training(use_function, codes=False):
     w = tf.Variable(tf.linspace(-1.0, 1.0, 10)[:, None])
     b = tf.Variable([0.5])
 
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((tf.matmul(xb, w) + b - yb) ** 2)
-        grads = hvd.DistributedGradientTape(tape, compression=e4m3).gradient(loss, [w, b])
+        wrapped = (hvd_aps.tensorflow.DistributedGradientTape(tape, e4m3, min_elements=1) if codes
+                   else hvd.DistributedGradientTape(tape, compression=e4m3))
+        grads = wrapped.gradient(loss, [w, b])
         for v, g in zip([w, b], grads):
             v.assign_sub(0.1 * g)
 
@@ -53,6 +56,7 @@ def tape_training(use_function):
 
 out["tape_graph"] = tape_training(True)
 out["tape_eager"] = tape_training(False)
+out["tape_codes_graph"] = tape_training(True, codes=True)
 
 v1_w = tf.Variable(tf.ones([4, 1]))
 v1 = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), compression=e4m3)
@@ -62,18 +66,33 @@ for _ in range(2):
 out["v1_optimizer"] = v1_w.numpy().ravel()
 
 
-def keras_step(compression):
+def keras_step(compression, codes=False):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.set_weights([KERAS_W0 * (rank + 1), np.array([rank], np.float32)])  # rank 0's must win
-    opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.SGD(KERAS_LR), compression=compression)
+    opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.SGD(KERAS_LR), compression=compression, codes=codes,
+                                             min_elements=1)
     model.compile(optimizer=opt, loss="mse")
     x, y = keras_data(rank)
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, callbacks=[hvd_aps.keras.BroadcastInitialState()])
     return np.concatenate([w.ravel() for w in model.get_weights()])
 
 
+# Codes on the wire: the same tensors as the torch codes test, eagerly and in a graph
+for fmt in ("e4m3", "e2m1fn"):
+    grads = [tf.constant(g) for g in codes_grads(rank)]
+    for i, g in enumerate(hvd_aps.tensorflow.allreduce_codes(grads, hvd_aps.APSCompressor(fmt), min_elements=16)):
+        out[f"codes_{fmt}_{i}"] = g.numpy()
+graph_codes = tf.function(lambda gs: hvd_aps.tensorflow.allreduce_codes(gs, e4m3, min_elements=16, name="g"))
+for i, g in enumerate(graph_codes([tf.constant(g) for g in codes_grads(rank)])):
+    out[f"codes_graph_{i}"] = g.numpy()
+nonfinite = codes_grads(rank)
+nonfinite[0][3] = np.nan if rank == 1 else nonfinite[0][3]
+out["codes_nan"] = hvd_aps.tensorflow.allreduce_codes([tf.constant(g) for g in nonfinite], e4m3, min_elements=16,
+                                                      name="nan")[0].numpy()
+
 out["keras_none"] = keras_step(hvd.Compression.none)
 out["keras_aps"] = keras_step(hvd_aps.APSCompressor("e4m3"))
+out["keras_codes"] = keras_step(hvd_aps.APSCompressor("e4m3"), codes=True)
 
 try:
     reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3" if rank == 0 else "e5m2"))
