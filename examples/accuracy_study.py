@@ -33,8 +33,9 @@ import hvd_aps
 from hvd_aps import emulate
 from hvd_aps.compressor import from_name
 
-SETTINGS = ["none", "fp16", "naive-e4m3", "naive-e5m2", "aps-e4m3", "aps-e5m2", "aps-e3m0"]
-QUICK_SETTINGS = ["none", "naive-e4m3", "aps-e4m3"]
+SETTINGS = ["none", "fp16", "naive-e4m3", "naive-e5m2", "aps-e4m3", "aps-e5m2", "aps-e3m0",
+            "codes-e4m3", "codes-e5m2", "codes-e3m0"]  # codes-*: Horovod only (hvd_aps.torch.DistributedOptimizer)
+QUICK_SETTINGS = ["none", "naive-e4m3", "aps-e4m3", "codes-e4m3"]
 GLOBAL_BATCH = 256
 
 
@@ -57,15 +58,25 @@ def evaluate(model, x, y):
 
 
 class HorovodAverager:
-    """Gradients averaged by horovod.torch.DistributedOptimizer through the setting's compressor."""
+    """Gradients averaged by horovod.torch.DistributedOptimizer through the setting's compressor,
+    or, for codes-<format>, by hvd_aps.torch.DistributedOptimizer sending the codes themselves."""
+
+    MIN_ELEMENTS = 4096  # codes path: smaller tensors (the biases here) take a float32 allreduce
 
     def __init__(self, setting, workers):
         import horovod.torch as hvd
         self.hvd, self.setting, self.workers = hvd, setting, workers
-        self.compression = from_name(setting, hvd.Compression)
+        self.codes = setting.startswith("codes-")
+        self.compression = (hvd_aps.APSCompressor(setting.partition("-")[2]) if self.codes
+                            else from_name(setting, hvd.Compression))
 
     def optimizer(self, model, lr):
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        self.sizes = [p.numel() for p in model.parameters()]
+        if self.codes:
+            import hvd_aps.torch
+            return hvd_aps.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                                      compression=self.compression, min_elements=self.MIN_ELEMENTS)
         return self.hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                              compression=self.compression)
 
@@ -76,8 +87,12 @@ class HorovodAverager:
         opt.step()
 
     def bytes_per_step(self, n_params):
+        """Payload one rank hands to the collectives per step (a ring moves 2(N-1)/N of it)."""
+        if self.codes:
+            bits = self.compression.fmt.bits
+            return sum(-(-n * bits // 8) if n >= self.MIN_ELEMENTS else 4 * n for n in self.sizes)
         if isinstance(self.compression, hvd_aps.APSCompressor):
-            return self.compression.totals().bytes_carried
+            return self.compression.totals().bytes_carried // self.steps
         return n_params * (2 if self.setting == "fp16" else 4)
 
 
@@ -120,6 +135,7 @@ def train(averager, seed, args, log):
     (x, y), (x_test, y_test) = data()
     model = mlp()
     opt = averager.optimizer(model, args.lr / args.loss_scale)
+    averager.steps = steps
     gen = torch.Generator().manual_seed(seed)
     curve = {"step": [], "test_accuracy": [], "train_loss": []}
     for step in range(1, steps + 1):
@@ -210,6 +226,7 @@ def main():
     torch.set_num_threads(1)
 
     if args.emulate:
+        settings = [s for s in settings if not s.startswith("codes-")]  # the codes path needs real ranks
         for workers in (int(w) for w in args.emulate.split(",")):
             if GLOBAL_BATCH % workers:
                 parser.error(f"{workers} workers do not divide the global batch of {GLOBAL_BATCH}")

@@ -60,7 +60,8 @@ def main():
     if hvd.rank() == 0:
         print(f"final test accuracy {acc:.4f}")
         if isinstance(compression, hvd_aps.APSCompressor):
-            print(f"last step, per rank: {compression.totals()}")
+            t = compression.totals()
+            print(f"per rank, all {args.epochs} epochs: {t}")
 
 
 if __name__ == "__main__":

@@ -23,14 +23,26 @@ _SCALINGS = ("aps", None)
 
 @dataclasses.dataclass
 class TensorStats:
-    """What the last compress() of one tensor did."""
+    """What compress() did to one tensor, or (summed with +) to many."""
     shift: int = 0          # APS exponent applied before rounding (0 with scaling=None)
     elements: int = 0
-    flushed: float = 0.0    # fraction of nonzero inputs that rounded to zero
+    nonzero: int = 0        # nonzero inputs ...
+    flushed_count: int = 0  # ... of which rounded to zero
     saturated: int = 0      # finite inputs whose scaled magnitude exceeded the format's max
     bytes_in: int = 0
     bytes_carried: int = 0  # what Horovod moves for it (per rank, before the allreduce)
     finite: bool = True     # False: some rank held NaN/Inf, so the tensor went unscaled
+
+    @property
+    def flushed(self):
+        """Fraction of nonzero inputs that rounded to zero."""
+        return self.flushed_count / self.nonzero if self.nonzero else 0.0
+
+    def __add__(self, other):
+        return TensorStats(other.shift, self.elements + other.elements, self.nonzero + other.nonzero,
+                           self.flushed_count + other.flushed_count, self.saturated + other.saturated,
+                           self.bytes_in + other.bytes_in, self.bytes_carried + other.bytes_carried,
+                           self.finite and other.finite)
 
     def __str__(self):
         ratio = self.bytes_carried / self.bytes_in if self.bytes_in else 0.0
@@ -54,7 +66,9 @@ class APSCompressor:
     rounding: "nearest" (ties to even) or "stochastic" (seeded per rank and call).
     scaling: "aps" (default) or None for the naive cast without scaling, for comparison.
     saturate: clamp finite overflow to +-max instead of Inf/NaN.
-    stats: record a TensorStats per tensor in `self.stats` (costs two passes over the data).
+    stats: record what each compress() did (costs two passes over the data): `stats[label]` holds
+    the last call per tensor label (TF: the gradient's graph name; torch: dtype and shape, so
+    tensors of one shape share an entry), `totals()` the sum of every call since `reset_stats()`.
 
     Every rank must use an equal compressor: compress() checks the format and options across ranks
     in the same Max-allreduce that agrees on the scale, and raises on a mismatch.
@@ -69,8 +83,8 @@ class APSCompressor:
         self.rounding, self.scaling, self.saturate, self.collect_stats = rounding, scaling, saturate, stats
         self.carrier = np.dtype(np.float16 if self.fmt.fits_float16 else np.float32)
         self.seed = secrets.randbits(63) if seed is None else int(seed)
-        self.stats = {}
         self._calls = 0
+        self.reset_stats()
 
     def __repr__(self):
         return (f"APSCompressor({str(self.fmt)!r}, rounding={self.rounding!r}, scaling={self.scaling!r}, "
@@ -135,6 +149,7 @@ class APSCompressor:
             wire = x.astype(self.carrier)
         if self.collect_stats:
             self.stats[label] = self._measure(xp, x, wire, shift, finite)
+            self._total = self._total + self.stats[label]
         return wire, shift
 
     def from_wire(self, wire, shift):
@@ -145,19 +160,17 @@ class APSCompressor:
     def _measure(self, xp, x, wire, shift, finite):
         limit = np.float32(np.ldexp(self.fmt.max, -shift)) if finite else np.inf
         nonzero = int(xp.count_nonzero(x))
-        return TensorStats(shift=shift, elements=x.size,
-                           flushed=(nonzero - int(xp.count_nonzero(wire))) / nonzero if nonzero else 0.0,
+        return TensorStats(shift=shift, elements=x.size, nonzero=nonzero,
+                           flushed_count=nonzero - int(xp.count_nonzero(wire)),
                            saturated=int(xp.count_nonzero((x > limit) | (x < -limit))) if finite else 0,
                            bytes_in=x.nbytes, bytes_carried=wire.nbytes, finite=finite)
 
     def totals(self):
-        """TensorStats summed over the tensors of the last round (flushed weighted by elements)."""
-        s = list(self.stats.values())
-        n = sum(t.elements for t in s)
-        return TensorStats(shift=0, elements=n, flushed=sum(t.flushed * t.elements for t in s) / n if n else 0.0,
-                           saturated=sum(t.saturated for t in s), bytes_in=sum(t.bytes_in for t in s),
-                           bytes_carried=sum(t.bytes_carried for t in s), finite=all(t.finite for t in s))
+        """TensorStats summed over every compress() since reset_stats()."""
+        return self._total
 
+    def reset_stats(self):
+        self.stats, self._total = {}, TensorStats()
 
 def from_name(name, stock):
     """A compressor from a command-line name: "none" and "fp16" give Horovod's own (`stock` is the
