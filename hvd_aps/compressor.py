@@ -141,7 +141,9 @@ class APSCompressor:
         xp = codec.array_module(x)
         x = xp.ascontiguousarray(x, dtype=xp.float32)
         finite = bool(np.isfinite(agreed_amax))
-        shift = scaling.shift_for(agreed_amax, world_size, self.fmt) if finite and self.scaling else 0
+        # Horovod sums the carrier dtype: the sum needs headroom only within that dtype's range
+        sum_max = float(np.finfo(self.carrier).max)
+        shift = scaling.shift_for(agreed_amax, world_size, self.fmt, sum_max) if finite and self.scaling else 0
         if finite:
             wire = codec.quantize(x, self.fmt, self.rounding, self.next_seed(rank), self.saturate, shift,
                                   unscale=False, dtype=self.carrier)

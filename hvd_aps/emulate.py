@@ -37,7 +37,8 @@ def _summer(accumulate, fmt, kahan):
 def allreduce(arrays, fmt, aps=True, accumulate="fp32", kahan=False, rounding="nearest", seed=None):
     """The average that N workers (one per array) get from an allreduce carrying `fmt`.
 
-    Each worker rounds its gradient, scaled by the APS shift agreed over all workers (aps=True)
+    Each worker rounds its gradient, scaled by the APS shift agreed over all workers (aps=True;
+    the x N headroom only with accumulate="format", where the sum could overflow the format)
     or unscaled (aps=False, the naive cast), onto fmt's grid. The terms are summed in rank order
     in float32 (accumulate="fp32", what hvd_aps's wire paths do) or with a rounding to fmt after
     every addition (accumulate="format", the paper's low-precision ring), optionally with Kahan
@@ -53,7 +54,9 @@ def allreduce(arrays, fmt, aps=True, accumulate="fp32", kahan=False, rounding="n
     amax = codec.amax(stack)
     if not np.isfinite(amax):
         return (np.sum(stack, axis=0, dtype=np.float32) / np.float32(n)).astype(np.float32)
-    shift = scaling.shift_for(amax, n, fmt) if aps else 0
+    # headroom for the sum where it is accumulated: x N in the format, none needed in float32
+    sum_max = fmt.max if accumulate == "format" else float(np.finfo(np.float32).max)
+    shift = scaling.shift_for(amax, n, fmt, sum_max) if aps else 0
     codes = codec.encode(stack, fmt, rounding, seed, shift=shift)
     if accumulate == "fp32" and not kahan:
         total = codec.decode_sum(codes, fmt)  # decode and add in rank order, one pass per worker

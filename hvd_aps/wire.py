@@ -25,6 +25,7 @@ import numpy as np
 from . import codec, scaling
 
 _SHIFT = np.dtype("<i2")  # re-encode exponents on the wire
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # shards are summed in float32: no x N headroom needed
 
 
 def shard_starts(total, world):
@@ -79,7 +80,7 @@ class CodesExchange:
         """-> (bytes to alltoall, bytes per destination rank, State)."""
         amaxes = self.comp.check_agreed_many(agreed, len(flats))
         finite = np.isfinite(amaxes)
-        shifts = (scaling.shifts_for(np.where(finite, amaxes, 0), self.world, self.fmt) if self.comp.scaling
+        shifts = (scaling.shifts_for(np.where(finite, amaxes, 0), self.world, self.fmt, _FLOAT32_MAX) if self.comp.scaling
                   else np.zeros(len(flats), np.int64))
         included = [i for i in range(len(flats)) if finite[i]]
         state = State(Plan([flats[i].size for i in included], self.world), shifts, included,

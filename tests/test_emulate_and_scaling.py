@@ -6,6 +6,9 @@ import hvd_aps
 from hvd_aps import emulate, scaling
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def gaussian_ranks(n=8, size=100_000, sigma=1e-4, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.normal(0, sigma, size).astype(np.float32) for _ in range(n)]
@@ -18,6 +21,10 @@ def test_shift_examples():
     assert scaling.shift_for(0.0, 8, hvd_aps.e4m3) == 0
     assert scaling.shift_for(np.inf, 8, hvd_aps.e4m3) == 0
     assert scaling.shifts_for([1e-4, 0.0, 1e3], 8, "e5m2").tolist() == [26, 0, 2]
+    # the headroom follows the accumulator: a float16 sum has room for 272 e4m3 maxima, float32 for all
+    assert scaling.shift_for(1e-4, 8, hvd_aps.e4m3, sum_max=65504.0) == 21
+    assert scaling.shift_for(1.0, 32, hvd_aps.e3m0) == -2 and scaling.shift_for(1.0, 32, hvd_aps.e3m0, F32_MAX) == 3
+    assert scaling.shift_for(1.0, 4, hvd_aps.e5m2, sum_max=65504.0) == 13  # 4 x 2**14 > 65504: float16 binds
     with pytest.raises(ValueError, match="world_size"):
         scaling.shift_for(1.0, 0, hvd_aps.e4m3)
     with pytest.raises(ValueError, match=">= 0"):
@@ -26,7 +33,7 @@ def test_shift_examples():
 
 def test_emulated_allreduce_equals_an_ml_dtypes_reference():
     arrays = gaussian_ranks(4, 10_000)
-    s = scaling.shift_for(max(float(np.abs(a).max()) for a in arrays), 4, hvd_aps.e4m3)
+    s = scaling.shift_for(max(float(np.abs(a).max()) for a in arrays), 4, hvd_aps.e4m3, F32_MAX)
     terms = [np.ldexp(a, s).astype(ml_dtypes.float8_e4m3).astype(np.float32) for a in arrays]
     acc = np.zeros_like(arrays[0])
     for t in terms:

@@ -9,10 +9,10 @@ from workers.common import poisoned, rank_data
 
 
 def stock_reference(arrays, fmt_dtype, fmt, average=True):
-    """The stock path in NumPy: agreed shift, ml_dtypes rounding, float16 sum, Horovod's 1/N
-    postscale in float16, unscale."""
+    """The stock path in NumPy: agreed shift (headroom for a float16 sum), ml_dtypes rounding,
+    float16 sum, Horovod's 1/N postscale in float16, unscale."""
     n = len(arrays)
-    s = scaling.shift_for(max(float(np.abs(a).max()) for a in arrays), n, fmt)
+    s = scaling.shift_for(max(float(np.abs(a).max()) for a in arrays), n, fmt, sum_max=65504.0)
     terms = [np.ldexp(a, s).astype(fmt_dtype).astype(np.float16) for a in arrays]
     total = terms[0]
     for t in terms[1:]:

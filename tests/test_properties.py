@@ -57,9 +57,11 @@ def test_pack_unpack_round_trip(exp_bits, man_bits, n, data):
 
 @settings(max_examples=300, deadline=None)
 @given(st.floats(min_value=0.0, width=32, exclude_min=True, allow_infinity=False, allow_nan=False), st.integers(1, 4096),
-       st.sampled_from(sorted(hvd_aps.PRESETS)))
-def test_aps_shift_fits_the_sum_and_wastes_under_one_binade(amax, n, name):
+       st.sampled_from(sorted(hvd_aps.PRESETS)), st.sampled_from([None, 65504.0, 3.4028234663852886e38]))
+def test_aps_shift_fits_the_sum_and_wastes_under_one_binade(amax, n, name, sum_max):
     fmt = hvd_aps.PRESETS[name]
-    s = scaling.shift_for(amax, n, fmt)
-    peak = n * amax * 2.0 ** s  # exact in float64
-    assert peak <= fmt.max < 2 * peak
+    s = scaling.shift_for(amax, n, fmt, sum_max)
+    limit = fmt.max if sum_max is None else sum_max
+    term, total = amax * 2.0 ** s, n * amax * 2.0 ** s  # exact in float64
+    assert term <= fmt.max and total <= limit  # every rank's value and the sum fit ...
+    assert 2 * term > fmt.max or 2 * total > limit  # ... and one more binade would not

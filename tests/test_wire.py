@@ -26,7 +26,9 @@ def simulate(grads, fmt, average=True):
 def reference(grads, fmt, average=True):
     """The same arithmetic, written from the description in hvd_aps/wire.py with ml_dtypes."""
     world, dtype = len(grads), TWINS[fmt]
-    shifts = [scaling.shift_for(max(float(np.abs(g[t]).max()) for g in grads), world, fmt) for t in range(len(grads[0]))]
+    f32_max = float(np.finfo(np.float32).max)  # shards are summed in float32: no x N headroom
+    shifts = [scaling.shift_for(max(float(np.abs(g[t]).max()) for g in grads), world, fmt, f32_max)
+              for t in range(len(grads[0]))]
     flat_sum = np.concatenate([
         sum_in_order([np.ldexp(np.ldexp(g[t], s).astype(dtype).astype(np.float32), -s) for g in grads])
         for t, s in enumerate(shifts)])
