@@ -27,29 +27,35 @@ def _fmt_args(fmt):
     return np.int32(fmt.exp_bits), np.int32(fmt.man_bits), np.int32(fmt.policy)
 
 
-def encode(x, fmt, shift, rounding, seed, saturate):
+def encode(x, fmt, shift, rounding, seed, saturate, out=None):
     x = cupy.ascontiguousarray(x, dtype=cupy.float32)
-    out = cupy.empty(x.shape, dtype=fmt.code_dtype)
+    out = cupy.empty(x.shape, dtype=fmt.code_dtype) if out is None else out
     name = "hvd_encode_u8" if out.itemsize == 1 else "hvd_encode_u16"
     _launch(name, max(1, x.size // 4), x, out, np.int64(x.size), *_fmt_args(fmt), np.int32(saturate),
             np.int32(shift), np.int32(rounding == "stochastic"), np.uint64(seed), np.int32(x.data.ptr % 16 == 0))
     return out
 
 
-def decode_accumulate(codes, fmt, shift, out=None):
+def decode_accumulate(codes, fmt, shift, out=None, accumulate=True):
     """out (+)= the float32 sum over codes' leading axis (one buffer per rank) of decode * 2^-shift."""
     codes = cupy.ascontiguousarray(codes, dtype=fmt.code_dtype)
     ranks, n = (1, codes.size) if codes.ndim < 2 else (codes.shape[0], codes[0].size)
-    accumulate = out is not None
+    accumulate = accumulate and out is not None
     out = cupy.empty(codes.shape[1:] if codes.ndim >= 2 else codes.shape, cupy.float32) if out is None else out
     name = "hvd_decode_u8" if codes.itemsize == 1 else "hvd_decode_u16"
     _launch(name, n, codes, out, np.int64(n), np.int32(ranks), np.int32(accumulate), *_fmt_args(fmt), np.int32(shift))
     return out
 
 
-def decode(codes, fmt, shift, dtype):
-    out = decode_accumulate(codes.reshape((1,) + codes.shape), fmt, shift)
-    return out if dtype == np.float32 else out.astype(dtype)
+def decode(codes, fmt, shift, dtype, out=None):
+    stacked = cupy.ascontiguousarray(codes).reshape((1,) + codes.shape)
+    if dtype == np.float32:
+        return decode_accumulate(stacked, fmt, shift, out, accumulate=False)
+    values = decode_accumulate(stacked, fmt, shift).astype(dtype)
+    if out is None:
+        return values
+    out[...] = values
+    return out
 
 
 def pack(codes, bits):

@@ -47,6 +47,10 @@ def _load():
     for name in ("hvd_unpack_u8", "hvd_unpack_u16"):
         getattr(lib, name).argtypes = [ptr, i32, ptr, i64, i64]
         getattr(lib, name).restype = None
+    lib.hvd_pack_nibbles.argtypes = [ptr, i64, ptr, i64, i64]
+    lib.hvd_pack_nibbles.restype = None
+    lib.hvd_unpack_nibbles.argtypes = [ptr, ptr, i64, i64]
+    lib.hvd_unpack_nibbles.restype = None
     lib.hvd_amax.argtypes = [ptr, i64]
     lib.hvd_amax.restype = ctypes.c_float
     return lib
@@ -77,9 +81,9 @@ def _c_fmt(fmt, saturate=False):
     return _Fmt(fmt.exp_bits, fmt.man_bits, fmt.policy, int(bool(saturate)))
 
 
-def encode(x, fmt, shift, rounding, seed, saturate):
+def encode(x, fmt, shift, rounding, seed, saturate, out=None):
     x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty(x.shape, dtype=fmt.code_dtype)
+    out = np.empty(x.shape, dtype=fmt.code_dtype) if out is None else out
     cfmt, stochastic = _c_fmt(fmt, saturate), int(rounding == "stochastic")
     xp, op = x.ctypes.data, out.ctypes.data
     size = out.itemsize
@@ -97,9 +101,9 @@ def decode_table(fmt, shift):
     return table
 
 
-def decode(codes, fmt, shift, dtype):
+def decode(codes, fmt, shift, dtype, out=None):
     codes = np.ascontiguousarray(codes, dtype=fmt.code_dtype)
-    out = np.empty(codes.shape, dtype=dtype)
+    out = np.empty(codes.shape, dtype=dtype) if out is None else out
     table = decode_table(fmt, shift).astype(dtype)
     gather = getattr(_lib, f"hvd_gather_u{8 * codes.itemsize}_f{8 * out.itemsize}")
     cp, op, tp, csize, osize = codes.ctypes.data, out.ctypes.data, table.ctypes.data, codes.itemsize, out.itemsize
@@ -108,7 +112,8 @@ def decode(codes, fmt, shift, dtype):
 
 
 def decode_accumulate(codes, fmt, shift, out=None):
-    codes = np.ascontiguousarray(codes, dtype=fmt.code_dtype)
+    if codes.strides[-1] != codes.itemsize:  # each rank's row must be contiguous, not the whole array
+        codes = np.ascontiguousarray(codes)
     out = np.zeros(codes.shape[1:], np.float32) if out is None else out
     table = decode_table(fmt, shift)
     add = _lib.hvd_accumulate_u8 if codes.itemsize == 1 else _lib.hvd_accumulate_u16
@@ -121,17 +126,23 @@ def decode_accumulate(codes, fmt, shift, out=None):
 
 def pack(codes, bits):
     out = np.empty(-(-codes.size * bits // 8), np.uint8)
-    fn = _lib.hvd_pack_u8 if codes.itemsize == 1 else _lib.hvd_pack_u16
     cp, op, n = codes.ctypes.data, out.ctypes.data, codes.size
-    _run(lambda lo, hi: fn(cp, n, bits, op, lo, hi), out.size)
+    if bits == 4:
+        _run(lambda lo, hi: _lib.hvd_pack_nibbles(cp, n, op, lo, hi), out.size)
+    else:
+        fn = _lib.hvd_pack_u8 if codes.itemsize == 1 else _lib.hvd_pack_u16
+        _run(lambda lo, hi: fn(cp, n, bits, op, lo, hi), out.size)
     return out
 
 
 def unpack(packed, bits, n, dtype):
     out = np.empty(n, dtype)
-    fn = _lib.hvd_unpack_u8 if dtype.itemsize == 1 else _lib.hvd_unpack_u16
     pp, op = packed.ctypes.data, out.ctypes.data
-    _run(lambda lo, hi: fn(pp, bits, op, lo, hi), n)
+    if bits == 4:
+        _run(lambda lo, hi: _lib.hvd_unpack_nibbles(pp, op, lo, hi), n)
+    else:
+        fn = _lib.hvd_unpack_u8 if dtype.itemsize == 1 else _lib.hvd_unpack_u16
+        _run(lambda lo, hi: fn(pp, bits, op, lo, hi), n)
     return out
 
 

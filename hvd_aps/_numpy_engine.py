@@ -43,8 +43,8 @@ def _special_codes(a, sign, fmt):
     return np.where(is_inf, (sign << top) | np.uint32(max_code), (sign ^ np.uint32(1)) << top)
 
 
-def encode(x, fmt, shift, rounding, seed, saturate):
-    """Codes of x * 2**shift (x float32, any shape) as uint32."""
+def encode(x, fmt, shift, rounding, seed, saturate, out=None):
+    """Codes of x * 2**shift (x float32, any shape): uint32, or written into `out`."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     sign, a = u >> np.uint32(31), u & np.uint32(0x7FFFFFFF)
     e32 = (a >> np.uint32(23)).astype(np.int64)
@@ -79,7 +79,10 @@ def encode(x, fmt, shift, rounding, seed, saturate):
     special = a >= 0x7F800000
     if special.any():
         codes[special] = _special_codes(a[special], sign[special], fmt)
-    return codes
+    if out is None:
+        return codes
+    out[...] = codes
+    return out
 
 
 def decode_table(fmt, shift):
@@ -104,8 +107,8 @@ def decode_table(fmt, shift):
     return values.astype(np.float32)
 
 
-def decode(codes, fmt, shift, dtype):
-    return decode_table(fmt, shift).astype(dtype)[codes]
+def decode(codes, fmt, shift, dtype, out=None):
+    return np.take(decode_table(fmt, shift).astype(dtype), codes, out=out)
 
 
 def decode_accumulate(codes, fmt, shift, out=None):

@@ -101,19 +101,33 @@ def _check_seed(rounding, seed):
     return int(seed) & ((1 << 64) - 1)
 
 
-def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0):
+def _check_out(out, shape, dtype, like):
+    """`out` as given, after checking it can take the result (None: the engine allocates)."""
+    if out is None:
+        return None
+    if array_module(out) is not array_module(like) or out.dtype != np.dtype(dtype) or out.shape != shape:
+        raise ValueError(f"out must be a {np.dtype(dtype)} array of shape {shape} on the input's device, "
+                         f"got {out.dtype}{out.shape}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be contiguous")
+    return out
+
+
+def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, out=None):
     """Codes of x * 2**shift in `fmt`: uint8 for formats of <= 8 bits, else uint16.
 
     x: float32 array (float16, bfloat16, float64 and integer arrays are converted to float32 first).
     rounding="stochastic" rounds up with probability equal to the discarded fraction, from a
     counter-based hash of (seed, flat index): the same seed gives the same codes on every engine.
     saturate=True clamps finite overflow to +-max; Inf and NaN stay non-finite where the format
-    can say so, because hiding them would hide a diverging run.
+    can say so, because hiding them would hide a diverging run. `out`: a contiguous array of the
+    code dtype and x's shape to write into (hot paths reuse their buffers).
     """
     fmt = FloatFormat.parse(fmt)
     seed = _check_seed(rounding, seed)
     x, shift = _as_float32(x), _check_shift(shift)
-    return _engine_for(x).encode(x, fmt, shift, rounding, seed, saturate).astype(fmt.code_dtype, copy=False)
+    out = _check_out(out, x.shape, fmt.code_dtype, x)
+    return _engine_for(x).encode(x, fmt, shift, rounding, seed, saturate, out).astype(fmt.code_dtype, copy=False)
 
 
 def _check_dtype(dtype, fmt):
@@ -125,9 +139,9 @@ def _check_dtype(dtype, fmt):
     return dtype
 
 
-def decode(codes, fmt, shift=0, dtype=np.float32):
+def decode(codes, fmt, shift=0, dtype=np.float32, out=None):
     """Values of `codes` (as produced by encode) times 2**-shift, as float32 (or float16 where
-    fmt.fits_float16 and the scaled values stay in float16's range)."""
+    fmt.fits_float16 and the scaled values stay in float16's range), into `out` if given."""
     fmt = FloatFormat.parse(fmt)
     codes = as_array(codes)
     if codes.dtype.kind not in "ui":
@@ -135,7 +149,8 @@ def decode(codes, fmt, shift=0, dtype=np.float32):
     if codes.size and int(codes.max()) >= 1 << fmt.bits:
         raise ValueError(f"codes hold values >= 2**{fmt.bits}, which {fmt} cannot have produced")
     dtype = _check_dtype(dtype, fmt)
-    return _engine_for(codes).decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift), dtype)
+    out = _check_out(out, codes.shape, dtype, codes)
+    return _engine_for(codes).decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift), dtype, out)
 
 
 def decode_sum(codes, fmt, shift=0, out=None):
@@ -146,6 +161,7 @@ def decode_sum(codes, fmt, shift=0, out=None):
     codes = as_array(codes)
     if codes.ndim < 1 or codes.dtype != np.dtype(fmt.code_dtype):
         raise TypeError(f"codes must be a {fmt.code_dtype} array of shape (ranks, ...), got {codes.dtype}{codes.shape}")
+    out = _check_out(out, codes.shape[1:], np.float32, codes)
     return _engine_for(codes).decode_accumulate(codes, fmt, _check_shift(shift), out)
 
 
@@ -174,18 +190,23 @@ def packed_size(n, fmt):
 
 def pack(codes, fmt):
     """Codes as a dense little-endian bit stream: two 4-bit codes a byte, four 6-bit codes in
-    three bytes, and so on. Returns a flat uint8 array of packed_size(codes.size) bytes."""
+    three bytes, and so on. Returns a flat uint8 array of packed_size(codes.size) bytes (8-bit
+    codes come back as they are, without a copy)."""
     fmt = FloatFormat.parse(fmt)
     codes = as_array(codes)
     codes = array_module(codes).ascontiguousarray(codes, dtype=fmt.code_dtype).ravel()
+    if fmt.bits == 8:  # already dense: no copy
+        return codes
     return _engine_for(codes).pack(codes, fmt.bits)
 
 
 def unpack(packed, fmt, n):
-    """Inverse of pack: the first `n` codes of the packed bytes."""
+    """Inverse of pack: the first `n` codes of the packed bytes (for 8-bit formats a view)."""
     fmt = FloatFormat.parse(fmt)
     packed = as_array(packed)
     packed = array_module(packed).ascontiguousarray(packed, dtype=np.uint8).ravel()
     if packed.size < packed_size(n, fmt):
         raise ValueError(f"{n} codes of {fmt} need {packed_size(n, fmt)} bytes, got {packed.size}")
+    if fmt.bits == 8:
+        return packed[:n]
     return _engine_for(packed).unpack(packed, fmt.bits, n, np.dtype(fmt.code_dtype))

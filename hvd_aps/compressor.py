@@ -11,6 +11,7 @@ Max-allreduce, moving data between tensor and array) live in thin adapters, chos
 """
 import dataclasses
 import secrets
+import threading
 
 import numpy as np
 
@@ -83,7 +84,7 @@ class APSCompressor:
         self.rounding, self.scaling, self.saturate, self.collect_stats = rounding, scaling, saturate, stats
         self.carrier = np.dtype(np.float16 if self.fmt.fits_float16 else np.float32)
         self.seed = secrets.randbits(63) if seed is None else int(seed)
-        self._calls = 0
+        self._calls, self._lock = 0, threading.Lock()
         self.reset_stats()
 
     def __repr__(self):
@@ -132,8 +133,9 @@ class APSCompressor:
     def next_seed(self, rank):
         """Seed for one stochastic encode: from (seed, rank, call number), so no two ranks or calls
         share random bits."""
-        self._calls += 1
-        return hash((self.seed, rank, self._calls)) & ((1 << 64) - 1)
+        with self._lock:  # the codes path encodes on two threads
+            self._calls += 1
+            return hash((self.seed, rank, self._calls)) & ((1 << 64) - 1)
 
     def to_wire(self, x, agreed_amax, world_size, rank, label):
         """Scale x (NumPy, or CuPy on a GPU) by the agreed APS shift and round it onto the grid:

@@ -67,16 +67,19 @@ class State:
 
 
 class CodesExchange:
-    """The stages of a bucket's exchange for one rank; the caller runs the collectives between them."""
+    """The stages of a bucket's exchange for one rank; the caller runs the collectives between them.
+    Buffers are kept per bucket `key` and reused every step: fresh pages of a large allocation
+    cost more to fault in than the codec takes to fill them."""
 
     def __init__(self, compressor, world, rank):
         self.comp, self.fmt, self.world, self.rank = compressor, compressor.fmt, world, rank
+        self._buffers = {}
 
     def metadata(self, flats):
         """Vector to Max-allreduce: every tensor's max |g|, then the signature (twice)."""
         return self.comp.metadata(*(codec.amax(f) for f in flats))
 
-    def begin(self, flats, agreed):
+    def begin(self, flats, agreed, key=0):
         """-> (bytes to alltoall, bytes per destination rank, State)."""
         amaxes = self.comp.check_agreed_many(agreed, len(flats))
         finite = np.isfinite(amaxes)
@@ -86,38 +89,46 @@ class CodesExchange:
         state = State(Plan([flats[i].size for i in included], self.world), shifts, included,
                       [i for i in range(len(flats)) if not finite[i]])
         xp = codec.array_module(flats[0]) if flats else np
-        codes = [self._encode(flats[i], int(shifts[i])).ravel() for i in included]
-        flat = xp.concatenate(codes) if codes else xp.zeros(0, self.fmt.code_dtype)
+        flat = self._buffer((key, "codes"), int(state.plan.offsets[-1]), self.fmt.code_dtype, xp)
+        for k, i in enumerate(included):
+            self._encode(flats[i].ravel(), int(shifts[i]), flat[state.plan.offsets[k]:state.plan.offsets[k + 1]])
         parts = [codec.pack(flat[state.plan.shards[r]:state.plan.shards[r + 1]], self.fmt) for r in range(self.world)]
         splits = [int(p.size) for p in parts]
         state.bytes_sent = sum(splits) - splits[self.rank]
-        return xp.concatenate(parts), splits, state
+        return (flat if self.fmt.bits == 8 else xp.concatenate(parts)), splits, state
 
-    def reduce_shard(self, received, state):
+    def reduce_shard(self, received, state, key=0):
         """The N packed copies of this rank's shard -> its reduced, re-encoded shard (bytes to allgather)."""
+        xp = codec.array_module(received)
         n = state.plan.shard_len(self.rank)
         size = codec.packed_size(n, self.fmt)
-        codes = [codec.unpack(received[r * size:(r + 1) * size], self.fmt, n) for r in range(self.world)]
-        xp = codec.array_module(received)
-        codes = xp.stack(codes) if codes else xp.zeros((self.world, 0), self.fmt.code_dtype)
+        if self.fmt.bits == 8:
+            codes = received.reshape(self.world, n)
+        else:
+            codes = xp.stack([codec.unpack(received[r * size:(r + 1) * size], self.fmt, n) for r in range(self.world)])
         lo = int(state.plan.shards[self.rank])
-        out_codes, out_shifts = [], []
+        total = self._buffer((key, "sum"), n, np.float32, xp)
+        fresh_codes = self._buffer((key, "fresh"), n, self.fmt.code_dtype, xp)
+        fresh_shifts = []
         for t, a, b in state.plan.pieces(self.rank):
-            shift = int(state.shifts[state.included[t]])
-            total = codec.decode_sum(xp.ascontiguousarray(codes[:, a - lo:b - lo]), self.fmt, shift)
-            fresh = scaling.shift_for(codec.amax(total), 1, self.fmt) if self.comp.scaling else 0
-            out_codes.append(self._encode(total, fresh))
-            out_shifts.append(fresh)
-        packed = codec.pack(xp.concatenate(out_codes) if out_codes else codes[0], self.fmt)
-        shift_bytes = xp.asarray(np.array(out_shifts, _SHIFT).view(np.uint8))
-        message = xp.concatenate([packed, shift_bytes])
+            part = total[a - lo:b - lo]
+            part.fill(0)
+            codec.decode_sum(codes[:, a - lo:b - lo], self.fmt, int(state.shifts[state.included[t]]), out=part)
+            fresh = scaling.shift_for(codec.amax(part), 1, self.fmt) if self.comp.scaling else 0
+            self._encode(part, fresh, fresh_codes[a - lo:b - lo])
+            fresh_shifts.append(fresh)
+        shift_bytes = xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))
+        message = xp.concatenate([codec.pack(fresh_codes, self.fmt), shift_bytes])
         state.bytes_sent += int(message.size) * (self.world - 1)
         return message
 
-    def finish(self, gathered, state, average=True):
-        """Every rank's reduced shard -> the summed (or averaged) tensors that travelled as codes."""
+    def finish(self, gathered, state, average=True, outs=None):
+        """Every rank's reduced shard -> the summed (or averaged) tensors that travelled as codes,
+        written into `outs` (flat float32 arrays, one per included tensor) or into new arrays."""
         xp = codec.array_module(gathered)
-        out = xp.empty(int(state.plan.offsets[-1]), xp.float32)
+        offsets = state.plan.offsets
+        if outs is None:
+            outs = [xp.empty(int(offsets[k + 1] - offsets[k]), xp.float32) for k in range(len(state.included))]
         at = 0
         for r in range(self.world):
             n, pieces = state.plan.shard_len(r), state.plan.pieces(r)
@@ -127,10 +138,18 @@ class CodesExchange:
             at += size + 2 * len(pieces)
             lo = int(state.plan.shards[r])
             for (t, a, b), shift in zip(pieces, shifts):
-                out[a:b] = codec.decode(codes[a - lo:b - lo], self.fmt, int(shift))
+                codec.decode(codes[a - lo:b - lo], self.fmt, int(shift), out=outs[t][a - offsets[t]:b - offsets[t]])
         if average:
-            out /= xp.float32(self.world)
-        return [out[state.plan.offsets[k]:state.plan.offsets[k + 1]] for k in range(len(state.included))]
+            for out in outs:
+                out /= xp.float32(self.world)
+        return outs
 
-    def _encode(self, x, shift):
-        return codec.encode(x, self.fmt, self.comp.rounding, self.comp.next_seed(self.rank), self.comp.saturate, shift)
+    def _encode(self, x, shift, out):
+        seed = self.comp.next_seed(self.rank)
+        return codec.encode(x, self.fmt, self.comp.rounding, seed, self.comp.saturate, shift, out=out)
+
+    def _buffer(self, name, n, dtype, xp):
+        buf = self._buffers.get(name)
+        if buf is None or buf.size != n or buf.dtype != np.dtype(dtype) or codec.array_module(buf) is not xp:
+            buf = self._buffers[name] = xp.empty(n, dtype)
+        return buf

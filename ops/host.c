@@ -66,6 +66,17 @@ ACCUMULATE(hvd_accumulate_u16, uint16_t)
 PACK(hvd_pack_u8, uint8_t)
 PACK(hvd_pack_u16, uint16_t)
 
+/* The 4-bit case on its own: two codes a byte, in loops compilers vectorise. */
+HVD_CLONES void hvd_pack_nibbles(const uint8_t *codes, int64_t n, uint8_t *out, int64_t lo, int64_t hi) {
+  const int64_t full = hi < n / 2 ? hi : n / 2;
+  for (int64_t j = lo; j < full; ++j) out[j] = (uint8_t)((codes[2 * j] & 15u) | (codes[2 * j + 1] << 4));
+  if (full < hi) out[full] = codes[2 * full] & 15u; /* odd n: the last byte's high half is 0 */
+}
+
+HVD_CLONES void hvd_unpack_nibbles(const uint8_t *packed, uint8_t *out, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) out[i] = (packed[i >> 1] >> ((i & 1) * 4)) & 15u;
+}
+
 void hvd_unpack_u8(const uint8_t *packed, int32_t bits, uint8_t *out, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; ++i) out[i] = (uint8_t)hvd_unpack_code(packed, i, bits);
 }

@@ -3,8 +3,8 @@
 
 Buckets are fixed at construction (reverse parameter order, as gradients become ready), so every
 rank forms the same ones. When a bucket's last gradient is accumulated, its exchange (hvd_aps.wire)
-starts on a communication thread while backward goes on with the next layers; step() waits for
-all of them. Tensors below `min_elements` go through a plain Horovod allreduce instead.
+starts on one of two communication threads while backward goes on with the next layers; the
+results land in the gradients themselves; step() waits for all of them. Tensors below `min_elements` go through a plain Horovod allreduce instead.
 """
 import concurrent.futures
 
@@ -36,7 +36,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._small = [p for p in params if p.numel() < min_elements]
         self._buckets = _buckets([p for p in reversed(params) if p.numel() >= min_elements], bucket_bytes)
         self._bucket_of = {p: b for b, bucket in enumerate(self._buckets) for p in bucket}
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hvd_aps_comm")
+        # two threads: one bucket's encoding and decoding overlap another's transfers
+        self._thread = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hvd_aps_comm")
         self._reset()
         if hvd.size() > 1:
             for p in params:
@@ -67,13 +68,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ex, name = self._exchange, f"hvd_aps.bucket{b}"
         flats = [codec.as_array(g.detach().to(torch.float32).reshape(-1)) for g in grads]
         agreed = hvd.allreduce(torch.from_numpy(ex.metadata(flats)), op=hvd.Max, name=f"{name}.meta")
-        send, splits, state = ex.begin(flats, agreed.numpy())
+        send, splits, state = ex.begin(flats, agreed.numpy(), key=b)
         received, _ = hvd.alltoall(torch.from_dlpack(send), splits=torch.tensor(splits, dtype=torch.int32),
                                    name=f"{name}.codes")
-        gathered = hvd.allgather(torch.from_dlpack(ex.reduce_shard(codec.as_array(received), state)),
+        gathered = hvd.allgather(torch.from_dlpack(ex.reduce_shard(codec.as_array(received), state, key=b)),
                                  name=f"{name}.shards")
-        results = ex.finish(codec.as_array(gathered), state, average=self._op == hvd.Average)
-        out = dict(zip(state.included, (torch.from_dlpack(r) for r in results)))
+        # float32 gradients take the result in place; others get a float32 copy converted back later
+        targets = [grads[i].view(-1) if grads[i].dtype == torch.float32 and grads[i].is_contiguous()
+                   else torch.empty(grads[i].numel(), dtype=torch.float32, device=grads[i].device)
+                   for i in state.included]
+        ex.finish(codec.as_array(gathered), state, self._op == hvd.Average, [codec.as_array(t) for t in targets])
+        out = dict(zip(state.included, targets))
         for i in state.fallback:  # a NaN/Inf somewhere: unchanged through Horovod, so every rank sees it
             out[i] = hvd.allreduce(grads[i].detach().to(torch.float32), op=self._op, name=f"{name}.nonfinite{i}")
         return [out[i] for i in range(len(grads))], state.bytes_sent
@@ -98,7 +103,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             results, sent = future.result()
             self.bytes_sent += sent
             for p, r in zip(self._buckets[b], results):
-                p.grad.copy_(r.reshape(p.shape))
+                if r.data_ptr() != p.grad.data_ptr():
+                    p.grad.copy_(r.reshape(p.shape))
         for handle in self._handles.values():
             hvd.synchronize(handle)
         self._reset()
