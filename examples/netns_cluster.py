@@ -160,9 +160,9 @@ def main():
                            step_ratio=r["step_median"] / base["step_median"] if base else None,
                            bytes_ratio=r["tx_bytes_per_step"] / base["tx_bytes_per_step"] if base else None)
                 rows.append(row)
-                print(f"{c:>12} {r['step_median']:8.3f} {row['step_ratio'] or 0:7.2f} "
-                      f"{model if model else float('nan'):8.3f} {r['tx_bytes_per_step'] / 1e6:8.2f} "
-                      f"{row['bytes_ratio'] or 0:7.3f}", flush=True)
+                model_text = f"{model:8.3f}" if model else f"{'-':>8}"  # uncapped: no link rate to model
+                print(f"{c:>12} {r['step_median']:8.3f} {row['step_ratio'] or 0:7.2f} {model_text} "
+                      f"{r['tx_bytes_per_step'] / 1e6:8.2f} {row['bytes_ratio'] or 0:7.3f}", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
 

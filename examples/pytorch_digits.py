@@ -3,7 +3,9 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_digits.py --compression aps-e4m3
 
 --compression: none | fp16 | aps-<format> (e.g. aps-e4m3, aps-e5m2, aps-e3m0) | naive-<format>
-(the format without APS scaling). The data ships with scikit-learn: nothing is downloaded.
+(the format without APS scaling), all through horovod.torch.DistributedOptimizer, or
+codes-<format>: hvd_aps.torch.DistributedOptimizer, which sends the codes themselves.
+The data ships with scikit-learn: nothing is downloaded.
 """
 import argparse
 import time
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 import hvd_aps
+import hvd_aps.torch
 from hvd_aps.compressor import from_name
 
 
@@ -54,9 +57,14 @@ def main():
     torch.set_num_threads(1)
     (x, y), (x_test, y_test) = digits(hvd.rank(), hvd.size())
     model = cnn()
-    compression = from_name(args.compression, hvd.Compression)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    if args.compression.startswith("codes-"):
+        compression = hvd_aps.APSCompressor(args.compression[len("codes-"):])
+        opt = hvd_aps.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                                 compression=compression, min_elements=1024)
+    else:
+        compression = from_name(args.compression, hvd.Compression)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     if hvd.rank() == 0:
@@ -81,9 +89,10 @@ def main():
 
     if hvd.rank() == 0:
         print(f"final test accuracy {accuracy(model, x_test, y_test):.4f}")
-        if isinstance(compression, hvd_aps.APSCompressor):
-            t = compression.totals()
-            print(f"per rank, all {args.epochs} epochs: {t}")
+        if hasattr(opt, "bytes_sent"):
+            print(f"codes on the wire: this rank sent {opt.bytes_sent} bytes in the last step")
+        elif isinstance(compression, hvd_aps.APSCompressor):
+            print(f"per rank, all {args.epochs} epochs: {compression.totals()}")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ from .formats import FloatFormat
 
 def shift_for(amax, world_size, fmt, sum_max=None):
     """The largest shift s with amax * 2**s <= fmt.max (every rank's term fits the format) and
-    world_size * amax * 2**s <= sum_max (the sum fits where it is accumulated; None: in the
-    format itself, the paper's setting, so the x N headroom). 0 for amax 0 or not finite."""
+    the sum of world_size such terms, each *after rounding*, stays within sum_max (where the sum is
+    accumulated; None: in the format itself, the paper's setting, so the x N headroom).
+    0 for amax 0 or not finite."""
     return int(shifts_for(np.array([amax], dtype=np.float64), world_size, fmt, sum_max)[0])
 
 
@@ -38,8 +39,18 @@ def shifts_for(amaxes, world_size, fmt, sum_max=None):
         raise ValueError("amax must be >= 0 (it is a max of absolute values)")
     usable = np.isfinite(amaxes) & (amaxes > 0)
     amax = np.where(usable, amaxes, 1.0)
-    s = np.minimum(_largest_shift(amax, fmt.max), _largest_shift(amax * world_size, fmt.max if sum_max is None else sum_max))
+    s = np.minimum(_largest_shift(amax, fmt.max), _largest_shift(amax, _term_limit(world_size, fmt, sum_max)))
     return np.where(usable, s, 0)
+
+
+def _term_limit(world_size, fmt, sum_max):
+    """Largest scaled term whose rounding, added world_size times, stays within sum_max: rounding to
+    nearest adds at most half an ulp, a relative 2**-(man_bits+1) for normals and half the
+    smallest subnormal below them. Where even world_size smallest subnormals overflow, no shift
+    can help; the relative bound is then the best there is."""
+    per_term = (fmt.max if sum_max is None else sum_max) / world_size
+    slack = per_term - fmt.min_subnormal / 2
+    return (slack if slack > 0 else per_term) / (1 + 2.0 ** -(fmt.man_bits + 1))
 
 
 def _largest_shift(peak, limit):

@@ -28,6 +28,22 @@ _SHIFT = np.dtype("<i2")  # re-encode exponents on the wire
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # shards are summed in float32: no x N headroom needed
 
 
+def buckets(sizes, bucket_bytes, min_elements):
+    """Tensors (by index) grouped for the exchange: in reverse order, the order backward produces
+    gradients in, each bucket up to bucket_bytes of float32; tensors under min_elements apart (for
+    a plain allreduce). The same sizes give the same buckets on every rank."""
+    groups, size = [[]], 0
+    for i in reversed(range(len(sizes))):
+        if sizes[i] < min_elements:
+            continue
+        if groups[-1] and size + 4 * sizes[i] > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += 4 * sizes[i]
+    return [g for g in groups if g], [i for i in range(len(sizes)) if sizes[i] < min_elements]
+
+
 def shard_starts(total, world):
     """Start of each of the `world` shards of a flat buffer, plus the end: the first total % world
     shards are one element longer."""

@@ -62,6 +62,10 @@ def test_aps_shift_fits_the_sum_and_wastes_under_one_binade(amax, n, name, sum_m
     fmt = hvd_aps.PRESETS[name]
     s = scaling.shift_for(amax, n, fmt, sum_max)
     limit = fmt.max if sum_max is None else sum_max
-    term, total = amax * 2.0 ** s, n * amax * 2.0 ** s  # exact in float64
-    assert term <= fmt.max and total <= limit  # every rank's value and the sum fit ...
-    assert 2 * term > fmt.max or 2 * total > limit  # ... and one more binade would not
+    term = amax * 2.0 ** s  # exact in float64
+    rounded = float(hvd_aps.quantize(np.array([amax], np.float32), fmt, shift=s, unscale=False)[0])
+    half_ulp = lambda v: max(v * 2.0 ** -(fmt.man_bits + 1), fmt.min_subnormal / 2)  # rounding's worst case
+    assert term <= fmt.max
+    if n * fmt.min_subnormal < limit:  # otherwise the format cannot hold a sum of n terms at all
+        assert n * rounded <= limit  # the N-way sum of the rounded terms fits ...
+        assert 2 * term > fmt.max or n * (2 * term + half_ulp(2 * term)) > limit  # ... one more binade would not

@@ -10,22 +10,9 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from .. import wire
 from ..compressor import APSCompressor
 from ..wire import CodesExchange
-
-
-def _bucketed(sizes, bucket_bytes, min_elements):
-    """Indices of the coded tensors, bucketed in reverse order, and the indices of the small ones."""
-    buckets, size = [[]], 0
-    for i in reversed(range(len(sizes))):
-        if sizes[i] < min_elements:
-            continue
-        if buckets[-1] and size + 4 * sizes[i] > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += 4 * sizes[i]
-    return [b for b in buckets if b], [i for i in range(len(sizes)) if sizes[i] < min_elements]
 
 
 def _exchange_bucket(flats, ex, average, name):
@@ -63,7 +50,7 @@ def allreduce_codes(tensors, compression, op=hvd.Average, bucket_bytes=16 << 20,
     sizes = [t.shape.num_elements() for t in tensors]
     if None in sizes:
         raise ValueError("allreduce_codes needs tensors of known shape")
-    buckets, small = _bucketed(sizes, bucket_bytes, min_elements)
+    buckets, small = wire.buckets(sizes, bucket_bytes, min_elements)
     ex = CodesExchange(compression, hvd.size(), hvd.rank())
     out = [None] * len(tensors)
     for i in small:

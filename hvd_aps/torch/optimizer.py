@@ -11,7 +11,7 @@ import concurrent.futures
 import horovod.torch as hvd
 import torch
 
-from .. import codec
+from .. import codec, wire
 from ..compressor import APSCompressor
 from ..wire import CodesExchange
 
@@ -33,11 +33,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._names = {p: names.get(p, f"param.{i}") for i, p in enumerate(params)}
         self._exchange = CodesExchange(compression, hvd.size(), hvd.rank())
         self._op, self._passes_per_step = op, backward_passes_per_step
-        self._small = [p for p in params if p.numel() < min_elements]
-        self._buckets = _buckets([p for p in reversed(params) if p.numel() >= min_elements], bucket_bytes)
+        groups, small = wire.buckets([p.numel() for p in params], bucket_bytes, min_elements)
+        self._small = [params[i] for i in small]
+        self._buckets = [[params[i] for i in group] for group in groups]
         self._bucket_of = {p: b for b, bucket in enumerate(self._buckets) for p in bucket}
         # two threads: one bucket's encoding and decoding overlap another's transfers
         self._thread = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hvd_aps_comm")
+        self.bytes_sent = 0
         self._reset()
         if hvd.size() > 1:
             for p in params:
@@ -112,17 +114,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         self.synchronize()
         return super(self.__class__, self).step(closure)
-
-
-def _buckets(params, bucket_bytes):
-    buckets, size = [[]], 0
-    for p in params:
-        if buckets[-1] and size + 4 * p.numel() > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += 4 * p.numel()
-    return [b for b in buckets if b]
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
