@@ -12,7 +12,6 @@ import tensorflow as tf
 
 from .. import wire
 from ..compressor import APSCompressor
-from ..wire import CodesExchange
 
 
 def _exchange_bucket(flats, ex, average, name):
@@ -51,7 +50,7 @@ def allreduce_codes(tensors, compression, op=hvd.Average, bucket_bytes=16 << 20,
     if None in sizes:
         raise ValueError("allreduce_codes needs tensors of known shape")
     buckets, small = wire.buckets(sizes, bucket_bytes, min_elements)
-    ex = CodesExchange(compression, hvd.size(), hvd.rank())
+    ex = wire.CodesExchange(compression, hvd.size(), hvd.rank())
     out = [None] * len(tensors)
     for i in small:
         out[i] = hvd.allreduce(tensors[i], op=op, name=f"{name}.small{i}")

@@ -4,7 +4,8 @@
 Buckets are fixed at construction (reverse parameter order, as gradients become ready), so every
 rank forms the same ones. When a bucket's last gradient is accumulated, its exchange (hvd_aps.wire)
 starts on one of two communication threads while backward goes on with the next layers; the
-results land in the gradients themselves; step() waits for all of them. Tensors below `min_elements` go through a plain Horovod allreduce instead.
+results land in the gradients themselves; step() waits for all of them. Tensors below
+`min_elements` go through a plain Horovod allreduce instead.
 """
 import concurrent.futures
 
@@ -13,7 +14,6 @@ import torch
 
 from .. import codec, wire
 from ..compressor import APSCompressor
-from ..wire import CodesExchange
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -31,7 +31,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if named_parameters is not None and missing:
             raise ValueError(f"{len(missing)} optimized parameters are missing from named_parameters")
         self._names = {p: names.get(p, f"param.{i}") for i, p in enumerate(params)}
-        self._exchange = CodesExchange(compression, hvd.size(), hvd.rank())
+        self._exchange = wire.CodesExchange(compression, hvd.size(), hvd.rank())
         self._op, self._passes_per_step = op, backward_passes_per_step
         groups, small = wire.buckets([p.numel() for p in params], bucket_bytes, min_elements)
         self._small = [params[i] for i in small]
