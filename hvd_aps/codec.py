@@ -146,7 +146,7 @@ def decode(codes, fmt, shift=0, dtype=np.float32, out=None):
     codes = as_array(codes)
     if codes.dtype.kind not in "ui":
         raise TypeError(f"codes must be an unsigned integer array, got dtype {codes.dtype}")
-    if codes.size and int(codes.max()) >= 1 << fmt.bits:
+    if codes.size and codes.dtype.itemsize * 8 > fmt.bits and int(codes.max()) >= 1 << fmt.bits:
         raise ValueError(f"codes hold values >= 2**{fmt.bits}, which {fmt} cannot have produced")
     dtype = _check_dtype(dtype, fmt)
     out = _check_out(out, codes.shape, dtype, codes)
