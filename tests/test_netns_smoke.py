@@ -1,0 +1,34 @@
+"""One short run of the bandwidth-limited cluster benchmark (2 namespaces at 1 Gbit/s, a 1M-parameter
+model, 3 steps). Needs root, ip and tc; skipped elsewhere. The byte ratios come from the interfaces'
+own counters, so they check that the codes path really sends 1 byte (0.5 for 4-bit) per element."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent.parent / "examples" / "netns_cluster.py"
+
+
+def namespaces_work():
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return False
+    made = subprocess.run(["ip", "netns", "add", "hvdaps-probe"], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", "hvdaps-probe"], capture_output=True)
+    return made
+
+
+@pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc, and network namespaces")
+def test_quick_cluster_run(tmp_path):
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--compressions", "none,codes-e4m3,codes-e3m0",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = {r["compression"]: r for r in json.loads(out.read_text())}
+    assert rows["codes-e4m3"]["bytes_ratio"] <= 0.26 and rows["codes-e3m0"]["bytes_ratio"] <= 0.13
+    assert rows["none"]["tx_bytes_per_step"] > 2 * 1e6  # ~4 MB of float32 gradients really crossed the link
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "hvdaps-" not in left  # everything it made is gone
