@@ -49,8 +49,9 @@ def _term_limit(world_size, fmt, sum_max):
     smallest subnormal below them. Where even world_size smallest subnormals overflow, no shift
     can help; the relative bound is then the best there is."""
     per_term = (fmt.max if sum_max is None else sum_max) / world_size
-    slack = per_term - fmt.min_subnormal / 2
-    return (slack if slack > 0 else per_term) / (1 + 2.0 ** -(fmt.man_bits + 1))
+    relative = per_term / (1 + 2.0 ** -(fmt.man_bits + 1))
+    absolute = per_term - fmt.min_subnormal / 2
+    return min(relative, absolute) if absolute > 0 else relative
 
 
 def _largest_shift(peak, limit):
