@@ -22,9 +22,13 @@ _ROUNDINGS = ("nearest", "stochastic")
 _INPUT_KINDS = "fiub"  # float, signed, unsigned, bool: numbers NumPy converts exactly or by rounding
 
 
+def _is_cupy(a):
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
 def _cuda_array(x):
     """x as a CuPy array when it lives on a CUDA device (zero-copy through DLPack), else None."""
-    if type(x).__module__.split(".")[0] == "cupy":
+    if _is_cupy(x):
         return x
     device = getattr(x, "__dlpack_device__", None)
     if device is None or device()[0] not in (2, 13):  # kDLCUDA, kDLCUDAManaged
@@ -41,7 +45,7 @@ def as_array(x):
 
 def array_module(a):
     """cupy for CuPy arrays, numpy otherwise: lets callers write one code path for both."""
-    if type(a).__module__.split(".")[0] == "cupy":
+    if _is_cupy(a):
         import cupy
         return cupy
     return np

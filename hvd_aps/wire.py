@@ -78,7 +78,7 @@ class State:
     plan: Plan
     shifts: np.ndarray
     included: list   # indices of the tensors that travel as codes
-    fallback: list   # indices of the tensors with a NaN/Inf somewhere: the caller allreduces them
+    fallback: list   # indices of the tensors with a NaN/Inf somewhere: left to the caller (see above)
     bytes_sent: int = 0
 
 
