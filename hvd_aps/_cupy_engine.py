@@ -14,8 +14,10 @@ _MAX_BLOCKS = 1 << 16  # grid-stride loops cover the rest
 
 @functools.lru_cache(maxsize=None)
 def _module():
-    ops = importlib.resources.files("hvd_aps.ops")
-    return cupy.RawModule(code=(ops / "kernels.cu").read_text(), options=("-std=c++17", f"-I{ops}"))
+    # as_file: a real path for NVRTC's -I, however the package was installed (str() of a
+    # namespace or editable package's resource root is no directory name)
+    with importlib.resources.as_file(importlib.resources.files("hvd_aps.ops") / "kernels.cu") as source:
+        return cupy.RawModule(code=source.read_text(), options=("-std=c++17", f"-I{source.parent}"))
 
 
 def _launch(name, n, *args):
@@ -36,22 +38,25 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None):
     return out
 
 
-def decode_accumulate(codes, fmt, shift, out=None, accumulate=True):
+def _decode_into(codes, fmt, shift, out, accumulate):
     """out (+)= the float32 sum over codes' leading axis (one buffer per rank) of decode * 2^-shift."""
     codes = cupy.ascontiguousarray(codes, dtype=fmt.code_dtype)
-    ranks, n = (1, codes.size) if codes.ndim < 2 else (codes.shape[0], codes[0].size)
-    accumulate = accumulate and out is not None
-    out = cupy.empty(codes.shape[1:] if codes.ndim >= 2 else codes.shape, cupy.float32) if out is None else out
+    ranks, n = codes.shape[0], codes[0].size
     name = "hvd_decode_u8" if codes.itemsize == 1 else "hvd_decode_u16"
     _launch(name, n, codes, out, np.int64(n), np.int32(ranks), np.int32(accumulate), *_fmt_args(fmt), np.int32(shift))
     return out
 
 
+def decode_accumulate(codes, fmt, shift, out=None):
+    """A fresh sum starts from +0.0 in rank order, as the CPU engines add."""
+    return _decode_into(codes, fmt, shift, cupy.zeros(codes.shape[1:], cupy.float32) if out is None else out, True)
+
+
 def decode(codes, fmt, shift, dtype, out=None):
     stacked = cupy.ascontiguousarray(codes).reshape((1,) + codes.shape)
     if dtype == np.float32:
-        return decode_accumulate(stacked, fmt, shift, out, accumulate=False)
-    values = decode_accumulate(stacked, fmt, shift).astype(dtype)
+        return _decode_into(stacked, fmt, shift, cupy.empty(codes.shape, cupy.float32) if out is None else out, False)
+    values = _decode_into(stacked, fmt, shift, cupy.empty(codes.shape, cupy.float32), False).astype(dtype)
     if out is None:
         return values
     out[...] = values

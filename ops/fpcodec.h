@@ -17,7 +17,6 @@ typedef int hvd_i32;
 typedef unsigned long long hvd_u64;
 typedef long long hvd_i64;
 #else
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #define HVD_HD static inline
@@ -146,6 +145,34 @@ HVD_HD hvd_u32 hvd_encode_one(float x, hvd_encoder_t p, hvd_i32 shift, int stoch
   return ((sign ^ (nan & p.nan_flip)) << (E + M)) | mag;
 }
 
+/* Index of the highest set bit of x (x > 0). */
+HVD_HD hvd_i32 hvd_msb(hvd_u32 x) {
+#ifdef __CUDACC__
+  return 31 - __clz(x);
+#else
+  return 31 - __builtin_clz(x);
+#endif
+}
+
+#define HVD_F32_MIN_EXP (-126)      /* smallest normal exponent */
+#define HVD_F32_SUBNORMAL_EXP (-149) /* weight of the last bit of a subnormal */
+
+/* float32 bits of significand * 2^k (significand < 2^24), rounded to nearest even where the
+ * value falls below float32's normal range, Inf above it. Integer-only: ldexpf flushed subnormal
+ * results to zero in NVRTC builds, which made the GPU decode differ from the host's. */
+HVD_HD hvd_u32 hvd_scaled_bits(hvd_u32 significand, hvd_i32 k) {
+  if (significand == 0u) return 0u;
+  const hvd_i32 p = hvd_msb(significand), e = p + k;
+  if (e > 127) return 0x7F800000u;
+  if (e >= HVD_F32_MIN_EXP) return ((hvd_u32)(e + 127) << 23) | ((significand << (23 - p)) & 0x7FFFFFu);
+  const hvd_i32 t = k - HVD_F32_SUBNORMAL_EXP; /* the value in units of the smallest subnormal: s * 2^t */
+  if (t >= 0) return significand << t;
+  const hvd_i32 r = -t;
+  if (r > 24) return 0u; /* below half the smallest subnormal */
+  const hvd_u32 q = significand >> r, rest = significand & ((1u << r) - 1u), half = 1u << (r - 1);
+  return q + (rest > half || (rest == half && (q & 1u))); /* may carry into the smallest normal */
+}
+
 /* float32 value of code * 2^-shift (one rounding, only where the result leaves float32's range). */
 HVD_HD float hvd_decode_one(hvd_u32 code, hvd_fmt_t f, hvd_i32 shift) {
   const hvd_i32 E = f.exp_bits, M = f.man_bits;
@@ -158,8 +185,7 @@ HVD_HD float hvd_decode_one(hvd_u32 code, hvd_fmt_t f, hvd_i32 shift) {
   const hvd_i32 bias = (1 << (E - 1)) - 1;
   const hvd_i32 significand = (hvd_i32)(ef ? (man | (1u << M)) : man);
   const hvd_i32 k = (hvd_i32)(ef ? ef : 1u) - bias - M - shift;
-  const float v = ldexpf((float)significand, k);
-  return sign ? -v : v;
+  return hvd_bits_f32(sbit | hvd_scaled_bits((hvd_u32)significand, k));
 }
 
 /*

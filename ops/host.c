@@ -4,6 +4,8 @@
  * drops the GIL), so this file stays free of threading code. `offset` is the chunk's first flat
  * index, which keeps stochastic rounding independent of the chunking.
  */
+#include <math.h>
+
 #include "fpcodec.h"
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)

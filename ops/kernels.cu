@@ -65,7 +65,8 @@ __device__ __forceinline__ void hvd_fill_table(float *table, int count, hvd_fmt_
 }
 
 /* out[i] (+)= decode(codes[r * n + i]) * 2^-shift, summed over `ranks` code buffers in rank
- * order in float32: decode (ranks=1, accumulate=0) and the codes path's decode-and-accumulate. */
+ * order in float32: decode (ranks=1, accumulate=0: out = the value itself) and the codes path's
+ * decode-and-accumulate (accumulate=1: added to out, which the caller zeroes for a fresh sum). */
 template <typename Code>
 __device__ void hvd_decode_kernel(const Code *codes, float *out, long long n, int ranks, int accumulate,
                                   int exp_bits, int man_bits, int policy, int shift) {
@@ -75,8 +76,11 @@ __device__ void hvd_decode_kernel(const Code *codes, float *out, long long n, in
   if (small) hvd_fill_table(table, 1 << (1 + exp_bits + man_bits), f, shift);
   const long long stride = (long long)blockDim.x * gridDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float acc = accumulate ? out[i] : 0.0f;
-    for (int r = 0; r < ranks; ++r) {
+    const unsigned int c0 = codes[i];
+    const float first = small ? table[c0] : hvd_decode_one(c0, f, shift);
+    /* a plain decode copies the value (0.0f + -0.0f would lose the sign of a negative zero) */
+    float acc = accumulate ? out[i] + first : first;
+    for (int r = 1; r < ranks; ++r) {
       const unsigned int c = codes[(long long)r * n + i];
       acc += small ? table[c] : hvd_decode_one(c, f, shift);
     }

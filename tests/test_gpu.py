@@ -50,7 +50,10 @@ def test_non_contiguous_and_sums():
     codes = np.random.default_rng(1).integers(0, 255, (4, 10_001)).astype(np.uint8)
     got = cupy.asnumpy(hvd_aps.decode_sum(cupy.asarray(codes), "e4m3", shift=2))
     want = cpu(hvd_aps.decode_sum, codes, "e4m3", shift=2)
-    assert (got.view(np.uint32) == want.view(np.uint32)).all()
+    # Inf + -Inf: IEEE leaves the NaN's sign and payload to the hardware (x86 and CUDA differ)
+    nan = np.isnan(want)
+    assert nan.any() and (np.isnan(got) == nan).all()
+    assert (got.view(np.uint32) == want.view(np.uint32))[~nan].all()
 
 
 @pytest.mark.parametrize("name", ["e2m1fn", "e3m2fn", "e4m3", "e5m10", "e1m2fn"])
