@@ -1,9 +1,14 @@
 """hvd_aps: Horovod gradient compression into tiny custom float formats with Auto-Precision Scaling."""
+import re
+
 from setuptools import Extension, setup
+
+# one version source: hvd_aps/__init__.py
+VERSION = re.search(r'^__version__ = "(.+)"$', open("hvd_aps/__init__.py").read(), re.M)[1]
 
 setup(
     name="hvd_aps",
-    version="0.1.0",
+    version=VERSION,
     description=__doc__,
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",

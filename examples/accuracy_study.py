@@ -31,11 +31,13 @@ from sklearn.datasets import load_digits
 
 import hvd_aps
 from hvd_aps import emulate
-from hvd_aps.compressor import from_name
+from hvd_aps import from_name
 
+# aps-*: the card's line (horovod.torch.DistributedOptimizer + APSCompressor), codes on the wire;
+# *-values: the same rounding carried as float16 values; codes-*: hvd_aps.torch.DistributedOptimizer
 SETTINGS = ["none", "fp16", "naive-e4m3", "naive-e5m2", "aps-e4m3", "aps-e5m2", "aps-e3m0",
-            "codes-e4m3", "codes-e5m2", "codes-e3m0"]  # codes-*: Horovod only (hvd_aps.torch.DistributedOptimizer)
-QUICK_SETTINGS = ["none", "naive-e4m3", "aps-e4m3", "codes-e4m3"]
+            "aps-e4m3-values", "aps-e5m2-values", "aps-e3m0-values"]
+QUICK_SETTINGS = ["none", "naive-e4m3", "aps-e4m3", "aps-e4m3-values"]
 GLOBAL_BATCH = 256
 
 
@@ -59,16 +61,13 @@ def evaluate(model, x, y):
 
 class HorovodAverager:
     """Gradients averaged by horovod.torch.DistributedOptimizer through the setting's compressor,
-    or, for codes-<format>, by hvd_aps.torch.DistributedOptimizer sending the codes themselves."""
-
-    MIN_ELEMENTS = 4096  # codes path: smaller tensors (the biases here) take a float32 allreduce
+    or, for codes-<format>, by hvd_aps.torch.DistributedOptimizer."""
 
     def __init__(self, setting, workers):
         import horovod.torch as hvd
         self.hvd, self.setting, self.workers = hvd, setting, workers
         self.codes = setting.startswith("codes-")
-        self.compression = (hvd_aps.APSCompressor(setting.partition("-")[2]) if self.codes
-                            else from_name(setting, hvd.Compression))
+        self.compression = from_name(setting, hvd.Compression)
 
     def optimizer(self, model, lr):
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -76,7 +75,7 @@ class HorovodAverager:
         if self.codes:
             import hvd_aps.torch
             return hvd_aps.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                                      compression=self.compression, min_elements=self.MIN_ELEMENTS)
+                                                      compression=self.compression)
         return self.hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                              compression=self.compression)
 
@@ -88,9 +87,9 @@ class HorovodAverager:
 
     def bytes_per_step(self, n_params):
         """Payload one rank hands to the collectives per step (a ring moves 2(N-1)/N of it)."""
-        if self.codes:
-            bits = self.compression.fmt.bits
-            return sum(-(-n * bits // 8) if n >= self.MIN_ELEMENTS else 4 * n for n in self.sizes)
+        if self.codes:  # the optimizer's own small tensors are not in the compressor's stats
+            cfg = self.compression.config
+            return sum(hvd_aps.packed_size(n, cfg.fmt) if n >= cfg.min_elements else 4 * n for n in self.sizes)
         if isinstance(self.compression, hvd_aps.APSCompressor):
             return self.compression.totals().bytes_carried // self.steps
         return n_params * (2 if self.setting == "fp16" else 4)
@@ -103,7 +102,7 @@ class EmulatedAverager:
         self.setting, self.workers = setting, workers
         kind, _, fmt = setting.partition("-")
         self.fmt = {"none": None, "fp16": "fp16"}.get(setting, fmt)
-        self.aps = kind == "aps"
+        self.scaling = "aps" if kind == "aps" else "none"
 
     def optimizer(self, model, lr):
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -120,7 +119,7 @@ class EmulatedAverager:
         for name, p in params.items():
             per_worker = grads[name].detach().numpy()
             mean = (per_worker.mean(axis=0) if self.fmt is None else
-                    emulate.allreduce(list(per_worker), self.fmt, aps=self.aps))
+                    emulate.allreduce(list(per_worker), self.fmt, scaling=self.scaling))
             p.grad = torch.from_numpy(np.ascontiguousarray(mean, np.float32))
         opt.step()
 
@@ -226,7 +225,8 @@ def main():
     torch.set_num_threads(1)
 
     if args.emulate:
-        settings = [s for s in settings if not s.startswith("codes-")]  # the codes path needs real ranks
+        # one emulated sum in float32 per setting: the wire paths (codes-*, *-values) need real ranks
+        settings = [s for s in settings if not s.startswith("codes-") and not s.endswith("-values")]
         for workers in (int(w) for w in args.emulate.split(",")):
             if GLOBAL_BATCH % workers:
                 parser.error(f"{workers} workers do not divide the global batch of {GLOBAL_BATCH}")

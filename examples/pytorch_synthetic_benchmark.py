@@ -1,10 +1,11 @@
 """Synthetic data-parallel benchmark in the style of Horovod's pytorch_synthetic_benchmark.py, on a
 communication-bound model (an MLP of --hidden width: 4 x hidden^2 parameters, little compute).
 
-    horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_synthetic_benchmark.py --compression codes-e4m3
+    horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_synthetic_benchmark.py --compression aps-e4m3
 
---compression: none | fp16 (Horovod's own) | aps-<fmt> (APSCompressor on Horovod's optimizer,
-float16 on the wire) | codes-<fmt> (hvd_aps.torch.DistributedOptimizer, the codes on the wire).
+--compression: none | fp16 (Horovod's own) | aps-<fmt> (the card's line: APSCompressor on Horovod's
+optimizer, codes on the wire) | aps-<fmt>-values (the same rounding, float16 values on the wire) |
+codes-<fmt> (hvd_aps.torch.DistributedOptimizer, codes in buckets fixed at construction).
 Rank 0 prints one JSON line: median step time, this job's per-rank bytes sent on --iface during the
 timed steps (from the interface counters), the compute-only step time and the codec throughput
 that the performance model in examples/netns_cluster.py uses.
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 import hvd_aps
 import hvd_aps.torch
-from hvd_aps.compressor import from_name
+from hvd_aps import from_name
 
 
 def tx_bytes(iface):
@@ -53,12 +54,11 @@ def timed(fn, n):
 
 
 def wrap(opt, model, compression):
-    if compression.startswith("codes-"):
-        return hvd_aps.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                                  compression=hvd_aps.APSCompressor(compression[6:], stats=False))
     comp = from_name(compression, hvd.Compression)
     if isinstance(comp, hvd_aps.APSCompressor):
         comp.collect_stats = False
+    if compression.startswith("codes-"):
+        return hvd_aps.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
 
 

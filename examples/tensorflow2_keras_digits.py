@@ -14,7 +14,7 @@ from sklearn.datasets import load_digits
 
 import hvd_aps
 import hvd_aps.keras
-from hvd_aps.compressor import from_name
+from hvd_aps import from_name
 
 
 def digits(rank, size, test_fraction=0.2, seed=0):

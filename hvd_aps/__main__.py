@@ -24,9 +24,9 @@ def probe_command(args):
           f"error of the averaged result against the exact mean")
     rows = []
     for name in args.format:
-        for fmt, aps, acc, err in emulate.probe(name, args.ranks, args.size, args.sigma, args.seed):
-            rows.append((fmt, "on" if aps else "off", acc, f"{err:.3e}"))
-    print(_table(["format", "APS", "accumulate", "relative error"], rows))
+        for fmt, scaling, acc, err in emulate.probe(name, args.ranks, args.size, args.sigma, args.seed):
+            rows.append((fmt, scaling, acc, f"{err:.3e}"))
+    print(_table(["format", "scaling", "accumulate", "relative error"], rows))
 
 
 def _format_arg(name):
@@ -40,7 +40,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m hvd_aps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("formats", help="table of the preset formats").set_defaults(run=formats_command)
-    probe = sub.add_parser("probe", help="emulated N-rank allreduce error, APS on/off")
+    probe = sub.add_parser("probe", help="emulated N-rank allreduce error, with and without APS")
     probe.add_argument("--format", action="append", type=_format_arg,
                        help="format name (repeatable); default e4m3 and e3m0")
     probe.add_argument("--ranks", type=int, default=8)

@@ -10,50 +10,19 @@ Inf and overflow exactly as ml_dtypes' `astype` treats them for every format it 
 `shift` multiplies the input by 2**shift inside the conversion (and decode multiplies by
 2**-shift), so scaling never rounds on its own.
 """
+import functools
 import os
 import secrets
+import warnings
 
 import numpy as np
 
 from . import _host_engine, _numpy_engine
+from ._arrays import array_module, as_array
+from .config import ROUNDINGS as _ROUNDINGS
 from .formats import FloatFormat
 
-_ROUNDINGS = ("nearest", "stochastic")
 _INPUT_KINDS = "fiub"  # float, signed, unsigned, bool: numbers NumPy converts exactly or by rounding
-
-
-def _is_cupy(a):
-    return type(a).__module__.split(".")[0] == "cupy"
-
-
-def _cuda_array(x):
-    """x as a CuPy array when it lives on a CUDA device (zero-copy through DLPack), else None."""
-    if _is_cupy(x):
-        return x
-    device = getattr(x, "__dlpack_device__", None)
-    if device is None or device()[0] not in (2, 13):  # kDLCUDA, kDLCUDAManaged
-        return None
-    import cupy
-    return cupy.from_dlpack(x)
-
-
-def as_array(x):
-    """x as the codec sees it: a CuPy array for CUDA-resident data, a NumPy array otherwise."""
-    gpu = _cuda_array(x)
-    return gpu if gpu is not None else np.asarray(x)
-
-
-def array_module(a):
-    """cupy for CuPy arrays, numpy otherwise: lets callers write one code path for both."""
-    if _is_cupy(a):
-        import cupy
-        return cupy
-    return np
-
-
-def to_numpy(a):
-    """A NumPy copy of a CuPy array; NumPy arrays as they are."""
-    return a.get() if array_module(a) is not np else np.asarray(a)
 
 
 def _engine_for(a):
@@ -67,12 +36,24 @@ def _engine():
     choice = os.environ.get("HVD_APS_ENGINE", "auto")
     if choice not in ("auto", "host", "numpy"):
         raise ValueError(f"HVD_APS_ENGINE must be auto, host or numpy, got {choice!r}")
-    if choice == "numpy" or (choice == "auto" and not _host_engine.available):
+    if choice == "numpy":
+        return _numpy_engine
+    if choice == "auto" and not _host_engine.available:
+        _warn_numpy_fallback()
         return _numpy_engine
     if not _host_engine.available:
         raise RuntimeError("HVD_APS_ENGINE=host but the compiled engine is not built; "
                            "reinstall hvd_aps with a C compiler present")
     return _host_engine
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_numpy_fallback():
+    """Once per process: a source tree without the built host engine runs, but slower."""
+    warnings.warn("hvd_aps: the compiled host engine (ops/host.c) is not built, so the NumPy engine "
+                  "runs instead, about 2.5x slower; build it with `pip install -e .` where a C compiler "
+                  "is present (HVD_APS_ENGINE=numpy picks NumPy on purpose and silences this)",
+                  RuntimeWarning, stacklevel=4)
 
 
 def engine_name():

@@ -1,13 +1,17 @@
 """APSCompressor: one Horovod Compressor for horovod.torch and horovod.tensorflow alike.
 
-Horovod sums whatever compress() returns and cannot sum uint8 codes, so on this (stock) path the
+wire="codes" (the default) sends the format's codes themselves, 1 byte per element for 8-bit
+formats and packed below that: compress() hands the gradient to a codes exchange
+(hvd_aps.tokens, hvd_aps.exchange) and gives Horovod a one-element token to allreduce, whose
+result tells decompress() what op and scale factors Horovod applied.
+
+wire="values": Horovod sums whatever compress() returns and cannot sum uint8 codes, so the
 gradient is scaled by the agreed APS shift, rounded onto the format's grid and carried in the
 narrowest standard dtype that holds that grid exactly and that Horovod sums: float16 for every
-format of 8 bits and below (half of fp32's bytes), float32 otherwise (pure emulation). The
-codes-on-the-wire path that sends 1 byte or less per element is `hvd_aps.torch.DistributedOptimizer`.
+format of 8 bits and below (half of fp32's bytes), float32 otherwise.
 
-This class holds the numerics (NumPy, through the codec); the per-framework steps (max |g|, the
-Max-allreduce, moving data between tensor and array) live in thin adapters, chosen per tensor.
+This class holds the numerics (NumPy, through the codec) and the state; the per-framework steps
+(collectives, moving data between tensor and array) live in thin adapters, chosen per tensor.
 """
 import dataclasses
 import secrets
@@ -15,17 +19,16 @@ import threading
 
 import numpy as np
 
-from . import codec, scaling
-from .formats import FloatFormat
+from . import _arrays, codec, scaling, tokens, wire
+from .config import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_ELEMENTS, APSConfig
 
 _ADAPTERS = {"torch": "hvd_aps.torch.adapter", "tensorflow": "hvd_aps.tensorflow.adapter"}
-_SCALINGS = ("aps", None)
 
 
 @dataclasses.dataclass
 class TensorStats:
     """What compress() did to one tensor, or (summed with +) to many."""
-    shift: int = 0          # APS exponent applied before rounding (0 with scaling=None)
+    shift: int = 0          # APS exponent applied before rounding (0 with scaling="none")
     elements: int = 0
     nonzero: int = 0        # nonzero inputs ...
     flushed_count: int = 0  # ... of which rounded to zero
@@ -61,128 +64,193 @@ def _adapter(tensor):
 
 
 class APSCompressor:
-    """Horovod Compressor that sends gradients on a custom float format's grid with APS.
+    """Horovod Compressor that sends gradients in a custom float format with APS.
 
-    fmt: a FloatFormat or its name ("e4m3", "e5m2", "e3m0", ...).
-    rounding: "nearest" (ties to even) or "stochastic" (seeded per rank and call).
-    scaling: "aps" (default) or None for the naive cast without scaling, for comparison.
-    saturate: clamp finite overflow to +-max instead of Inf/NaN.
-    stats: record what each compress() did (costs two passes over the data): `stats[label]` holds
-    the last call per tensor label (TF: the gradient's graph name; torch: dtype and shape, so
-    tensors of one shape share an entry), `totals()` the sum of every call since `reset_stats()`.
+    Arguments:
+        fmt: a FloatFormat or its name ("e4m3", "e5m2", "e3m0", ...).
+        rounding, scaling, saturate, wire, bucket_bytes, min_elements: see hvd_aps.config.APSConfig
+            (defaults: nearest rounding, APS, no saturation, codes on the wire, 16 MiB buckets,
+            tensors under 4096 elements through Horovod's plain allreduce).
+        seed: base of the stochastic-rounding streams (random if None).
+        stats: record what each tensor went through: `stats[label]` holds the last call per
+            tensor label (TF: the gradient's graph name; torch: dtype and shape, so tensors of one
+            shape share an entry), `totals()` the sum since `reset_stats()`; `bytes_sent` counts
+            the codes exchanges' bytes sent by this rank.
 
-    Every rank must use an equal compressor: compress() checks the format and options across ranks
-    in the same Max-allreduce that agrees on the scale, and raises on a mismatch.
+    Every rank must use an equal compressor and hand it the same tensors in the same order: the
+    metadata allreduce checks the configuration and every tensor's size, and raises on a mismatch.
+
+    Example::
+
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=hvd_aps.APSCompressor(hvd_aps.e4m3))
     """
 
-    def __init__(self, fmt, rounding="nearest", scaling="aps", saturate=False, seed=None, stats=True):
-        self.fmt = FloatFormat.parse(fmt)
-        if rounding not in ("nearest", "stochastic"):
-            raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-        if scaling not in _SCALINGS:
-            raise ValueError(f"scaling must be 'aps' or None, got {scaling!r}")
-        self.rounding, self.scaling, self.saturate, self.collect_stats = rounding, scaling, saturate, stats
+    def __init__(self, fmt, rounding="nearest", scaling="aps", saturate=False, wire="codes",
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, min_elements=DEFAULT_MIN_ELEMENTS, seed=None, stats=True):
+        self.config = APSConfig(fmt, rounding, scaling, saturate, wire, bucket_bytes, min_elements)
         self.carrier = np.dtype(np.float16 if self.fmt.fits_float16 else np.float32)
         self.seed = secrets.randbits(63) if seed is None else int(seed)
+        self.collect_stats = stats
         self._calls, self._lock = 0, threading.Lock()
+        self._batches = tokens.Batches(self)
+        self._stages = {}
         self.reset_stats()
 
+    @property
+    def fmt(self):
+        return self.config.fmt
+
     def __repr__(self):
-        return (f"APSCompressor({str(self.fmt)!r}, rounding={self.rounding!r}, scaling={self.scaling!r}, "
-                f"saturate={self.saturate})")
+        c = self.config
+        return (f"APSCompressor({str(c.fmt)!r}, rounding={c.rounding!r}, scaling={c.scaling!r}, "
+                f"saturate={c.saturate}, wire={c.wire!r})")
 
     # Horovod's Compressor interface -----------------------------------------------------------
     def compress(self, tensor):
         adapter = _adapter(tensor)
         if adapter is None or not adapter.is_dense_float(tensor):
             return tensor, None
-        return adapter.compress(tensor, self)
+        if self.config.wire == "values":
+            return adapter.compress_values(tensor, self)
+        if adapter.numel(tensor) < self.config.min_elements:  # Horovod's plain allreduce carries it
+            self.record(adapter.label(tensor), TensorStats(elements=adapter.numel(tensor),
+                                                           bytes_in=4 * adapter.numel(tensor),
+                                                           bytes_carried=4 * adapter.numel(tensor)))
+            return tensor, None
+        return self._batches.add(adapter, tensor)
 
     def decompress(self, tensor, ctx):
         if ctx is None:  # passed through, or Horovod's sparse path calling without a context
             return tensor
-        return _adapter(tensor).decompress(tensor, ctx, self)
+        if isinstance(ctx, tokens.Ticket):
+            return self._batches.result(tensor, ctx)
+        return _adapter(tensor).decompress_values(tensor, ctx, self)
 
-    # The numerics, on NumPy arrays; adapters call these -----------------------------------------
+    # The numerics, on NumPy/CuPy arrays; adapters and the exchange stages call these -------------
     @property
     def signature(self):
-        """A small integer naming fmt and options: equal on every rank or compress() raises."""
-        f = self.fmt
-        return (((f.exp_bits * 32 + f.man_bits) * 2 + (f.variant == "fn")) * 2
-                + (self.rounding == "stochastic")) * 4 + (self.scaling == "aps") * 2 + bool(self.saturate)
+        return self.config.signature
 
-    def metadata(self, *local_amaxes):
-        """The vector every rank Max-allreduces: [amax..., signature, -signature]."""
-        return np.array([*local_amaxes, self.signature, -self.signature], np.float32)
+    def metadata(self, amaxes, sizes):
+        """The float64 vector every rank Max-allreduces: [amax..., size..., -size..., signature,
+        -signature]; the Max of x and of -x tells whether all ranks had the same x."""
+        sizes = np.asarray(sizes, np.float64)
+        return np.concatenate([np.asarray(amaxes, np.float64), sizes, -sizes, [self.signature, -self.signature]])
 
-    def check_agreed(self, agreed):
-        """From the Max-allreduced metadata to the agreed amax, after checking the signatures."""
-        return float(self.check_agreed_many(agreed, 1)[0])
-
-    def check_agreed_many(self, agreed, count):
-        """check_agreed for a metadata vector of `count` amaxes (one grouped allreduce)."""
-        agreed = np.asarray(agreed, np.float32).ravel()
-        if agreed.size != count + 2:
+    def agreed_amaxes(self, agreed, sizes, labels):
+        """From the Max-allreduced metadata to the agreed amaxes, after checking that every rank
+        has this configuration and these tensor sizes."""
+        agreed, count = np.asarray(agreed, np.float64).ravel(), len(sizes)
+        if agreed.size != 3 * count + 2:
             raise ValueError(f"metadata of {agreed.size} values for {count} tensors: ranks disagree on the bucket")
-        high, neg_low = float(agreed[-2]), float(agreed[-1])
+        high, neg_low = agreed[-2], agreed[-1]
         if high != -neg_low:
             raise ValueError(f"APSCompressor mismatch across ranks: this rank uses {self!r} (signature "
                              f"{self.signature}) but signatures range from {-neg_low:g} to {high:g}")
-        return agreed[:count].astype(np.float64)
+        most, least = agreed[count:2 * count], -agreed[2 * count:3 * count]
+        for i in np.flatnonzero(most != least):
+            raise ValueError(f"ranks handed different tensors to the exchange: tensor {i} ({labels[i]}) has "
+                             f"{sizes[i]} elements here and {least[i]:.0f} to {most[i]:.0f} across ranks "
+                             "(another model, or gradients in another order)")
+        return agreed[:count]
 
     def next_seed(self, rank):
         """Seed for one stochastic encode: from (seed, rank, call number), so no two ranks or calls
         share random bits."""
-        with self._lock:  # the codes path encodes on two threads
+        with self._lock:  # exchanges run on several threads
             self._calls += 1
             return hash((self.seed, rank, self._calls)) & ((1 << 64) - 1)
 
+    def stages(self, world, rank):
+        """The codes exchange's stages for this rank (buffers kept per bucket name)."""
+        with self._lock:
+            if (world, rank) not in self._stages:
+                self._stages[(world, rank)] = wire.CodesExchange(self, world, rank)
+            return self._stages[(world, rank)]
+
     def to_wire(self, x, agreed_amax, world_size, rank, label):
-        """Scale x (NumPy, or CuPy on a GPU) by the agreed APS shift and round it onto the grid:
-        (carrier array, shift)."""
-        xp = codec.array_module(x)
+        """wire="values": scale x (NumPy, or CuPy on a GPU) by the agreed APS shift and round it
+        onto the grid: (carrier array, shift)."""
+        xp = _arrays.array_module(x)
         x = xp.ascontiguousarray(x, dtype=xp.float32)
-        finite = bool(np.isfinite(agreed_amax))
+        cfg, finite = self.config, bool(np.isfinite(agreed_amax))
         # Horovod sums the carrier dtype: the sum needs headroom only within that dtype's range
         sum_max = float(np.finfo(self.carrier).max)
-        shift = scaling.shift_for(agreed_amax, world_size, self.fmt, sum_max) if finite and self.scaling else 0
+        shift = scaling.shift_for(agreed_amax, world_size, self.fmt, sum_max) if finite and cfg.scaling == "aps" else 0
         if finite:
-            wire = codec.quantize(x, self.fmt, self.rounding, self.next_seed(rank), self.saturate, shift,
-                                  unscale=False, dtype=self.carrier)
+            wire_values = codec.quantize(x, self.fmt, cfg.rounding, self.next_seed(rank), cfg.saturate, shift,
+                                         unscale=False, dtype=self.carrier)
         else:  # unscaled and unrounded: the NaN/Inf reaches every rank's sum
-            wire = x.astype(self.carrier)
+            wire_values = x.astype(self.carrier)
         if self.collect_stats:
-            self.stats[label] = self._measure(xp, x, wire, shift, finite)
-            self._total = self._total + self.stats[label]
-        return wire, shift
+            limit = np.float32(np.ldexp(self.fmt.max, -shift)) if finite else None
+            self.record(label, _measure(xp, x, xp.count_nonzero(wire_values), limit, shift,
+                                        bytes_carried=wire_values.nbytes))
+        return wire_values, shift
 
-    def from_wire(self, wire, shift):
+    def from_wire(self, wire_values, shift):
         """Undo the shift: float32 values of the summed wire tensor (exact, one rounding at most)."""
-        xp = codec.array_module(wire)
-        return xp.ldexp(wire.astype(xp.float32), xp.int32(-int(shift))).astype(xp.float32)
+        xp = _arrays.array_module(wire_values)
+        return xp.ldexp(wire_values.astype(xp.float32), xp.int32(-int(shift))).astype(xp.float32)
 
-    def _measure(self, xp, x, wire, shift, finite):
-        limit = np.float32(np.ldexp(self.fmt.max, -shift)) if finite else np.inf
-        nonzero = int(xp.count_nonzero(x))
-        return TensorStats(shift=shift, elements=x.size, nonzero=nonzero,
-                           flushed_count=nonzero - int(xp.count_nonzero(wire)),
-                           saturated=int(xp.count_nonzero((x > limit) | (x < -limit))) if finite else 0,
-                           bytes_in=x.nbytes, bytes_carried=wire.nbytes, finite=finite)
+    # Stats --------------------------------------------------------------------------------------
+    def record_codes(self, label, x, codes, shift):
+        """Stats of one tensor the codes exchange encoded (codes None: it held NaN/Inf)."""
+        if not self.collect_stats:
+            return
+        xp = _arrays.array_module(x)
+        if codes is None:
+            self.record(label, TensorStats(elements=x.size, bytes_in=4 * x.size, finite=False))
+            return
+        magnitude = (1 << (self.fmt.bits - 1)) - 1  # a code of zero magnitude is +-0
+        nonzero_codes = xp.count_nonzero(codes & codes.dtype.type(magnitude))
+        self.record(label, _measure(xp, x, nonzero_codes, np.float32(np.ldexp(self.fmt.max, -shift)), shift,
+                                    bytes_carried=codec.packed_size(x.size, self.fmt)))
+
+    def record(self, label, stats):
+        with self._lock:
+            self.stats[label] = stats
+            self._total = self._total + stats
+
+    def record_sent(self, nbytes):
+        with self._lock:
+            self.bytes_sent += nbytes
 
     def totals(self):
-        """TensorStats summed over every compress() since reset_stats()."""
+        """TensorStats summed over every tensor since reset_stats()."""
         return self._total
 
     def reset_stats(self):
-        self.stats, self._total = {}, TensorStats()
+        self.stats, self._total, self.bytes_sent = {}, TensorStats(), 0
+
+
+def _measure(xp, x, nonzero_out, limit, shift, bytes_carried):
+    """TensorStats of x against what it became (limit None: x held NaN/Inf and went unscaled)."""
+    nonzero = int(xp.count_nonzero(x))
+    saturated = int(xp.count_nonzero((x > limit) | (x < -limit))) if limit is not None else 0
+    return TensorStats(shift=shift, elements=x.size, nonzero=nonzero, flushed_count=nonzero - int(nonzero_out),
+                       saturated=saturated, bytes_in=x.nbytes, bytes_carried=bytes_carried, finite=limit is not None)
+
 
 def from_name(name, stock):
-    """A compressor from a command-line name: "none" and "fp16" give Horovod's own (`stock` is the
-    framework's horovod Compression namespace), "aps-<format>" an APSCompressor, and
-    "naive-<format>" the same format without scaling."""
+    """A compressor from a command-line name, as the examples and the studies spell them.
+
+    "none" and "fp16": Horovod's own (`stock` is the framework's horovod Compression namespace);
+    "aps-<format>": APSCompressor(format), codes on the wire through Horovod's own optimizer;
+    "naive-<format>": the same with scaling="none"; a "-values" suffix sends wire="values"
+    (float16 carrier) instead of codes; "codes-<format>": the compressor of "aps-<format>", for
+    hvd_aps.torch.DistributedOptimizer (the examples pick that optimizer by this prefix).
+    """
     if name in ("none", "fp16"):
         return getattr(stock, name)
-    kind, _, fmt = name.partition("-")
-    if kind not in ("aps", "naive") or not fmt:
-        raise ValueError(f"unknown compression {name!r}: use none, fp16, aps-<format> or naive-<format>")
-    return APSCompressor(fmt, scaling="aps" if kind == "aps" else None)
+    parts = name.split("-")
+    wire_kind = "values" if parts[-1] == "values" else "codes"
+    parts = parts[:-1] if wire_kind == "values" else parts
+    if len(parts) != 2 or parts[0] not in _NAMED_SCALINGS:
+        raise ValueError(f"unknown compression {name!r}: use none, fp16, aps-<format> or naive-<format>, "
+                         "optionally ending in -values")
+    return APSCompressor(parts[1], scaling=_NAMED_SCALINGS[parts[0]], wire=wire_kind)
+
+
+_NAMED_SCALINGS = {"aps": "aps", "codes": "aps", "naive": "none"}

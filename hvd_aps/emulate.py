@@ -3,7 +3,9 @@ studying formats, APS and accumulation without a cluster.
 """
 import numpy as np
 
-from . import codec, scaling
+from . import codec
+from . import scaling as scaling_math
+from .config import SCALINGS
 from .formats import FloatFormat
 
 _ACCUMULATE = ("fp32", "format")
@@ -34,12 +36,12 @@ def _summer(accumulate, fmt, kahan):
     return add
 
 
-def allreduce(arrays, fmt, aps=True, accumulate="fp32", kahan=False, rounding="nearest", seed=None):
+def allreduce(arrays, fmt, scaling="aps", accumulate="fp32", kahan=False, rounding="nearest", seed=None):
     """The average that N workers (one per array) get from an allreduce carrying `fmt`.
 
-    Each worker rounds its gradient, scaled by the APS shift agreed over all workers (aps=True;
-    the x N headroom only with accumulate="format", where the sum could overflow the format)
-    or unscaled (aps=False, the naive cast), onto fmt's grid. The terms are summed in rank order
+    Each worker rounds its gradient, scaled by the APS shift agreed over all workers
+    (scaling="aps"; the x N headroom only with accumulate="format", where the sum could overflow
+    the format) or unscaled (scaling="none", the naive cast), onto fmt's grid. The terms are summed in rank order
     in float32 (accumulate="fp32", what hvd_aps's wire paths do) or with a rounding to fmt after
     every addition (accumulate="format", the paper's low-precision ring), optionally with Kahan
     compensation; then unscaled and divided by N. Exact for man_bits <= 10: a float32 sum of two
@@ -56,7 +58,7 @@ def allreduce(arrays, fmt, aps=True, accumulate="fp32", kahan=False, rounding="n
         return (np.sum(stack, axis=0, dtype=np.float32) / np.float32(n)).astype(np.float32)
     # headroom for the sum where it is accumulated: x N in the format, none needed in float32
     sum_max = fmt.max if accumulate == "format" else float(np.finfo(np.float32).max)
-    shift = scaling.shift_for(amax, n, fmt, sum_max) if aps else 0
+    shift = scaling_math.shift_for(amax, n, fmt, sum_max) if scaling == "aps" else 0
     codes = codec.encode(stack, fmt, rounding, seed, shift=shift)
     if accumulate == "fp32" and not kahan:
         total = codec.decode_sum(codes, fmt)  # decode and add in rank order, one pass per worker
@@ -74,12 +76,12 @@ def relative_error(result, arrays):
 
 
 def probe(fmt, ranks=8, size=100_000, sigma=1e-4, seed=0):
-    """Rows of (fmt, aps, accumulate, relative error) for Gaussian(0, sigma) float32 gradients."""
+    """Rows of (fmt, scaling, accumulate, relative error) for Gaussian(0, sigma) float32 gradients."""
     rng = np.random.default_rng(seed)
     arrays = [rng.normal(0.0, sigma, size).astype(np.float32) for _ in range(ranks)]
     rows = []
-    for aps in (True, False):
+    for scaling in SCALINGS:
         for accumulate in _ACCUMULATE:
-            result = allreduce(arrays, fmt, aps=aps, accumulate=accumulate)
-            rows.append((str(FloatFormat.parse(fmt)), aps, accumulate, relative_error(result, arrays)))
+            result = allreduce(arrays, fmt, scaling=scaling, accumulate=accumulate)
+            rows.append((str(FloatFormat.parse(fmt)), scaling, accumulate, relative_error(result, arrays)))
     return rows

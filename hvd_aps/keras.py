@@ -7,15 +7,15 @@ compressor and leaves every rank with its own weights. This wrapper allreduces t
 import horovod.tensorflow as hvd
 import keras
 
+from .compressor import APSCompressor
 from .tensorflow import allreduce_codes
 
 
 class _Distributed:
     def apply(self, grads, trainable_variables=None):
         present = [i for i, g in enumerate(grads) if g is not None]
-        if self._hvd_codes:
-            reduced = allreduce_codes([grads[i] for i in present], self._hvd_compression, self._hvd_op,
-                                      **self._hvd_codes)
+        if isinstance(self._hvd_compression, APSCompressor) and self._hvd_compression.config.wire == "codes":
+            reduced = allreduce_codes([grads[i] for i in present], self._hvd_compression, self._hvd_op)
         else:
             reduced = [hvd.allreduce(grads[i], op=self._hvd_op, compression=self._hvd_compression) for i in present]
         grads = list(grads)
@@ -24,18 +24,16 @@ class _Distributed:
         return super().apply(grads, trainable_variables)
 
 
-def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Average, codes=False,
-                         bucket_bytes=16 << 20, min_elements=4096):
+def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Average):
     """A copy of the Keras 3 `optimizer` whose gradients are allreduced (averaged by default,
-    through `compression`, e.g. hvd_aps.APSCompressor(hvd_aps.e4m3)) before they are applied.
-    codes=True sends the APS codes themselves (hvd_aps.tensorflow.allreduce_codes) instead of
-    Horovod's stock allreduce of float16 values; bucket_bytes and min_elements apply to it."""
+    through `compression`, e.g. hvd_aps.APSCompressor(hvd_aps.e4m3)) before they are applied. An
+    APSCompressor sending codes gets its buckets (hvd_aps.tensorflow.allreduce_codes); any other
+    compression goes through one Horovod allreduce per gradient."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"expected a Keras 3 optimizer, got {type(optimizer).__name__}")
     cls = type(f"Distributed{type(optimizer).__name__}", (_Distributed, type(optimizer)), {})
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._hvd_compression, wrapped._hvd_op = compression, op
-    wrapped._hvd_codes = dict(bucket_bytes=bucket_bytes, min_elements=min_elements) if codes else None
     return wrapped
 
 

@@ -15,14 +15,15 @@ two collectives that only move bytes:
 Each rank sends about 2 (N-1)/N x (bits/8) bytes per element, as a ring allreduce of 1-byte
 values would: 4x less than fp32, 8x for 4-bit formats. Every rank decodes the same gathered bytes
 with the same arithmetic, so the result is identical everywhere. Tensors whose agreed max is not
-finite are left out of the codes (`state.fallback`): the caller allreduces them unchanged, so the
-NaN/Inf shows on every rank.
+finite are left out of the codes (`state.fallback`) and come back filled with NaN on every rank,
+so a NaN/Inf anywhere shows everywhere (a GradScaler skips the step) at no extra collective.
+hvd_aps.exchange drives these stages; the collectives between them are the caller's.
 """
 import dataclasses
 
 import numpy as np
 
-from . import codec, scaling
+from . import _arrays, codec, scaling
 
 _SHIFT = np.dtype("<i2")  # re-encode exponents on the wire
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # shards are summed in float32: no x N headroom needed
@@ -77,8 +78,9 @@ class State:
     """What one bucket's exchange carries from stage to stage."""
     plan: Plan
     shifts: np.ndarray
+    sizes: list      # every tensor's element count
     included: list   # indices of the tensors that travel as codes
-    fallback: list   # indices of the tensors with a NaN/Inf somewhere: left to the caller (see above)
+    fallback: list   # indices of the tensors with a NaN/Inf somewhere: NaN on every rank (see above)
     bytes_sent: int = 0
 
 
@@ -92,22 +94,28 @@ class CodesExchange:
         self._buffers = {}
 
     def metadata(self, flats):
-        """Vector to Max-allreduce: every tensor's max |g|, then the signature (twice)."""
-        return self.comp.metadata(*(codec.amax(f) for f in flats))
+        """Vector to Max-allreduce: every tensor's max |g|, its size (and minus it), the signature."""
+        return self.comp.metadata([codec.amax(f) for f in flats], [f.size for f in flats])
 
-    def begin(self, flats, agreed, key=0):
-        """-> (bytes to alltoall, bytes per destination rank, State)."""
-        amaxes = self.comp.check_agreed_many(agreed, len(flats))
+    def begin(self, flats, agreed, key=0, labels=None):
+        """-> (bytes to alltoall, bytes per destination rank, State). `labels` name the tensors
+        in errors and stats."""
+        labels = labels or [f"{key}[{i}]" for i in range(len(flats))]
+        amaxes = self.comp.agreed_amaxes(agreed, [f.size for f in flats], labels)
         finite = np.isfinite(amaxes)
-        shifts = (scaling.shifts_for(np.where(finite, amaxes, 0), self.world, self.fmt, _FLOAT32_MAX) if self.comp.scaling
-                  else np.zeros(len(flats), np.int64))
+        shifts = (scaling.shifts_for(np.where(finite, amaxes, 0), self.world, self.fmt, _FLOAT32_MAX)
+                  if self.comp.config.scaling == "aps" else np.zeros(len(flats), np.int64))
         included = [i for i in range(len(flats)) if finite[i]]
-        state = State(Plan([flats[i].size for i in included], self.world), shifts, included,
+        state = State(Plan([flats[i].size for i in included], self.world), shifts, [f.size for f in flats], included,
                       [i for i in range(len(flats)) if not finite[i]])
-        xp = codec.array_module(flats[0]) if flats else np
+        xp = _arrays.array_module(flats[0]) if flats else np
         flat = self._buffer((key, "codes"), int(state.plan.offsets[-1]), self.fmt.code_dtype, xp)
         for k, i in enumerate(included):
-            self._encode(flats[i].ravel(), int(shifts[i]), flat[state.plan.offsets[k]:state.plan.offsets[k + 1]])
+            codes = flat[state.plan.offsets[k]:state.plan.offsets[k + 1]]
+            self._encode(flats[i].ravel(), int(shifts[i]), codes)
+            self.comp.record_codes(labels[i], flats[i], codes, int(shifts[i]))
+        for i in state.fallback:
+            self.comp.record_codes(labels[i], flats[i], None, 0)
         parts = [codec.pack(flat[state.plan.shards[r]:state.plan.shards[r + 1]], self.fmt) for r in range(self.world)]
         splits = [int(p.size) for p in parts]
         state.bytes_sent = sum(splits) - splits[self.rank]
@@ -115,7 +123,7 @@ class CodesExchange:
 
     def reduce_shard(self, received, state, key=0):
         """The N packed copies of this rank's shard -> its reduced, re-encoded shard (bytes to allgather)."""
-        xp = codec.array_module(received)
+        xp = _arrays.array_module(received)
         n = state.plan.shard_len(self.rank)
         size = codec.packed_size(n, self.fmt)
         if self.fmt.bits == 8:
@@ -130,42 +138,43 @@ class CodesExchange:
             part = total[a - lo:b - lo]
             part.fill(0)
             codec.decode_sum(codes[:, a - lo:b - lo], self.fmt, int(state.shifts[state.included[t]]), out=part)
-            fresh = scaling.shift_for(codec.amax(part), 1, self.fmt) if self.comp.scaling else 0
+            fresh = scaling.shift_for(codec.amax(part), 1, self.fmt) if self.comp.config.scaling == "aps" else 0
             self._encode(part, fresh, fresh_codes[a - lo:b - lo])
             fresh_shifts.append(fresh)
         shift_bytes = xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))
         message = xp.concatenate([codec.pack(fresh_codes, self.fmt), shift_bytes])
         state.bytes_sent += int(message.size) * (self.world - 1)
+        self.comp.record_sent(state.bytes_sent)
         return message
 
-    def finish(self, gathered, state, average=True, outs=None):
-        """Every rank's reduced shard -> the summed (or averaged) tensors that travelled as codes,
-        written into `outs` (flat float32 arrays, one per included tensor) or into new arrays."""
-        xp = codec.array_module(gathered)
+    def finish(self, gathered, state, outs=None):
+        """Every rank's reduced shard -> the summed tensors (float32, flat), written into `outs`
+        (one array per tensor) or into new arrays; NaN-filled for the tensors in state.fallback."""
+        xp = _arrays.array_module(gathered)
         offsets = state.plan.offsets
         if outs is None:
-            outs = [xp.empty(int(offsets[k + 1] - offsets[k]), xp.float32) for k in range(len(state.included))]
+            outs = [xp.empty(n, xp.float32) for n in state.sizes]
+        for i in state.fallback:
+            outs[i].fill(np.nan)
+        included = [outs[i] for i in state.included]
         at = 0
         for r in range(self.world):
             n, pieces = state.plan.shard_len(r), state.plan.pieces(r)
             size = codec.packed_size(n, self.fmt)
             codes = codec.unpack(gathered[at:at + size], self.fmt, n)
-            shifts = codec.to_numpy(gathered[at + size:at + size + 2 * len(pieces)]).view(_SHIFT)
+            shifts = _arrays.to_numpy(gathered[at + size:at + size + 2 * len(pieces)]).view(_SHIFT)
             at += size + 2 * len(pieces)
             lo = int(state.plan.shards[r])
             for (t, a, b), shift in zip(pieces, shifts):
-                codec.decode(codes[a - lo:b - lo], self.fmt, int(shift), out=outs[t][a - offsets[t]:b - offsets[t]])
-        if average:
-            for out in outs:
-                out /= xp.float32(self.world)
+                codec.decode(codes[a - lo:b - lo], self.fmt, int(shift), out=included[t][a - offsets[t]:b - offsets[t]])
         return outs
 
     def _encode(self, x, shift, out):
-        seed = self.comp.next_seed(self.rank)
-        return codec.encode(x, self.fmt, self.comp.rounding, seed, self.comp.saturate, shift, out=out)
+        cfg = self.comp.config
+        return codec.encode(x, self.fmt, cfg.rounding, self.comp.next_seed(self.rank), cfg.saturate, shift, out=out)
 
     def _buffer(self, name, n, dtype, xp):
         buf = self._buffers.get(name)
-        if buf is None or buf.size != n or buf.dtype != np.dtype(dtype) or codec.array_module(buf) is not xp:
+        if buf is None or buf.size != n or buf.dtype != np.dtype(dtype) or _arrays.array_module(buf) is not xp:
             buf = self._buffers[name] = xp.empty(n, dtype)
         return buf

@@ -23,7 +23,7 @@ def test_formats_table():
 def test_probe_table():
     out = run_cli("probe", "--format", "e4m3", "--ranks", "4", "--size", "5000")
     rows = [line.split() for line in out.splitlines() if line.startswith("e4m3")]
-    assert [(r[1], r[2]) for r in rows] == [("on", "fp32"), ("on", "format"), ("off", "fp32"), ("off", "format")]
+    assert [(r[1], r[2]) for r in rows] == [("aps", "fp32"), ("aps", "format"), ("none", "fp32"), ("none", "format")]
     assert float(rows[0][3]) < 0.03 and float(rows[2][3]) == 1.0
 
 

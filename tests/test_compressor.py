@@ -1,9 +1,11 @@
 """APSCompressor's framework-neutral numerics, called directly (no Horovod processes)."""
+import warnings
+
 import numpy as np
 import pytest
 
 import hvd_aps
-from hvd_aps.compressor import from_name
+from hvd_aps import from_name, tokens
 
 
 def test_to_wire_is_the_scaled_grid_in_float16_and_from_wire_undoes_the_shift():
@@ -17,7 +19,7 @@ def test_to_wire_is_the_scaled_grid_in_float16_and_from_wire_undoes_the_shift():
 
 
 def test_stats_and_totals():
-    comp = hvd_aps.APSCompressor("e4m3", scaling=None)
+    comp = hvd_aps.APSCompressor("e4m3", scaling="none")
     x = np.array([0.0, 1e-6, 1e-6, 1.0, 1000.0], np.float32)  # two flushed, one beyond max (240)
     comp.to_wire(x, 1000.0, 2, 0, "a")
     comp.to_wire(x[:4], 1.0, 2, 0, "b")
@@ -39,26 +41,58 @@ def test_non_finite_agreed_max_sends_the_tensor_unscaled():
 def test_signature_distinguishes_every_option():
     variants = [hvd_aps.APSCompressor(f, rounding=r, scaling=s, saturate=t)
                 for f in ("e4m3", "e4m3fn", "e5m2", "e3m0") for r in ("nearest", "stochastic")
-                for s in ("aps", None) for t in (False, True)]
+                for s in ("aps", "none") for t in (False, True)]
     assert len({c.signature for c in variants}) == len(variants)
     comp = variants[0]
-    agreed = np.maximum(comp.metadata(0.5), variants[5].metadata(0.25))
+    agreed = np.maximum(comp.metadata([0.5], [3]), variants[5].metadata([0.25], [3]))
     with pytest.raises(ValueError, match="mismatch across ranks"):
-        comp.check_agreed(agreed)
-    assert comp.check_agreed(np.maximum(comp.metadata(0.5), comp.metadata(0.25))) == 0.5
+        comp.agreed_amaxes(agreed, [3], ["g"])
+    assert comp.agreed_amaxes(np.maximum(comp.metadata([0.5], [3]), comp.metadata([0.25], [3])), [3], ["g"]) == [0.5]
+    with pytest.raises(ValueError, match=r"tensor 0 \(g\) has 3 elements here and 3 to 4"):
+        comp.agreed_amaxes(np.maximum(comp.metadata([0.5], [3]), comp.metadata([0.5], [4])), [3], ["g"])
 
 
-def test_constructor_and_names():
-    with pytest.raises(ValueError, match="rounding"):
-        hvd_aps.APSCompressor("e4m3", rounding="up")
-    with pytest.raises(ValueError, match="scaling"):
-        hvd_aps.APSCompressor("e4m3", scaling="local")
+def test_configuration_is_validated_once_and_frozen():
+    for kwargs, match in ((dict(rounding="up"), "rounding"), (dict(scaling=None), "scaling"),
+                          (dict(wire="float16"), "wire"), (dict(bucket_bytes=-1), "bucket_bytes"),
+                          (dict(min_elements=2.5), "min_elements")):
+        with pytest.raises(ValueError, match=match):
+            hvd_aps.APSCompressor("e4m3", **kwargs)
+    with pytest.raises(TypeError, match="saturate"):
+        hvd_aps.APSCompressor("e4m3", saturate="yes")
+    config = hvd_aps.APSCompressor("e4m3").config
+    assert config == hvd_aps.APSConfig(hvd_aps.e4m3) and config.bucket_bytes == 16 << 20
+    with pytest.raises(Exception, match="frozen|assign"):
+        config.rounding = "stochastic"
 
+
+def test_names():
     class Stock:
         none, fp16 = "stock-none", "stock-fp16"
 
     assert from_name("fp16", Stock) == "stock-fp16"
-    assert from_name("naive-e5m2", Stock).scaling is None and from_name("aps-e3m0", Stock).fmt == hvd_aps.e3m0
-    with pytest.raises(ValueError, match="unknown compression"):
-        from_name("zip", Stock)
+    assert from_name("naive-e5m2", Stock).config.scaling == "none" and from_name("aps-e3m0", Stock).fmt == hvd_aps.e3m0
+    assert from_name("aps-e4m3", Stock).config.wire == "codes" and from_name("aps-e4m3-values", Stock).config.wire == "values"
+    assert from_name("codes-e2m1fn", Stock).config == hvd_aps.APSConfig("e2m1fn")
+    for bad in ("zip", "aps-e4m3-fast", "aps"):
+        with pytest.raises(ValueError, match="unknown compression"):
+            from_name(bad, Stock)
     assert hvd_aps.APSCompressor("e4m3").compress([1, 2]) == ([1, 2], None)  # not a tensor: passed through
+
+
+def test_token_value_says_what_horovod_did():
+    total = np.array([3.0, -6.0], np.float32)
+    assert (tokens.apply_op(total, np.float32(0.99999994), 3) == total / np.float32(3)).all()  # Average
+    assert (tokens.apply_op(total, np.float32(3.0000002), 3) == total).all()  # Sum
+    assert (tokens.apply_op(total, 1.5, 3) == total * np.float32(0.5)).all()  # a custom postscale
+
+
+def test_missing_host_engine_warns_once(monkeypatch):
+    monkeypatch.setattr(hvd_aps.codec._host_engine, "available", False)
+    monkeypatch.delenv("HVD_APS_ENGINE", raising=False)
+    hvd_aps.codec._warn_numpy_fallback.cache_clear()
+    with pytest.warns(RuntimeWarning, match="host engine .* is not built"):
+        assert hvd_aps.codec.engine_name() == "numpy"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hvd_aps.codec.engine_name()  # said once per process

@@ -60,7 +60,7 @@ def test_in_format_accumulation_rounds_every_partial_sum():
 def test_aps_rescues_small_gradients_and_the_naive_cast_loses_them():
     arrays = gaussian_ranks()
     with_aps = emulate.relative_error(emulate.allreduce(arrays, "e4m3"), arrays)
-    naive = emulate.relative_error(emulate.allreduce(arrays, "e4m3", aps=False), arrays)
+    naive = emulate.relative_error(emulate.allreduce(arrays, "e4m3", scaling="none"), arrays)
     assert with_aps < 0.03
     assert naive == 1.0  # every value is below e4m3's smallest subnormal: all flushed to zero
     in_format = emulate.relative_error(emulate.allreduce(arrays, "e4m3", accumulate="format"), arrays)
@@ -99,5 +99,5 @@ def test_emulator_bad_input():
 
 def test_probe_rows():
     rows = emulate.probe("e4m3", ranks=8, size=20_000)
-    assert [(r[1], r[2]) for r in rows] == [(True, "fp32"), (True, "format"), (False, "fp32"), (False, "format")]
+    assert [(r[1], r[2]) for r in rows] == [("aps", "fp32"), ("aps", "format"), ("none", "fp32"), ("none", "format")]
     assert rows[0][3] < 0.03 and rows[2][3] == 1.0

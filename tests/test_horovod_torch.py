@@ -1,15 +1,17 @@
-"""APSCompressor under real `horovodrun -np 2 --gloo` processes with horovod.torch."""
+"""APSCompressor through horovod.torch's own API (the card's line) under real `horovodrun --gloo`
+processes, 2 and 3 ranks: codes on the wire by default, float16 values with wire="values"."""
 import ml_dtypes
 import numpy as np
 import pytest
 
 from hvd_aps import scaling
 from horovod_run import horovodrun, load
-from workers.common import poisoned, rank_data
+from test_wire import reference
+from workers.common import CODES_SIZES, codes_grads, poisoned, rank_data
 
 
 def stock_reference(arrays, fmt_dtype, fmt, average=True):
-    """The stock path in NumPy: agreed shift (headroom for a float16 sum), ml_dtypes rounding,
+    """wire="values" in NumPy: agreed shift (headroom for a float16 sum), ml_dtypes rounding,
     float16 sum, Horovod's 1/N postscale in float16, unscale."""
     n = len(arrays)
     s = scaling.shift_for(max(float(np.abs(a).max()) for a in arrays), n, fmt, sum_max=65504.0)
@@ -22,60 +24,84 @@ def stock_reference(arrays, fmt_dtype, fmt, average=True):
     return np.ldexp(total.astype(np.float32), -s).astype(np.float32), s
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("torch")
-    horovodrun("torch_checks.py", tmp)
-    return load(tmp, "torch")
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"torch{request.param}")
+    horovodrun("torch_checks.py", tmp, ranks=request.param)
+    return load(tmp, f"torch{request.param}", request.param)
 
 
-def same_on_all_ranks(ranks, key):
-    a, b = ranks[0][key], ranks[1][key]
-    return a.tobytes() == b.tobytes()
+def identical(ranks, key):
+    return all(r[key].tobytes() == ranks[0][key].tobytes() for r in ranks)
 
 
-def test_average_is_bit_exact_to_a_numpy_reference(ranks):
-    want, s = stock_reference([rank_data(0), rank_data(1)], ml_dtypes.float8_e4m3, "e4m3")
-    assert same_on_all_ranks(ranks, "avg")
-    assert int(ranks[0]["avg_shift"]) == s
-    assert ranks[0]["avg"].tobytes() == want.tobytes()
+def test_allreduce_sends_codes_bit_exact_to_the_numpy_model(ranks):
+    n = len(ranks)
+    want_avg = reference([[rank_data(r)] for r in range(n)], "e4m3")[0]
+    want_sum = reference([[rank_data(r, sigma=3.0, seed=1)] for r in range(n)], "e5m2", average=False)[0]
+    for r in ranks:
+        assert r["avg"].tobytes() == want_avg.tobytes()
+        assert r["sum_e5m2"].tobytes() == want_sum.tobytes()
+        assert r["after"].tobytes() == want_avg.tobytes()  # nothing carried over from the NaN/Inf calls
+    # a ring allreduce of 1-byte codes, plus the re-encode exponents: avg, zeros and after (the
+    # NaN tensor sends no codes)
+    ring = 2 * (n - 1) / n * (1000 + 100 + 1000)
+    assert all(ring <= int(r["bytes_sent"]) <= ring * 1.02 + 64 for r in ranks)
 
 
-def test_sum_is_bit_exact_to_a_numpy_reference(ranks):
-    arrays = [rank_data(r, sigma=3.0, seed=1) for r in range(2)]
-    want, _ = stock_reference(arrays, ml_dtypes.float8_e5m2, "e5m2", average=False)
-    assert same_on_all_ranks(ranks, "sum_e5m2") and ranks[0]["sum_e5m2"].tobytes() == want.tobytes()
-
-
-def test_aps_keeps_small_gradients_and_the_naive_cast_loses_them(ranks):
-    exact = (rank_data(0).astype(np.float64) + rank_data(1)) / 2
-    err = np.linalg.norm(ranks[0]["avg"] - exact) / np.linalg.norm(exact)
-    assert err < 0.05
+def test_naive_cast_loses_small_gradients_and_aps_keeps_them(ranks):
+    exact = np.mean([rank_data(r).astype(np.float64) for r in range(len(ranks))], axis=0)
+    assert np.linalg.norm(ranks[0]["avg"] - exact) / np.linalg.norm(exact) < 0.05
     assert (ranks[0]["naive"] == 0).all()  # sigma 1e-4 is below e4m3's smallest subnormal
 
 
-def test_zeros_nan_inf(ranks):
+def test_zeros_and_non_finite_on_one_rank_show_on_all(ranks):
     for r in ranks:
         assert (r["zeros"] == 0).all()
-        for key in ("nan", "inf"):
-            assert not np.isfinite(r[key][3]) and np.isfinite(np.delete(r[key], 3)).all()
-        # a tensor with NaN/Inf goes unscaled in float16: its finite entries keep float16 accuracy
-        exact = (poisoned(0, 0.0).astype(np.float64) + poisoned(1, 0.0)) / 2
-        assert np.allclose(np.delete(r["nan"], 3), np.delete(exact, 3), rtol=0, atol=2 ** -21)
-    assert ranks[0]["after"].tobytes() == ranks[0]["avg"].tobytes()  # nothing else corrupted
+        assert np.isnan(r["nan"]).all() and np.isnan(r["inf"]).all()
 
 
 def test_dtypes_pass_through(ranks):
+    n = len(ranks)
     assert bool(ranks[0]["bf16_dtype_ok"])
-    assert ranks[0]["ints"].tolist() == [0, 3, 6, 9, 12]  # integers are not compressed
+    assert ranks[0]["ints"].tolist() == [k * n * (n + 1) // 2 for k in range(5)]  # integers are not compressed
+
+
+@pytest.mark.parametrize("key, average", [("step_avg", True), ("step_predivide", True), ("step_sum_groups", False)])
+def test_optimizer_step_is_bit_exact_to_the_numpy_model(ranks, key, average):
+    """horovod.torch.DistributedOptimizer: Average, Average with gradient_predivide_factor (Horovod's
+    pre/postscale, read back from the token) and Sum with groups."""
+    grads = [codes_grads(r) for r in range(len(ranks))]
+    for i, shape in enumerate(CODES_SIZES):
+        if np.prod(shape) < 16:  # Horovod's plain allreduce
+            exact = np.sum([g[i].astype(np.float64) for g in grads], axis=0) / (len(ranks) if average else 1)
+            assert np.allclose(ranks[0][f"{key}_{i}"], exact, rtol=1e-6, atol=0)
+            continue
+        want = reference([[g[i].ravel()] for g in grads], "e4m3", average)[0].reshape(shape)
+        for r in ranks:
+            assert r[f"{key}_{i}"].tobytes() == want.tobytes(), (key, i)
 
 
 @pytest.mark.parametrize("key", ["params_avg", "params_sum_groups", "params_bpps_predivide"])
 def test_training_leaves_parameters_bit_identical(ranks, key):
-    assert same_on_all_ranks(ranks, key)
-    assert np.isfinite(ranks[0][key]).all()
+    assert identical(ranks, key) and np.isfinite(ranks[0][key]).all()
 
 
-def test_format_mismatch_fails_on_every_rank(ranks):
+def test_values_wire_is_the_float16_carrier(ranks):
+    n = len(ranks)
+    want, s = stock_reference([rank_data(r) for r in range(n)], ml_dtypes.float8_e4m3, "e4m3")
+    assert identical(ranks, "values_avg") and int(ranks[0]["values_avg_shift"]) == s
+    # Gloo adds 2 ranks' float16 values in rank order; with 3 its ring order is its own
+    assert ranks[0]["values_avg"].tobytes() == want.tobytes() if n == 2 else np.allclose(ranks[0]["values_avg"], want, rtol=2e-3)
+    for r in ranks:
+        # a tensor with NaN/Inf goes unscaled in float16: its finite entries keep float16 accuracy
+        assert not np.isfinite(r["values_nan"][3])
+        exact = np.mean([poisoned(k, 0.0).astype(np.float64) for k in range(n)], axis=0)
+        assert np.allclose(np.delete(r["values_nan"], 3), np.delete(exact, 3), rtol=0, atol=2 ** -21)
+
+
+def test_mismatches_fail_on_every_rank_naming_the_tensor(ranks):
     for r in ranks:
         assert "APSCompressor mismatch across ranks" in str(r["mismatch"])
+        assert "ValueError: ranks handed different tensors to the exchange: tensor 0 (float32[" in str(r["order"])
+    assert identical(ranks, "after_errors")

@@ -1,6 +1,7 @@
 """Run under `horovodrun -np 2` (or 3) --gloo: hvd_aps.torch.DistributedOptimizer sending codes.
 Each rank saves OUTDIR/codes<N>_rank<r>.npz for tests/test_codes_path.py."""
 import sys
+import warnings
 
 import horovod.torch as hvd
 import numpy as np
@@ -17,8 +18,8 @@ rank, size, out = hvd.rank(), hvd.size(), {}
 def exchange(grads, fmt, key, **kwargs):
     """Parameters whose gradients are exactly `grads` (loss = sum(p * g)); returns the averaged grads."""
     params = [torch.zeros(g.shape, requires_grad=True) for g in grads]
-    opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), compression=hvd_aps.APSCompressor(fmt),
-                                             min_elements=16, **kwargs)
+    opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=1.0),
+                                             compression=hvd_aps.APSCompressor(fmt, min_elements=16), **kwargs)
     sum((p * torch.from_numpy(g)).sum() for p, g in zip(params, grads)).backward()
     opt.synchronize()
     out[f"{key}_bytes"] = np.array(opt.bytes_sent)
@@ -43,7 +44,7 @@ def train():
     params = list(model.parameters()) + list(unused.parameters())
     named = list(model.named_parameters()) + [(f"unused.{n}", p) for n, p in unused.named_parameters()]
     opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), named_parameters=named,
-                                             compression=hvd_aps.APSCompressor("e4m3"), bucket_bytes=40_000, min_elements=100,
+                                             compression=hvd_aps.APSCompressor("e4m3", bucket_bytes=40_000, min_elements=100),
                                              backward_passes_per_step=2)
     gen = torch.Generator().manual_seed(rank)
     before = unused.weight.detach().clone()
@@ -58,4 +59,43 @@ def train():
 
 
 out["params"] = train()
+
+
+def lifecycle():
+    """Horovod's pattern: synchronize(), clip, then step() inside skip_synchronize(); zero_grad()
+    between backward and step() refused; a second exchange never happens by accident."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                             compression=hvd_aps.APSCompressor("e4m3", min_elements=16))
+    comp = opt._compression
+    model(torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    try:
+        opt.zero_grad()
+        out["zero_grad_refused"] = np.array(False)
+    except AssertionError as err:
+        out["zero_grad_refused"] = np.array("zero_grad() was called after loss.backward()" in str(err))
+    opt.synchronize()
+    sent = comp.bytes_sent
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with opt.skip_synchronize():
+        opt.step()
+    out["skip_sent_nothing"] = np.array(comp.bytes_sent == sent)
+    opt.zero_grad()
+    model(torch.randn(4, 64)).sum().backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sent = comp.bytes_sent
+        opt.step()  # after synchronize() without skip_synchronize(): warns, exchanges nothing again
+    out["plain_step_warned"] = np.array(comp.bytes_sent == sent and any("skip_synchronize" in str(w.message)
+                                                                        for w in caught))
+    out["lifecycle_params"] = model.weight.detach().numpy().ravel()
+    try:
+        hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    except TypeError as err:
+        out["compression_required"] = np.array("compression" in str(err))
+
+
+lifecycle()
 np.savez(f"{sys.argv[1]}/codes{size}_rank{rank}.npz", **out)

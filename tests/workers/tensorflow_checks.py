@@ -14,7 +14,8 @@ from common import KERAS_LR, KERAS_W0, codes_grads, keras_data, poisoned, rank_d
 
 hvd.init()
 rank, out = hvd.rank(), {}
-e4m3 = hvd_aps.APSCompressor(hvd_aps.e4m3)
+e4m3 = hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=16)
+values = hvd_aps.APSCompressor(hvd_aps.e4m3, wire="values")
 
 
 def reduce(x, comp, op=hvd.Average):
@@ -22,13 +23,18 @@ def reduce(x, comp, op=hvd.Average):
 
 
 @tf.function
-def reduce_in_graph(x):
-    return hvd.allreduce(x, op=hvd.Average, compression=e4m3)
+def reduce_in_graph(x, comp):
+    return hvd.allreduce(x, op=hvd.Average, compression=comp)
 
 
 out["avg_eager"] = reduce(rank_data(rank), e4m3)
-out["avg_graph"] = reduce_in_graph(tf.constant(rank_data(rank))).numpy()
-out["naive"] = reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3", scaling=None))
+out["avg_graph"] = reduce_in_graph(tf.constant(rank_data(rank)), e4m3).numpy()
+out["values_eager"] = reduce(rank_data(rank), values)
+out["values_graph"] = reduce_in_graph(tf.constant(rank_data(rank)), values).numpy()
+out["naive"] = reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3", scaling="none", min_elements=16))
+grouped = tf.function(lambda xs: hvd.grouped_allreduce(xs, op=hvd.Sum, compression=e4m3))
+for i, g in enumerate(grouped([tf.constant(g) for g in codes_grads(rank)])):
+    out[f"grouped_sum_{i}"] = g.numpy()
 out["zeros"] = reduce(np.zeros(100, np.float32), e4m3)
 out["nan"] = reduce(poisoned(rank, np.nan), e4m3)
 out["f16_dtype_ok"] = np.array(hvd.allreduce(tf.constant(rank_data(rank), tf.float16), compression=e4m3).dtype == tf.float16)
@@ -41,8 +47,8 @@ def tape_training(use_function, codes=False):
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((tf.matmul(xb, w) + b - yb) ** 2)
-        wrapped = (hvd_aps.tensorflow.DistributedGradientTape(tape, e4m3, min_elements=1) if codes
-                   else hvd.DistributedGradientTape(tape, compression=e4m3))
+        wrapped = (hvd_aps.tensorflow.DistributedGradientTape(tape, hvd_aps.APSCompressor("e4m3", min_elements=1))
+                   if codes else hvd.DistributedGradientTape(tape, compression=e4m3, gradient_predivide_factor=2.0))
         grads = wrapped.gradient(loss, [w, b])
         for v, g in zip([w, b], grads):
             v.assign_sub(0.1 * g)
@@ -66,11 +72,10 @@ for _ in range(2):
 out["v1_optimizer"] = v1_w.numpy().ravel()
 
 
-def keras_step(compression, codes=False):
+def keras_step(compression):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.set_weights([KERAS_W0 * (rank + 1), np.array([rank], np.float32)])  # rank 0's must win
-    opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.SGD(KERAS_LR), compression=compression, codes=codes,
-                                             min_elements=1)
+    opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.SGD(KERAS_LR), compression=compression)
     model.compile(optimizer=opt, loss="mse")
     x, y = keras_data(rank)
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, callbacks=[hvd_aps.keras.BroadcastInitialState()])
@@ -80,22 +85,25 @@ def keras_step(compression, codes=False):
 # Codes on the wire: the same tensors as the torch codes test, eagerly and in a graph
 for fmt in ("e4m3", "e2m1fn"):
     grads = [tf.constant(g) for g in codes_grads(rank)]
-    for i, g in enumerate(hvd_aps.tensorflow.allreduce_codes(grads, hvd_aps.APSCompressor(fmt), min_elements=16)):
+    for i, g in enumerate(hvd_aps.tensorflow.allreduce_codes(grads, hvd_aps.APSCompressor(fmt, min_elements=16))):
         out[f"codes_{fmt}_{i}"] = g.numpy()
-graph_codes = tf.function(lambda gs: hvd_aps.tensorflow.allreduce_codes(gs, e4m3, min_elements=16, name="g"))
+graph_codes = tf.function(lambda gs: hvd_aps.tensorflow.allreduce_codes(gs, e4m3, name="g"))
 for i, g in enumerate(graph_codes([tf.constant(g) for g in codes_grads(rank)])):
     out[f"codes_graph_{i}"] = g.numpy()
 nonfinite = codes_grads(rank)
 nonfinite[0][3] = np.nan if rank == 1 else nonfinite[0][3]
-out["codes_nan"] = hvd_aps.tensorflow.allreduce_codes([tf.constant(g) for g in nonfinite], e4m3, min_elements=16,
-                                                      name="nan")[0].numpy()
+out["codes_nan"] = hvd_aps.tensorflow.allreduce_codes([tf.constant(g) for g in nonfinite], e4m3, name="nan")[0].numpy()
+single = tf.Variable(tf.ones([5000]))
+with tf.GradientTape() as tape:  # one variable, so one tensor in the bucket
+    loss = tf.reduce_sum(single * float(rank + 1))
+out["single_variable"] = hvd_aps.tensorflow.DistributedGradientTape(tape, e4m3).gradient(loss, single).numpy()
 
 out["keras_none"] = keras_step(hvd.Compression.none)
-out["keras_aps"] = keras_step(hvd_aps.APSCompressor("e4m3"))
-out["keras_codes"] = keras_step(hvd_aps.APSCompressor("e4m3"), codes=True)
+out["keras_codes"] = keras_step(hvd_aps.APSCompressor("e4m3", min_elements=1))
+out["keras_values"] = keras_step(hvd_aps.APSCompressor("e4m3", wire="values"))
 
 try:
-    reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3" if rank == 0 else "e5m2"))
+    reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3" if rank == 0 else "e5m2", min_elements=16))
     out["mismatch"] = np.array("no error")
 except (ValueError, tf.errors.OpError) as err:  # eager re-raises the ValueError itself
     out["mismatch"] = np.array(str(err))

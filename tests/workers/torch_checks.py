@@ -1,5 +1,5 @@
-"""Run under `horovodrun -np 2 --gloo`: APSCompressor through horovod.torch; each rank saves what it
-got to OUTDIR/torch_rank<r>.npz for tests/test_horovod_torch.py to compare."""
+"""Run under `horovodrun -np 2` (or 3) --gloo: APSCompressor through horovod.torch's own API, the
+card's line. Each rank saves what it got to OUTDIR/torch<N>_rank<r>.npz for tests/test_horovod_torch.py."""
 import sys
 
 import horovod.torch as hvd
@@ -7,37 +7,67 @@ import numpy as np
 import torch
 
 import hvd_aps
-from common import poisoned, rank_data
+from common import CODES_SIZES, codes_grads, poisoned, rank_data
 
 hvd.init()
-rank, out = hvd.rank(), {}
+rank, size, out = hvd.rank(), hvd.size(), {}
 
 
 def reduce(x, comp, op=hvd.Average, name=None):
     return hvd.allreduce(torch.from_numpy(x), op=op, compression=comp, name=name).numpy()
 
 
-e4m3 = hvd_aps.APSCompressor(hvd_aps.e4m3)
+def error_of(fn):
+    try:
+        fn()
+        return np.array("no error")
+    except Exception as err:  # what every rank saw
+        return np.array(f"{type(err).__name__}: {err}")
+
+
+e4m3 = hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=16)
 out["avg"] = reduce(rank_data(rank), e4m3, name="avg")
-out["avg_shift"] = np.array(e4m3.stats["float32[1000]"].shift)
-out["sum_e5m2"] = reduce(rank_data(rank, sigma=3.0, seed=1), hvd_aps.APSCompressor("e5m2"), hvd.Sum, "sum")
-out["naive"] = reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3", scaling=None), name="naive")
+out["sum_e5m2"] = reduce(rank_data(rank, sigma=3.0, seed=1), hvd_aps.APSCompressor("e5m2", min_elements=16), hvd.Sum, "sum")
+out["naive"] = reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3", scaling="none", min_elements=16), name="naive")
 out["zeros"] = reduce(np.zeros(100, np.float32), e4m3, name="zeros")
 out["nan"] = reduce(poisoned(rank, np.nan), e4m3, name="nan")
-out["inf"] = reduce(poisoned(rank, np.inf), hvd_aps.APSCompressor("e2m1fn"), name="inf")
+out["inf"] = reduce(poisoned(rank, np.inf), hvd_aps.APSCompressor("e2m1fn", min_elements=16), name="inf")
 out["after"] = reduce(rank_data(rank), e4m3, name="after")
+out["bytes_sent"] = np.array(e4m3.bytes_sent)
 half = hvd.allreduce(torch.from_numpy(rank_data(rank)).bfloat16(), compression=e4m3, name="bf16")
-out["bf16_dtype_ok"] = np.array(half.dtype == torch.bfloat16)
-ints = hvd.allreduce(torch.arange(5) * (rank + 1), op=hvd.Sum, compression=e4m3, name="ints")
-out["ints"] = ints.numpy()
+out["bf16_dtype_ok"] = np.array(half.dtype == torch.bfloat16 and half.shape == (1000,))
+out["ints"] = hvd.allreduce(torch.arange(5) * (rank + 1), op=hvd.Sum, compression=e4m3, name="ints").numpy()
+
+# wire="values": the float16 carrier through Horovod's allreduce
+values = hvd_aps.APSCompressor(hvd_aps.e4m3, wire="values")
+out["values_avg"] = reduce(rank_data(rank), values, name="values_avg")
+out["values_avg_shift"] = np.array(values.stats["float32[1000]"].shift)
+out["values_nan"] = reduce(poisoned(rank, np.nan), values, name="values_nan")
+
+
+def one_step(grads, **kwargs):
+    """horovod.torch.DistributedOptimizer on parameters whose gradients are exactly `grads`
+    (loss = sum(p * g)); every tensor is its own batch (bucket_bytes=1)."""
+    params = [torch.zeros(g.shape, requires_grad=True) for g in grads]
+    comp = hvd_aps.APSCompressor("e4m3", bucket_bytes=1, min_elements=16)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), compression=comp,
+                                   named_parameters=[(f"p{i}", p) for i, p in enumerate(params)], **kwargs)
+    sum((p * torch.from_numpy(g)).sum() for p, g in zip(params, grads)).backward()
+    opt.synchronize()
+    return [p.grad.numpy().copy() for p in params]
+
+
+for key, kwargs in (("step_avg", {}), ("step_predivide", dict(gradient_predivide_factor=2.0)),
+                    ("step_sum_groups", dict(op=hvd.Sum, groups=2))):
+    for i, g in enumerate(one_step(codes_grads(rank), **kwargs)):
+        out[f"{key}_{i}"] = g
 
 
 def train(**kwargs):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    base = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                   compression=hvd_aps.APSCompressor("e4m3"), **kwargs)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=hvd_aps.APSCompressor("e4m3", min_elements=64), **kwargs)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(3):
         for _ in range(kwargs.get("backward_passes_per_step", 1)):
@@ -51,10 +81,13 @@ out["params_avg"] = train()
 out["params_sum_groups"] = train(op=hvd.Sum, groups=2)
 out["params_bpps_predivide"] = train(backward_passes_per_step=2, gradient_predivide_factor=2.0)
 
-try:  # rank 0 sends e4m3, rank 1 e5m2: same float16 carrier, so only the signature can tell
-    reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3" if rank == 0 else "e5m2"), name="mismatch")
-    out["mismatch"] = np.array("no error")
-except ValueError as err:
-    out["mismatch"] = np.array(str(err))
+# rank 0 sends e4m3, the others e5m2: only the signature can tell
+out["mismatch"] = error_of(lambda: reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3" if rank == 0 else "e5m2",
+                                                                                 min_elements=16), name="mismatch"))
+# the last rank hands its two gradients over in the other order
+pair = [torch.ones(5000), torch.ones(7000)]
+out["order"] = error_of(lambda: hvd.grouped_allreduce(pair if rank < size - 1 else pair[::-1],
+                                                      compression=hvd_aps.APSCompressor("e4m3"), name="order"))
+out["after_errors"] = reduce(rank_data(rank), hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=16), name="after2")
 
-np.savez(f"{sys.argv[1]}/torch_rank{rank}.npz", **out)
+np.savez(f"{sys.argv[1]}/torch{size}_rank{rank}.npz", **out)
