@@ -1,7 +1,8 @@
 """A bandwidth-limited Horovod "cluster" on one machine: one network namespace per host, veth links
 into a bridge in a switch namespace, each link capped with `tc tbf`, one rank per host with Gloo.
-Runs examples/pytorch_synthetic_benchmark.py for each compression and prints measured step times
-and bytes sent beside a performance model. Needs root (ip netns, tc); removes everything it made.
+Runs examples/pytorch_synthetic_benchmark.py for each compression (a "tf:" prefix runs
+examples/tensorflow2_synthetic_benchmark.py instead) and prints measured step times and bytes sent
+beside a performance model. Needs root (ip netns, tc); removes everything it made.
 
     sudo .venv/bin/python examples/netns_cluster.py [--ranks 2,4] [--rates 1gbit,10gbit,none] [--quick]
 
@@ -19,7 +20,9 @@ import sys
 import time
 
 EXAMPLES = pathlib.Path(__file__).parent
-COMPRESSIONS = ["none", "fp16", "aps-e4m3", "codes-e4m3", "codes-e3m0"]
+# aps-*: the card's line (codes through Horovod's own optimizer); aps-*-values: float16 values;
+# codes-*: hvd_aps.torch.DistributedOptimizer
+COMPRESSIONS = ["none", "fp16", "aps-e4m3-values", "aps-e4m3", "aps-e3m0", "codes-e4m3", "codes-e3m0"]
 SWITCH, SUBNET, SERVER_IP = "hvdaps-sw", "10.77.0", "10.77.0.254"
 
 
@@ -88,9 +91,11 @@ def run_job(names, compression, args):
                        HOROVOD_CROSS_RANK=str(rank), HOROVOD_CROSS_SIZE=str(len(names)),
                        HOROVOD_GLOO_RENDEZVOUS_ADDR=SERVER_IP, HOROVOD_GLOO_RENDEZVOUS_PORT=port,
                        HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE="hvd0",
-                       OMP_NUM_THREADS="1", HVD_APS_THREADS="1")
-            cmd = ["ip", "netns", "exec", ns, sys.executable, str(EXAMPLES / "pytorch_synthetic_benchmark.py"),
-                   "--compression", compression, "--iface", "hvd0", "--hidden", str(args.hidden),
+                       OMP_NUM_THREADS="1", HVD_APS_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+            framework, _, name = compression.rpartition(":")
+            script = "tensorflow2_synthetic_benchmark.py" if framework == "tf" else "pytorch_synthetic_benchmark.py"
+            cmd = ["ip", "netns", "exec", ns, sys.executable, str(EXAMPLES / script),
+                   "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden),
                    "--num-iters", str(args.iters)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=args.timeout) for p in procs]
@@ -109,13 +114,13 @@ def model_seconds(result, compression, ranks, link_bytes_per_s):
     """Predicted step: compute + ring traffic at the link rate + codec passes at measured speed."""
     params, ring = result["params"], 2 * (ranks - 1) / ranks
     codec = 4 * params / (result["codec_gbps"] * 1e9)  # one encode+decode of every gradient
-    kind, _, fmt = compression.partition("-")
-    if kind == "codes":
-        bits = {"e4m3": 8, "e3m0": 4}[fmt]
-        return result["compute"] + ring * params * bits / 8 / link_bytes_per_s + (1 + 1 / ranks) * codec
-    wire = 4 if compression == "none" else 2
-    extra = codec if kind == "aps" else 0.0
-    return result["compute"] + ring * params * wire / link_bytes_per_s + extra
+    kind, _, fmt = compression.rpartition(":")[2].partition("-")
+    if kind == "none" or kind == "fp16":
+        return result["compute"] + ring * params * (4 if kind == "none" else 2) / link_bytes_per_s
+    if fmt.endswith("-values"):  # float16 values through Horovod's allreduce
+        return result["compute"] + ring * params * 2 / link_bytes_per_s + codec
+    bits = {"e4m3": 8, "e3m0": 4}[fmt]
+    return result["compute"] + ring * params * bits / 8 / link_bytes_per_s + (1 + 1 / ranks) * codec
 
 
 def rate_bytes(rate):
@@ -153,7 +158,7 @@ def main():
             measured_link = rate_bytes(rate)
             print(f"\n{ranks} ranks, link {rate or 'uncapped'}, {base and base['params'] or ''} parameters "
                   f"(median of {args.iters} steps; bytes = each rank's tx counter per step)")
-            print(f"{'compression':>12} {'step s':>8} {'x none':>7} {'model s':>8} {'MB/step':>8} {'x none':>7}")
+            print(f"{'compression':>18} {'step s':>8} {'x none':>7} {'model s':>8} {'MB/step':>8} {'x none':>7}")
             for c, r in results.items():
                 model = model_seconds(r, c, ranks, measured_link) if measured_link else None
                 row = dict(r, rate=rate or "uncapped", model_step=model,
@@ -161,7 +166,7 @@ def main():
                            bytes_ratio=r["tx_bytes_per_step"] / base["tx_bytes_per_step"] if base else None)
                 rows.append(row)
                 model_text = f"{model:8.3f}" if model else f"{'-':>8}"  # uncapped: no link rate to model
-                print(f"{c:>12} {r['step_median']:8.3f} {row['step_ratio'] or 0:7.2f} {model_text} "
+                print(f"{c:>18} {r['step_median']:8.3f} {row['step_ratio'] or 0:7.2f} {model_text} "
                       f"{r['tx_bytes_per_step'] / 1e6:8.2f} {row['bytes_ratio'] or 0:7.3f}", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -11,25 +11,16 @@ timed steps (from the interface counters), the compute-only step time and the co
 that the performance model in examples/netns_cluster.py uses.
 """
 import argparse
-import json
 import statistics
-import time
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 import hvd_aps
 import hvd_aps.torch
+from benchmark_common import add_arguments, measure, timed
 from hvd_aps import from_name
-
-
-def tx_bytes(iface):
-    if not iface:
-        return 0
-    with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
-        return int(f.read())
 
 
 def mlp(hidden):
@@ -44,15 +35,6 @@ def step_fn(model, opt, x, y):
     return step
 
 
-def timed(fn, n):
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def wrap(opt, model, compression):
     comp = from_name(compression, hvd.Compression)
     if isinstance(comp, hvd_aps.APSCompressor):
@@ -64,12 +46,7 @@ def wrap(opt, model, compression):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compression", default="none")
-    parser.add_argument("--hidden", type=int, default=2048, help="4 x hidden^2 parameters (2048: 16.8M)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--num-warmup-batches", type=int, default=2)
-    parser.add_argument("--num-iters", type=int, default=8)
-    parser.add_argument("--iface", default="", help="network interface whose tx counter to read")
+    add_arguments(parser)
     args = parser.parse_args()
 
     hvd.init()
@@ -80,24 +57,9 @@ def main():
     x, y = torch.randn(args.batch_size, args.hidden), torch.randn(args.batch_size, args.hidden)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     compute = statistics.median(timed(step_fn(model, opt, x, y), 3))  # no communication yet
-    flat = np.random.default_rng(0).standard_normal(params).astype(np.float32)
-    codec = 4 * params / statistics.median(timed(lambda: hvd_aps.quantize(flat, "e4m3"), 3))
-
     opt = wrap(opt, model, args.compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    step = step_fn(model, opt, x, y)
-    timed(step, args.num_warmup_batches)
-    before = tx_bytes(args.iface)
-    times = timed(step, args.num_iters)
-    sent = (tx_bytes(args.iface) - before) / args.num_iters
-    per_rank = hvd.allgather_object({"step": statistics.median(times), "tx_bytes_per_step": sent,
-                                     "compute": compute, "codec_gbps": codec / 1e9})
-    if hvd.rank() == 0:
-        print(json.dumps({"compression": args.compression, "ranks": hvd.size(), "params": params,
-                          "step_median": max(r["step"] for r in per_rank),
-                          "tx_bytes_per_step": statistics.mean(r["tx_bytes_per_step"] for r in per_rank),
-                          "compute": statistics.median(r["compute"] for r in per_rank),
-                          "codec_gbps": statistics.median(r["codec_gbps"] for r in per_rank)}), flush=True)
+    measure(step_fn(model, opt, x, y), args, compute, params, hvd.allgather_object, hvd.rank(), hvd.size())
 
 
 if __name__ == "__main__":

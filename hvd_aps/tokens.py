@@ -9,7 +9,9 @@ on a communication thread, while backward goes on) or at the first decompress() 
 
 Horovod reduces the token with the op and the pre/postscale factors it applies to a gradient
 (`gradient_predivide_factor`, Average's 1/N), so its value tells decompress() what to do with the
-exchanged sum: 1 means average, N means sum, anything else is that factor times N.
+exchanged sum. The token is [1, rank]: a scaled sum gives [c N, c N (N-1) / 2], and c = 1/N means
+average, c = 1 sum, anything else that factor; a reduction that is no scaled sum (Adasum, Min,
+Max, Product) breaks the ratio and is refused with an error instead of returning wrong numbers.
 
 Batches are named hvd_aps.<k>, k counting from 0 again whenever every batch handed out has been
 decompressed (once per training step), so names repeat from step to step (Horovod's response
@@ -87,13 +89,22 @@ class Batches:
             self._open = None
 
 
+def token_values(rank):
+    """What compress() hands Horovod to reduce in place of the gradient."""
+    return np.array([1.0, rank], np.float32)
+
+
 def apply_op(total, token, world):
     """The exchanged sum (NumPy/CuPy float32) as Horovod's reduction would have left it, from the
-    reduced token's value: average (divided by N in float32, as every codes path divides), sum, or
-    sum times the factor Horovod applied."""
-    token = float(np.asarray(token).reshape(-1)[0])
-    if abs(token - 1.0) <= _TOKEN_TOLERANCE:
+    reduced token: average (divided by N in float32, as every codes path divides), sum, or sum
+    times the factor Horovod applied."""
+    scale, ranks = (float(v) for v in np.asarray(token, np.float64).reshape(-1)[:2])
+    if abs(ranks - scale * (world - 1) / 2) > _TOKEN_TOLERANCE * max(1.0, abs(scale) * world * world):
+        raise ValueError("APSCompressor's codes need an allreduce that sums (op Average or Sum, with any "
+                         "pre/postscale); this reduction is not one (Adasum, Min, Max or Product?): use "
+                         "APSCompressor(..., wire='values') for it")
+    if abs(scale - 1.0) <= _TOKEN_TOLERANCE:
         return total / np.float32(world)
-    if abs(token - world) <= _TOKEN_TOLERANCE * world:
+    if abs(scale - world) <= _TOKEN_TOLERANCE * world:
         return total
-    return total * np.float32(token / world)
+    return total * np.float32(scale / world)

@@ -65,7 +65,7 @@ def rank():
 
 
 def token(tensor):
-    return tf.ones([1], tf.float32)
+    return tf.constant(tokens.token_values(hvd.rank()))
 
 
 def launch(stages, flats, name, labels):
