@@ -63,7 +63,7 @@ def run(stages, flats, coll, name, labels=None, outs=None):
         return (stages.reduce_shard(received, state["s"], name),)
 
     def finish(gathered):
-        return tuple(stages.finish(gathered, state.pop("s"), outs))
+        return tuple(stages.finish(gathered, state.pop("s"), outs, name))
 
     meta, = coll.stage(lambda *arrays: (stages.metadata(arrays),), flats, [np.float64])
     agreed = coll.max_allreduce(meta, f"{name}.meta")

@@ -95,16 +95,16 @@ def token_values(rank):
 
 
 def apply_op(total, token, world):
-    """The exchanged sum (NumPy/CuPy float32) as Horovod's reduction would have left it, from the
-    reduced token: average (divided by N in float32, as every codes path divides), sum, or sum
-    times the factor Horovod applied."""
+    """The exchanged sum (NumPy/CuPy float32, changed in place) as Horovod's reduction would have
+    left it, from the reduced token: average (divided by N in float32, as every codes path
+    divides), sum, or sum times the factor Horovod applied."""
     scale, ranks = (float(v) for v in np.asarray(token, np.float64).reshape(-1)[:2])
     if abs(ranks - scale * (world - 1) / 2) > _TOKEN_TOLERANCE * max(1.0, abs(scale) * world * world):
         raise ValueError("APSCompressor's codes need an allreduce that sums (op Average or Sum, with any "
                          "pre/postscale); this reduction is not one (Adasum, Min, Max or Product?): use "
                          "APSCompressor(..., wire='values') for it")
     if abs(scale - 1.0) <= _TOKEN_TOLERANCE:
-        return total / np.float32(world)
-    if abs(scale - world) <= _TOKEN_TOLERANCE * world:
-        return total
-    return total * np.float32(scale / world)
+        total /= np.float32(world)
+    elif abs(scale - world) > _TOKEN_TOLERANCE * world:
+        total *= np.float32(scale / world)
+    return total

@@ -20,6 +20,7 @@ so a NaN/Inf anywhere shows everywhere (a GradScaler skips the step) at no extra
 hvd_aps.exchange drives these stages; the collectives between them are the caller's.
 """
 import dataclasses
+import sys
 
 import numpy as np
 
@@ -72,6 +73,13 @@ class Plan:
     def shard_len(self, shard):
         return int(self.shards[shard + 1] - self.shards[shard])
 
+    def message_len(self, fmt):
+        """Bytes of every rank's reduced-shard message: the longest one's (its packed codes and an
+        int16 exponent per piece), so every allgather is of equal sizes, as torch.distributed's
+        all_gather needs. Padding costs each rank at most a byte or two and 2 bytes per tensor."""
+        return max(codec.packed_size(self.shard_len(r), fmt) + _SHIFT.itemsize * len(self.pieces(r))
+                   for r in range(self.world))
+
 
 @dataclasses.dataclass
 class State:
@@ -91,7 +99,7 @@ class CodesExchange:
 
     def __init__(self, compressor, world, rank):
         self.comp, self.fmt, self.world, self.rank = compressor, compressor.fmt, world, rank
-        self._buffers = {}
+        self._buffers, self._results = {}, {}
 
     def metadata(self, flats):
         """Vector to Max-allreduce: every tensor's max |g|, its size (and minus it), the signature."""
@@ -142,28 +150,29 @@ class CodesExchange:
             self._encode(part, fresh, fresh_codes[a - lo:b - lo])
             fresh_shifts.append(fresh)
         shift_bytes = xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))
-        message = xp.concatenate([codec.pack(fresh_codes, self.fmt), shift_bytes])
+        packed = codec.pack(fresh_codes, self.fmt)
+        padding = xp.zeros(state.plan.message_len(self.fmt) - packed.size - shift_bytes.size, np.uint8)
+        message = xp.concatenate([packed, shift_bytes, padding])
         state.bytes_sent += int(message.size) * (self.world - 1)
         self.comp.record_sent(state.bytes_sent)
         return message
 
-    def finish(self, gathered, state, outs=None):
+    def finish(self, gathered, state, outs=None, key=0):
         """Every rank's reduced shard -> the summed tensors (float32, flat), written into `outs`
-        (one array per tensor) or into new arrays; NaN-filled for the tensors in state.fallback."""
+        (one array per tensor) or into result buffers of this bucket `key`; NaN-filled for the
+        tensors in state.fallback."""
         xp = _arrays.array_module(gathered)
-        offsets = state.plan.offsets
+        offsets, stride = state.plan.offsets, state.plan.message_len(self.fmt)
         if outs is None:
-            outs = [xp.empty(n, xp.float32) for n in state.sizes]
+            outs = [self._result_buffer((key, i), n, xp) for i, n in enumerate(state.sizes)]
         for i in state.fallback:
             outs[i].fill(np.nan)
         included = [outs[i] for i in state.included]
-        at = 0
         for r in range(self.world):
-            n, pieces = state.plan.shard_len(r), state.plan.pieces(r)
+            n, pieces, at = state.plan.shard_len(r), state.plan.pieces(r), r * stride
             size = codec.packed_size(n, self.fmt)
             codes = codec.unpack(gathered[at:at + size], self.fmt, n)
-            shifts = _arrays.to_numpy(gathered[at + size:at + size + 2 * len(pieces)]).view(_SHIFT)
-            at += size + 2 * len(pieces)
+            shifts = _arrays.to_numpy(gathered[at + size:at + size + _SHIFT.itemsize * len(pieces)]).view(_SHIFT)
             lo = int(state.plan.shards[r])
             for (t, a, b), shift in zip(pieces, shifts):
                 codec.decode(codes[a - lo:b - lo], self.fmt, int(shift), out=included[t][a - offsets[t]:b - offsets[t]])
@@ -172,6 +181,16 @@ class CodesExchange:
     def _encode(self, x, shift, out):
         cfg = self.comp.config
         return codec.encode(x, self.fmt, cfg.rounding, self.comp.next_seed(self.rank), cfg.saturate, shift, out=out)
+
+    def _result_buffer(self, name, n, xp):
+        """Last step's result array for `name` where nothing outside holds it any more (the
+        gradient it became was dropped), else a new one: writing into pages already mapped costs
+        a third of faulting in fresh ones, and results are the largest arrays of the exchange."""
+        buf = self._results.get(name)
+        # references while free: the dict's, `buf`'s and getrefcount's argument
+        if buf is None or buf.size != n or _arrays.array_module(buf) is not xp or sys.getrefcount(buf) > 3:
+            buf = self._results[name] = xp.empty(n, xp.float32)
+        return buf
 
     def _buffer(self, name, n, dtype, xp):
         buf = self._buffers.get(name)

@@ -84,9 +84,9 @@ def test_token_value_says_what_horovod_did():
     total = np.array([3.0, -6.0], np.float32)
     tokens_of = [tokens.token_values(r) for r in range(3)]
     summed = np.sum(tokens_of, axis=0)
-    assert (tokens.apply_op(total, summed * np.float32(0.33333334), 3) == total / np.float32(3)).all()  # Average
-    assert (tokens.apply_op(total, summed, 3) == total).all()  # Sum
-    assert (tokens.apply_op(total, summed * 0.5, 3) == total * np.float32(0.5)).all()  # a custom postscale
+    assert (tokens.apply_op(total.copy(), summed * np.float32(0.33333334), 3) == total / np.float32(3)).all()  # Average
+    assert (tokens.apply_op(total.copy(), summed, 3) == total).all()  # Sum
+    assert (tokens.apply_op(total.copy(), summed * 0.5, 3) == total * np.float32(0.5)).all()  # a custom postscale
     adasum_of_two = np.array([1.25, 0.75])  # Adasum([1, 0], [1, 1])
     for not_a_sum, world in ((np.max(tokens_of, axis=0), 3), (np.min(tokens_of, axis=0), 3), (adasum_of_two, 2)):
         with pytest.raises(ValueError, match="wire='values'"):

@@ -75,7 +75,8 @@ def launch(stages, flats, name, labels):
 
 def finish(handle, index, token_out, like):
     size = hvd.size()
-    reduced = tf.numpy_function(lambda total, t: tokens.apply_op(total, t, size), [handle[index], token_out],
+    # a copy: numpy_function's inputs may share TF's (read-only) memory
+    reduced = tf.numpy_function(lambda total, t: tokens.apply_op(total.copy(), t, size), [handle[index], token_out],
                                 tf.float32, stateful=False)
     return tf.cast(tf.reshape(reduced, tf.shape(like)), like.dtype)
 

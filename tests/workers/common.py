@@ -26,9 +26,10 @@ KERAS_W0 = np.array([[0.1], [0.2], [-0.3], [0.4]], np.float32)
 KERAS_LR = 0.1
 
 CODES_SIZES = [(50, 7), (3001,), (16,), (5,), (0,), (1000,)]
+DDP_SIZES = [(50, 7), (3001,), (16,), (5,), (1000,)]  # DDP has no empty parameters
 
 
-def codes_grads(rank):
+def codes_grads(rank, sizes=CODES_SIZES):
     """Tensors for the codes path: uneven sizes, a tiny one, an empty one, wide magnitudes."""
     rng = np.random.default_rng(100 + rank)
-    return [(rng.standard_normal(s) * 10.0 ** rng.uniform(-6, 1)).astype(np.float32) for s in CODES_SIZES]
+    return [(rng.standard_normal(s) * 10.0 ** rng.uniform(-6, 1)).astype(np.float32) for s in sizes]

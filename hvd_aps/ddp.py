@@ -1,0 +1,116 @@
+"""hvd_aps.ddp: APS codes for torch.distributed DistributedDataParallel, as a DDP comm hook.
+
+    import hvd_aps, hvd_aps.ddp
+    ddp.register_comm_hook(hvd_aps.ddp.APSState(hvd_aps.APSCompressor(hvd_aps.e4m3)), hvd_aps.ddp.aps_hook)
+
+The bucket goes through the same exchange driver as every Horovod path (hvd_aps.exchange), with
+torch.distributed collectives: a Max all_reduce of the metadata, all_to_all_single of the code
+shards, an all_gather of the reduced shards (equal sizes: hvd_aps.wire pads each to the longest,
+a few bytes), then decode into the bucket. Gloo on the CPU; NCCL with CUDA tensors through the
+CuPy engine. Importing this module does not import Horovod.
+"""
+import concurrent.futures
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import _arrays, exchange
+from .compressor import APSCompressor
+
+
+class TorchDistributedCollectives(exchange.Eager):
+    """torch.distributed collectives on NumPy/CuPy arrays, in `group`, on `device` (the bucket's:
+    NCCL needs CUDA tensors, Gloo takes CPU ones)."""
+
+    def __init__(self, group, device):
+        self.group, self.device = group, device
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def _tensor(self, array):
+        return torch.from_dlpack(array).to(self.device)
+
+    def max_allreduce(self, vector, name):
+        t = self._tensor(vector)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.cpu().numpy()
+
+    def alltoall(self, send, splits, name):
+        splits = [int(s) for s in _arrays.to_numpy(splits)]
+        # every rank's shard r has the same length, so rank r receives splits[r] bytes from each
+        received = torch.empty(splits[self.rank] * self.world, dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(received, self._tensor(send), [splits[self.rank]] * self.world, splits, group=self.group)
+        return _arrays.as_array(received)
+
+    def allgather(self, message, name):
+        mine = self._tensor(message)
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(parts, mine, group=self.group)
+        return _arrays.as_array(torch.cat(parts))
+
+
+class APSState:
+    """What aps_hook keeps between steps.
+
+    Hyperparameters: `compressor` (an hvd_aps.APSCompressor sending codes; its format, rounding and
+    scaling apply), `process_group` (DDP's; None for the default group).
+    Internal state: a private copy of the process group, so the exchange's collectives never
+    interleave with DDP's own (find_unused_parameters' bitmap, bucket rebuilds); one
+    communication thread, so every rank issues them in bucket order; the exchange's buffers,
+    keyed by bucket index, which reallocate when DDP rebuilds its buckets after the first step.
+    Stats: `compressor.bytes_sent`, `compressor.totals()`, `buckets_exchanged`.
+    """
+
+    def __init__(self, compressor, process_group=None):
+        if not isinstance(compressor, APSCompressor) or compressor.config.wire != "codes":
+            raise TypeError(f"APSState needs an hvd_aps.APSCompressor sending codes, got {compressor!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("APSState needs torch.distributed initialised (dist.init_process_group)")
+        self.compressor = compressor
+        self.process_group = process_group
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        self.group = dist.new_group(ranks, use_local_synchronization=True)
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hvd_aps_ddp")
+        self.buckets_exchanged = 0
+
+    def __getstate__(self):
+        raise TypeError("APSState holds a process group and a thread: build a new one in each process")
+
+
+def aps_hook(state, bucket):
+    """DDP comm hook: average the bucket's gradients across ranks, sending APS codes.
+
+    1. Every gradient of the bucket becomes a float32 flat (a view where the bucket is float32).
+    2. The exchange runs on the state's communication thread, so backward goes on.
+    3. The averaged gradients are written into the bucket's buffer, in its dtype (fp16/bf16
+       buckets come back as they went), and the returned Future completes with it. A gradient
+       with NaN/Inf on any rank comes back all NaN on every rank, so a GradScaler skips the step.
+
+    Example::
+
+        state = hvd_aps.ddp.APSState(hvd_aps.APSCompressor(hvd_aps.e4m3))
+        ddp_model.register_comm_hook(state, hvd_aps.ddp.aps_hook)
+    """
+    buffer, grads = bucket.buffer(), bucket.gradients()
+    future = torch.futures.Future()
+
+    def run():
+        coll = TorchDistributedCollectives(state.group, buffer.device)
+        stages = state.compressor.stages(coll.world, coll.rank)
+        flats = [_arrays.as_array(g.detach().to(torch.float32).reshape(-1)) for g in grads]
+        sums = exchange.run(stages, flats, coll, f"ddp.bucket{bucket.index()}")
+        for total in sums:  # in NumPy/CuPy: torch divides by a scalar through its reciprocal
+            total /= np.float32(coll.world)
+        buffer.copy_(torch.cat([torch.from_dlpack(total) for total in sums]))
+        state.buckets_exchanged += 1
+        return buffer
+
+    def settle(done):
+        error = done.exception()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(done.result())
+
+    state.thread.submit(run).add_done_callback(settle)
+    return future

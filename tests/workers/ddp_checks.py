@@ -1,0 +1,114 @@
+"""Run under `torchrun --nproc-per-node 2` (or 3), Gloo on loopback: hvd_aps.ddp.aps_hook in
+DistributedDataParallel. Each rank saves OUTDIR/ddp<N>_rank<r>.npz for tests/test_ddp.py."""
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hvd_aps
+import hvd_aps.ddp
+from common import DDP_SIZES, codes_grads
+
+dist.init_process_group("gloo")
+rank, size, out = dist.get_rank(), dist.get_world_size(), {}
+torch.set_num_threads(1)
+
+
+class Given(torch.nn.Module):
+    """Parameters whose gradients are exactly the given arrays: loss = sum(p * g)."""
+
+    def __init__(self, shapes, dtype=torch.float32):
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes])
+
+    def forward(self, grads):
+        return sum((p * g).sum() for p, g in zip(self.ps, grads))
+
+
+def recording(order, index_of):
+    """aps_hook, noting each bucket's parameters (by index) in the order the exchange sees them."""
+    def hook(state, bucket):
+        order.append([index_of[id(p)] for p in bucket.parameters()])
+        return hvd_aps.ddp.aps_hook(state, bucket)
+    return hook
+
+
+def given_steps(key, grads_per_step, dtype=torch.float32, group=None, **ddp_kwargs):
+    model = Given(DDP_SIZES, dtype)
+    ddp = DDP(model, process_group=group, **ddp_kwargs)
+    order, index_of = [], {id(p): i for i, p in enumerate(model.ps)}
+    compressor = hvd_aps.APSCompressor("e4m3")
+    ddp.register_comm_hook(hvd_aps.ddp.APSState(compressor, group), recording(order, index_of))
+    for step, grads in enumerate(grads_per_step):
+        model.zero_grad()
+        order.clear()
+        ddp([torch.from_numpy(g).to(dtype) for g in grads]).backward()
+        for i, p in enumerate(model.ps):
+            out[f"{key}_{step}_{i}"] = p.grad.float().numpy().copy()
+        out[f"{key}_{step}_dtype_ok"] = np.array(all(p.grad.dtype == dtype for p in model.ps))
+        out[f"{key}_{step}_order"] = np.array(";".join(",".join(map(str, bucket)) for bucket in order))
+    out[f"{key}_bytes"] = np.array(compressor.bytes_sent)
+
+
+# two steps (DDP rebuilds its buckets after the first), several buckets (bucket_cap_mb small)
+grads = codes_grads(rank, DDP_SIZES)
+given_steps("plain", [grads, grads], bucket_cap_mb=0.01)
+given_steps("view", [grads], gradient_as_bucket_view=True)
+given_steps("half", [grads], dtype=torch.float16)
+given_steps("group", [grads], group=dist.new_group(list(range(size))))
+poisoned = [g.copy() for g in grads]
+poisoned[0][:] = 0.0
+if rank == size - 1:
+    poisoned[1][3] = np.nan
+given_steps("poisoned", [poisoned])
+
+
+def no_sync_step():
+    """Two micro-batches, the first under no_sync(): one exchange of the accumulated sum."""
+    model = Given(DDP_SIZES)
+    ddp = DDP(model)
+    order, index_of = [], {id(p): i for i, p in enumerate(model.ps)}
+    ddp.register_comm_hook(hvd_aps.ddp.APSState(hvd_aps.APSCompressor("e4m3")), recording(order, index_of))
+    with ddp.no_sync():
+        ddp([torch.from_numpy(g) for g in grads]).backward()
+    out["no_sync_calls_during_no_sync"] = np.array(len(order))
+    ddp([torch.from_numpy(g) for g in codes_grads(rank + 10, DDP_SIZES)]).backward()
+    for i, p in enumerate(model.ps):
+        out[f"no_sync_{i}"] = p.grad.numpy().copy()
+    out["no_sync_order"] = np.array(";".join(",".join(map(str, bucket)) for bucket in order))
+
+
+no_sync_step()
+
+
+class WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 4))
+        self.unused = torch.nn.Linear(4, 4)  # never in the graph
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def train(**ddp_kwargs):
+    torch.manual_seed(0)
+    whole = WithUnused()
+    ddp = DDP(whole, **ddp_kwargs)
+    state = hvd_aps.ddp.APSState(hvd_aps.APSCompressor("e4m3"))
+    ddp.register_comm_hook(state, hvd_aps.ddp.aps_hook)
+    opt = torch.optim.SGD(whole.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        opt.zero_grad()
+        ddp(torch.randn(16, 32, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return torch.cat([p.detach().ravel() for p in whole.parameters()]).numpy(), state.buckets_exchanged
+
+
+out["train_unused"], out["train_unused_buckets"] = train(find_unused_parameters=True, bucket_cap_mb=0.01)
+out["train_static"], _ = train(static_graph=True, gradient_as_bucket_view=True)
+np.savez(f"{sys.argv[1]}/ddp{size}_rank{rank}.npz", **out)
+dist.destroy_process_group()
