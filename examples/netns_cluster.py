@@ -1,8 +1,9 @@
 """A bandwidth-limited Horovod "cluster" on one machine: one network namespace per host, veth links
 into a bridge in a switch namespace, each link capped with `tc tbf`, one rank per host with Gloo.
 Runs examples/pytorch_synthetic_benchmark.py for each compression (a "tf:" prefix runs
-examples/tensorflow2_synthetic_benchmark.py instead) and prints measured step times and bytes sent
-beside a performance model. Needs root (ip netns, tc); removes everything it made.
+examples/tensorflow2_synthetic_benchmark.py instead, "ddp:" examples/pytorch_ddp_synthetic_benchmark.py
+with torch.distributed ranks whose MASTER_ADDR is host 0) and prints measured step times and bytes
+sent beside a performance model. Needs root (ip netns, tc); removes everything it made.
 
     sudo .venv/bin/python examples/netns_cluster.py [--ranks 2,4] [--rates 1gbit,10gbit,none] [--quick]
 
@@ -24,6 +25,9 @@ EXAMPLES = pathlib.Path(__file__).parent
 # codes-*: hvd_aps.torch.DistributedOptimizer
 COMPRESSIONS = ["none", "fp16", "aps-e4m3-values", "aps-e4m3", "aps-e3m0", "codes-e4m3", "codes-e3m0"]
 SWITCH, SUBNET, SERVER_IP = "hvdaps-sw", "10.77.0", "10.77.0.254"
+DDP_PORT = 29500
+BENCHMARKS = {"": "pytorch_synthetic_benchmark.py", "tf": "tensorflow2_synthetic_benchmark.py",
+              "ddp": "pytorch_ddp_synthetic_benchmark.py"}
 
 
 def sh(*cmd, ns=None, check=True):
@@ -93,7 +97,11 @@ def run_job(names, compression, args):
                        HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE="hvd0",
                        OMP_NUM_THREADS="1", HVD_APS_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
             framework, _, name = compression.rpartition(":")
-            script = "tensorflow2_synthetic_benchmark.py" if framework == "tf" else "pytorch_synthetic_benchmark.py"
+            script = BENCHMARKS[framework]
+            # torch.distributed's Gloo finds its address through the hostname (/etc/netns/<ns>/hosts);
+            # GLOO_SOCKET_IFNAME=hvd0 crashed it (SIGSEGV) inside the namespaces
+            env.update(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(DDP_PORT), RANK=str(rank), WORLD_SIZE=str(len(names)),
+                       LOCAL_RANK="0")
             cmd = ["ip", "netns", "exec", ns, sys.executable, str(EXAMPLES / script),
                    "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden),
                    "--num-iters", str(args.iters)]
@@ -101,7 +109,7 @@ def run_job(names, compression, args):
         outs = [p.communicate(timeout=args.timeout) for p in procs]
         for p, (_, err) in zip(procs, outs):
             if p.returncode:
-                raise RuntimeError(f"{compression}: a rank failed:\n{err[-2000:]}")
+                raise RuntimeError(f"{compression}: a rank failed:\n{err[-4000:]}")
         return json.loads(outs[0][0].strip().splitlines()[-1])
     finally:
         for p in locals().get("procs", []):
@@ -115,12 +123,17 @@ def model_seconds(result, compression, ranks, link_bytes_per_s):
     params, ring = result["params"], 2 * (ranks - 1) / ranks
     codec = 4 * params / (result["codec_gbps"] * 1e9)  # one encode+decode of every gradient
     kind, _, fmt = compression.rpartition(":")[2].partition("-")
-    if kind == "none" or kind == "fp16":
+    if kind in ("none", "fp16", "bf16"):
         return result["compute"] + ring * params * (4 if kind == "none" else 2) / link_bytes_per_s
     if fmt.endswith("-values"):  # float16 values through Horovod's allreduce
         return result["compute"] + ring * params * 2 / link_bytes_per_s + codec
     bits = {"e4m3": 8, "e3m0": 4}[fmt]
     return result["compute"] + ring * params * bits / 8 / link_bytes_per_s + (1 + 1 / ranks) * codec
+
+
+def baseline(compression):
+    framework = compression.rpartition(":")[0]
+    return f"{framework}:none" if framework else "none"
 
 
 def rate_bytes(rate):
@@ -154,12 +167,13 @@ def main():
         for rate in (None if r == "none" else r for r in args.rates.split(",")):
             with cluster(ranks, rate) as names:
                 results = {c: run_job(names, c, args) for c in args.compressions.split(",")}
-            base = results.get("none")
             measured_link = rate_bytes(rate)
-            print(f"\n{ranks} ranks, link {rate or 'uncapped'}, {base and base['params'] or ''} parameters "
+            params = next(iter(results.values()))["params"]
+            print(f"\n{ranks} ranks, link {rate or 'uncapped'}, {params} parameters "
                   f"(median of {args.iters} steps; bytes = each rank's tx counter per step)")
             print(f"{'compression':>18} {'step s':>8} {'x none':>7} {'model s':>8} {'MB/step':>8} {'x none':>7}")
             for c, r in results.items():
+                base = results.get(baseline(c))  # each framework against its own uncompressed run
                 model = model_seconds(r, c, ranks, measured_link) if measured_link else None
                 row = dict(r, rate=rate or "uncapped", model_step=model,
                            step_ratio=r["step_median"] / base["step_median"] if base else None,

@@ -15,24 +15,12 @@ import statistics
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 
 import hvd_aps
 import hvd_aps.torch
 from benchmark_common import add_arguments, measure, timed
 from hvd_aps import from_name
-
-
-def mlp(hidden):
-    return torch.nn.Sequential(*[layer for _ in range(4) for layer in (torch.nn.Linear(hidden, hidden), torch.nn.ReLU())])
-
-
-def step_fn(model, opt, x, y):
-    def step():
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return step
+from synthetic_mlp import mlp, step_fn
 
 
 def wrap(opt, model, compression):
