@@ -4,6 +4,10 @@ Real ranks (Horovod, every setting and seed in one job; rank 0 writes the result
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/accuracy_study.py [--quick]
 
+torch.distributed DDP ranks (hvd_aps.ddp.aps_hook; none/fp16 are DDP's allreduce and torch's hook):
+
+    torchrun --nproc-per-node 2 examples/accuracy_study.py --ddp [--quick]
+
 Many emulated workers in one process (hvd_aps.emulate, CPD's "emulate-node"):
 
     python examples/accuracy_study.py --emulate 8,32,256 [--quick]
@@ -92,6 +96,32 @@ class HorovodAverager:
             return sum(hvd_aps.packed_size(n, cfg.fmt) if n >= cfg.min_elements else 4 * n for n in self.sizes)
         if isinstance(self.compression, hvd_aps.APSCompressor):
             return self.compression.totals().bytes_carried // self.steps
+        return n_params * (2 if self.setting == "fp16" else 4)
+
+
+class DDPAverager:
+    """Gradients averaged by torch.distributed DistributedDataParallel with the setting's hook:
+    hvd_aps.ddp.aps_hook for aps-/naive-<format>, torch's fp16_compress_hook for fp16."""
+
+    def __init__(self, setting, workers):
+        self.setting, self.workers = setting, workers
+
+    def optimizer(self, model, lr):
+        from torch.nn.parallel import DistributedDataParallel
+        from pytorch_ddp_digits import register
+        self.ddp = DistributedDataParallel(model)
+        self.compressor = register(self.ddp, self.setting)
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+    def step(self, model, opt, x, y, loss_scale):
+        rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        opt.zero_grad()
+        (F.cross_entropy(self.ddp(x[rank::size]), y[rank::size]) * loss_scale).backward()
+        opt.step()
+
+    def bytes_per_step(self, n_params):
+        if self.compressor is not None:
+            return self.compressor.totals().bytes_carried // self.steps
         return n_params * (2 if self.setting == "fp16" else 4)
 
 
@@ -209,6 +239,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 settings, 2 seeds, 150 steps (CI size)")
     parser.add_argument("--emulate", help="comma-separated emulated worker counts, e.g. 8,32,256")
+    parser.add_argument("--ddp", action="store_true", help="torch.distributed DDP ranks (run under torchrun)")
     parser.add_argument("--settings", help=f"comma-separated, default all: {','.join(SETTINGS)}")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400)
@@ -235,6 +266,8 @@ def main():
             finish(pathlib.Path(args.out) / f"emulated-{workers}", str(workers), runs)
         return
 
+    if args.ddp:
+        return ddp_main(settings, seeds, args)
     import horovod.torch as hvd
     hvd.init()
     if hvd.size() < 2 or GLOBAL_BATCH % hvd.size():
@@ -248,6 +281,28 @@ def main():
     if hvd.rank() == 0:
         finish(pathlib.Path(args.out) / f"horovod-{hvd.size()}", f"{hvd.size()} Horovod", runs,
                {"parameters_identical_on_all_ranks": identical})
+
+
+def ddp_main(settings, seeds, args):
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size < 2 or GLOBAL_BATCH % size:
+        raise SystemExit("run under torchrun with >= 2 ranks that divide 256")
+    settings = [s for s in settings if not s.startswith("codes-") and not s.endswith("-values")]  # Horovod's paths
+    log = print if rank == 0 else (lambda *_: None)
+    log(f"{size} DDP ranks, settings {settings}, seeds {seeds}, {args.steps} steps")
+    runs = run_study(lambda s: DDPAverager(s, size), settings, seeds, args, log)
+    identical = True
+    for seeds_ in runs.values():
+        for r in seeds_:
+            high, low = r["params"].clone(), r["params"].clone()
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+            identical = identical and bool(high.eq(r["params"]).all() and low.eq(r["params"]).all())
+    if rank == 0:
+        finish(pathlib.Path(args.out) / f"ddp-{size}", f"{size} DDP", runs, {"parameters_identical_on_all_ranks": identical})
+    dist.destroy_process_group()
 
 
 def finish(out, label, runs, extra=None):

@@ -11,24 +11,11 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import hvd_aps
-import hvd_aps.ddp
 from benchmark_common import add_arguments, measure, timed
+from pytorch_ddp_digits import register
 from synthetic_mlp import mlp, step_fn
-
-TORCH_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-
-
-def register(ddp, compression):
-    if compression in TORCH_HOOKS:
-        ddp.register_comm_hook(None, TORCH_HOOKS[compression])
-    elif compression != "none":
-        comp = hvd_aps.from_name(compression, None)
-        comp.collect_stats = False
-        ddp.register_comm_hook(hvd_aps.ddp.APSState(comp), hvd_aps.ddp.aps_hook)
 
 
 def allgather_object(obj):
@@ -51,7 +38,9 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     compute = statistics.median(timed(step_fn(model, opt, x, y), 3))  # no communication yet
     ddp = DDP(model)
-    register(ddp, args.compression)
+    compressor = register(ddp, args.compression)
+    if compressor is not None:
+        compressor.collect_stats = False
     measure(step_fn(ddp, opt, x, y), args, compute, params, allgather_object, dist.get_rank(), dist.get_world_size())
     dist.destroy_process_group()
 

@@ -12,45 +12,18 @@ import argparse
 import time
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 
 import hvd_aps
 import hvd_aps.torch
+from digits_torch import accuracy, add_arguments, cnn, digits
 from hvd_aps import from_name
-
-
-def digits(rank, size, test_fraction=0.2, seed=0):
-    """This rank's shard of the training split, and the whole test split, as tensors."""
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x = torch.tensor(x[order] / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
-    y = torch.tensor(y[order])
-    n_test = int(len(x) * test_fraction)
-    return (x[n_test:][rank::size], y[n_test:][rank::size]), (x[:n_test], y[:n_test])
-
-
-def cnn():
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-
-
-def accuracy(model, x, y):
-    with torch.no_grad():
-        return (model(x).argmax(1) == y).float().mean().item()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compression", default="aps-e4m3")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
+    add_arguments(parser)
     args = parser.parse_args()
 
     hvd.init()

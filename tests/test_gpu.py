@@ -1,4 +1,5 @@
-"""The CuPy engine against the CPU engines, bit for bit. Skipped where there is no CUDA device."""
+"""The CuPy engine against the CPU engines, bit for bit, and the codes exchange on a GPU (threads as
+ranks; the DDP hook over NCCL with one rank). Skipped where there is no CUDA device."""
 import os
 
 import numpy as np
@@ -81,3 +82,46 @@ def test_torch_and_tensorflow_inputs_stay_on_the_device():
         with tf.device("GPU:0"):
             t = tf.constant(x)
         assert (cupy.asnumpy(hvd_aps.encode(t, "e4m3")) == cpu(hvd_aps.encode, x, "e4m3")).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1fn"])
+def test_codes_exchange_on_the_gpu_equals_the_cpu(fmt):
+    from test_wire import rank_grads, same_format, simulate
+    grads = rank_grads(3, [1000, 24, 3001])
+    on_cpu, sent_cpu = simulate(grads, same_format(fmt, 3))
+    on_gpu, sent_gpu = simulate([[cupy.asarray(g) for g in r] for r in grads], same_format(fmt, 3))
+    assert sent_cpu == sent_gpu
+    for cpu_rank, gpu_rank in zip(on_cpu, on_gpu):
+        for c, g in zip(cpu_rank, gpu_rank):
+            assert isinstance(g, cupy.ndarray) and cupy.asnumpy(g).tobytes() == c.tobytes()
+
+
+def test_ddp_hook_over_nccl_on_one_gpu(tmp_path):
+    """One rank: NCCL's all_reduce, all_to_all_single and all_gather on CUDA tensors, the CuPy
+    stages, and the bucket written back on the device."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hvd_aps.ddp
+    from test_wire import rank_grads, reference
+
+    class Given(torch.nn.Module):  # loss = sum(p * g): the gradients are exactly g
+        def __init__(self, sizes):
+            super().__init__()
+            self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
+
+        def forward(self, grads):
+            return sum((p * g).sum() for p, g in zip(self.ps, grads))
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        grads = rank_grads(1, [5000, 300])[0]
+        model = DDP(Given([g.size for g in grads]).cuda(), device_ids=[0])
+        model.register_comm_hook(hvd_aps.ddp.APSState(hvd_aps.APSCompressor("e4m3")), hvd_aps.ddp.aps_hook)
+        model([torch.from_numpy(g).cuda() for g in grads]).backward()
+        want = reference([grads[::-1]], "e4m3")[::-1]  # one bucket, parameters in reverse order
+        for p, w in zip(model.module.ps, want):
+            assert p.grad.is_cuda and p.grad.cpu().numpy().tobytes() == w.tobytes()
+    finally:
+        dist.destroy_process_group()

@@ -10,6 +10,7 @@ import pytest
 
 import hvd_aps
 from hvd_aps import exchange, scaling, wire
+from hvd_aps._arrays import array_module
 
 TWINS = {"e4m3": ml_dtypes.float8_e4m3, "e2m1fn": ml_dtypes.float4_e2m1fn, "e5m2": ml_dtypes.float8_e5m2}
 
@@ -33,10 +34,11 @@ class ThreadCollectives(exchange.Eager):
     def alltoall(self, send, splits, name):
         cuts = [np.concatenate([[0], np.cumsum(s)]) for s in self._everyone(name + ".splits", splits)]
         sent = self._everyone(name, send)
-        return np.concatenate([sent[r][cuts[r][self.rank]:cuts[r][self.rank + 1]] for r in range(self.world)])
+        xp = array_module(send)  # NumPy, or CuPy where the test runs the exchange on a GPU
+        return xp.concatenate([sent[r][cuts[r][self.rank]:cuts[r][self.rank + 1]] for r in range(self.world)])
 
     def allgather(self, message, name):
-        return np.concatenate(self._everyone(name, message))
+        return array_module(message).concatenate(self._everyone(name, message))
 
 
 def simulate(grads, compressors, average=True):

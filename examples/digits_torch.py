@@ -1,0 +1,35 @@
+"""What the PyTorch digits examples share: the data (scikit-learn's digits, shipped with it:
+nothing is downloaded), the CNN, the test accuracy and the command line."""
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+
+
+def digits(rank, size, test_fraction=0.2, seed=0):
+    """This rank's shard of the training split, and the whole test split, as tensors."""
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x = torch.tensor(x[order] / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
+    y = torch.tensor(y[order])
+    n_test = int(len(x) * test_fraction)
+    return (x[n_test:][rank::size], y[n_test:][rank::size]), (x[:n_test], y[:n_test])
+
+
+def cnn():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def accuracy(model, x, y):
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def add_arguments(parser, compression="aps-e4m3"):
+    parser.add_argument("--compression", default=compression)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,81 @@
+"""Data-parallel training of a small CNN on scikit-learn's digits with torch.distributed DDP and
+hvd_aps.ddp.aps_hook (no Horovod needed).
+
+    torchrun --nproc-per-node 2 examples/pytorch_ddp_digits.py --compression aps-e4m3
+
+--compression: none (DDP's allreduce) | fp16 | bf16 (torch's fp16/bf16_compress_hook) | aps-<format>
+(hvd_aps.ddp.aps_hook: e.g. aps-e4m3, aps-e5m2, aps-e3m0) | naive-<format> (the format without APS).
+The data ships with scikit-learn: nothing is downloaded.
+"""
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hvd_aps
+import hvd_aps.ddp
+from digits_torch import accuracy, add_arguments, cnn, digits
+
+TORCH_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def register(ddp, name):
+    """The hook a --compression name stands for; returns the APSCompressor, if any."""
+    if name in TORCH_HOOKS:
+        ddp.register_comm_hook(None, TORCH_HOOKS[name])
+        return None
+    if name == "none":
+        return None
+    compressor = hvd_aps.from_name(name, None)
+    ddp.register_comm_hook(hvd_aps.ddp.APSState(compressor), hvd_aps.ddp.aps_hook)
+    return compressor
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    (x, y), (x_test, y_test) = digits(rank, size)
+    model = DDP(cnn())  # DDP broadcasts rank 0's parameters
+    compressor = register(model, args.compression)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
+    if rank == 0:
+        print(f"{size} ranks, {len(x)} training images per rank, compression={args.compression}")
+
+    gen = torch.Generator().manual_seed(args.seed + rank)
+    steps = len(x) // args.batch_size
+    start = time.time()
+    for epoch in range(1, args.epochs + 1):
+        order, total = torch.randperm(len(x), generator=gen), torch.zeros(1)
+        for step in range(steps):
+            idx = order[step * args.batch_size:(step + 1) * args.batch_size]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+        dist.all_reduce(total)
+        if rank == 0:
+            print(f"epoch {epoch:3d}/{args.epochs}  loss {total.item() / steps / size:.4f}  "
+                  f"test accuracy {accuracy(model.module, x_test, y_test):.4f}  ({time.time() - start:.1f} s)",
+                  flush=True)
+
+    if rank == 0:
+        print(f"final test accuracy {accuracy(model.module, x_test, y_test):.4f}")
+        if compressor is not None:
+            print(f"per rank, all {args.epochs} epochs: {compressor.totals()}; "
+                  f"the codes exchanges sent {compressor.bytes_sent} bytes")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
