@@ -175,7 +175,7 @@ def main():
             for c, r in results.items():
                 base = results.get(baseline(c))  # each framework against its own uncompressed run
                 model = model_seconds(r, c, ranks, measured_link) if measured_link else None
-                row = dict(r, rate=rate or "uncapped", model_step=model,
+                row = dict(r, compression=c, rate=rate or "uncapped", model_step=model,
                            step_ratio=r["step_median"] / base["step_median"] if base else None,
                            bytes_ratio=r["tx_bytes_per_step"] / base["tx_bytes_per_step"] if base else None)
                 rows.append(row)

@@ -209,6 +209,8 @@ class APSCompressor:
                                     bytes_carried=codec.packed_size(x.size, self.fmt)))
 
     def record(self, label, stats):
+        if not self.collect_stats:
+            return
         with self._lock:
             self.stats[label] = stats
             self._total = self._total + stats

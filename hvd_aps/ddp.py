@@ -54,12 +54,16 @@ class APSState:
 
     Hyperparameters: `compressor` (an hvd_aps.APSCompressor sending codes; its format, rounding and
     scaling apply), `process_group` (DDP's; None for the default group).
-    Internal state: a private copy of the process group, so the exchange's collectives never
-    interleave with DDP's own (find_unused_parameters' bitmap, bucket rebuilds); one
-    communication thread, so every rank issues them in bucket order; the exchange's buffers,
-    keyed by bucket index, which reallocate when DDP rebuilds its buckets after the first step.
+    Internal state: LANES private copies of the process group, each with one communication
+    thread: bucket b goes to lane b % LANES, so one bucket's encoding overlaps another's
+    transfers, every lane's collectives are issued in bucket order on every rank, and none
+    interleave with DDP's own (find_unused_parameters' bitmap, bucket rebuilds). The exchange's
+    buffers are keyed by bucket index and reallocate when DDP rebuilds its buckets after the
+    first step.
     Stats: `compressor.bytes_sent`, `compressor.totals()`, `buckets_exchanged`.
     """
+
+    LANES = 2
 
     def __init__(self, compressor, process_group=None):
         if not isinstance(compressor, APSCompressor) or compressor.config.wire != "codes":
@@ -69,8 +73,9 @@ class APSState:
         self.compressor = compressor
         self.process_group = process_group
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        self.group = dist.new_group(ranks, use_local_synchronization=True)
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hvd_aps_ddp")
+        self.lanes = [(dist.new_group(ranks, use_local_synchronization=True),
+                       concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hvd_aps_ddp{lane}"))
+                      for lane in range(self.LANES)]
         self.buckets_exchanged = 0
 
     def __getstate__(self):
@@ -81,10 +86,11 @@ def aps_hook(state, bucket):
     """DDP comm hook: average the bucket's gradients across ranks, sending APS codes.
 
     1. Every gradient of the bucket becomes a float32 flat (a view where the bucket is float32).
-    2. The exchange runs on the state's communication thread, so backward goes on.
-    3. The averaged gradients are written into the bucket's buffer, in its dtype (fp16/bf16
-       buckets come back as they went), and the returned Future completes with it. A gradient
-       with NaN/Inf on any rank comes back all NaN on every rank, so a GradScaler skips the step.
+    2. The exchange runs on one of the state's communication lanes, so backward goes on.
+    3. The averaged gradients land in the bucket's buffer (decoded straight into it where it is
+       float32; fp16/bf16 buckets come back in their dtype), and the returned Future completes
+       with it. A gradient with NaN/Inf on any rank comes back all NaN on every rank, so a
+       GradScaler skips the step.
 
     Example::
 
@@ -94,14 +100,21 @@ def aps_hook(state, bucket):
     buffer, grads = bucket.buffer(), bucket.gradients()
     future = torch.futures.Future()
 
+    group, thread = state.lanes[bucket.index() % len(state.lanes)]
+
     def run():
-        coll = TorchDistributedCollectives(state.group, buffer.device)
+        coll = TorchDistributedCollectives(group, buffer.device)
         stages = state.compressor.stages(coll.world, coll.rank)
         flats = [_arrays.as_array(g.detach().to(torch.float32).reshape(-1)) for g in grads]
-        sums = exchange.run(stages, flats, coll, f"ddp.bucket{bucket.index()}")
+        # float32 buckets take the sums in place (the flats are read only before the sums are
+        # written); the buffer is the bucket's gradients end to end
+        outs = ([_arrays.as_array(part) for part in buffer.view(-1).split([g.numel() for g in grads])]
+                if buffer.dtype == torch.float32 else None)
+        sums = exchange.run(stages, flats, coll, f"ddp.bucket{bucket.index()}", outs=outs)
         for total in sums:  # in NumPy/CuPy: torch divides by a scalar through its reciprocal
             total /= np.float32(coll.world)
-        buffer.copy_(torch.cat([torch.from_dlpack(total) for total in sums]))
+        if outs is None:
+            buffer.copy_(torch.cat([torch.from_dlpack(total) for total in sums]))
         state.buckets_exchanged += 1
         return buffer
 
@@ -112,5 +125,5 @@ def aps_hook(state, bucket):
         else:
             future.set_result(done.result())
 
-    state.thread.submit(run).add_done_callback(settle)
+    thread.submit(run).add_done_callback(settle)
     return future

@@ -1,6 +1,7 @@
 """One short run of the bandwidth-limited cluster benchmark (2 namespaces at 1 Gbit/s, a 1M-parameter
-model, 3 steps). Needs root, ip and tc; skipped elsewhere. The byte ratios come from the interfaces'
-own counters, so they check that the codes path really sends 1 byte (0.5 for 4-bit) per element."""
+model, 3 steps): the card's line through Horovod and the DDP hook through torch.distributed. Needs
+root, ip and tc; skipped elsewhere. The byte ratios come from the interfaces' own counters, so they
+check that the codes really travel at 1 byte (0.5 for 4-bit) per element."""
 import json
 import os
 import shutil
@@ -24,11 +25,13 @@ def namespaces_work():
 @pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc, and network namespaces")
 def test_quick_cluster_run(tmp_path):
     out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--compressions", "none,codes-e4m3,codes-e3m0",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--compressions",
+                          "none,aps-e4m3,aps-e3m0,ddp:none,ddp:aps-e4m3", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = {r["compression"]: r for r in json.loads(out.read_text())}
-    assert rows["codes-e4m3"]["bytes_ratio"] <= 0.26 and rows["codes-e3m0"]["bytes_ratio"] <= 0.13
+    assert rows["aps-e4m3"]["bytes_ratio"] <= 0.26 and rows["aps-e3m0"]["bytes_ratio"] <= 0.13
+    assert rows["ddp:aps-e4m3"]["bytes_ratio"] <= 0.26
     assert rows["none"]["tx_bytes_per_step"] > 2 * 1e6  # ~4 MB of float32 gradients really crossed the link
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "hvdaps-" not in left  # everything it made is gone
