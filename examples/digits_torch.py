@@ -1,7 +1,10 @@
 """What the PyTorch digits examples share: the data (scikit-learn's digits, shipped with it:
-nothing is downloaded), the CNN, the test accuracy and the command line."""
+nothing is downloaded), the CNN, the training loop with its progress lines, and the command line."""
+import time
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 
@@ -33,3 +36,27 @@ def add_arguments(parser, compression="aps-e4m3"):
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def train(model, opt, train_set, test_set, args, rank, average):
+    """args.epochs epochs of SGD over this rank's shard; after each, the loss averaged over the
+    ranks (`average`: the framework's allreduce of one float) and, on rank 0, a progress line."""
+    (x, y), (x_test, y_test) = train_set, test_set
+    plain = getattr(model, "module", model)  # DDP wraps the model
+    gen = torch.Generator().manual_seed(args.seed + rank)
+    steps, start = len(x) // args.batch_size, time.time()
+    for epoch in range(1, args.epochs + 1):
+        order, total = torch.randperm(len(x), generator=gen), 0.0
+        for step in range(steps):
+            idx = order[step * args.batch_size:(step + 1) * args.batch_size]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        mean_loss = average(total / steps)
+        if rank == 0:
+            print(f"epoch {epoch:3d}/{args.epochs}  loss {mean_loss:.4f}  "
+                  f"test accuracy {accuracy(plain, x_test, y_test):.4f}  ({time.time() - start:.1f} s)", flush=True)
+    if rank == 0:
+        print(f"final test accuracy {accuracy(plain, x_test, y_test):.4f}")

@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 EXAMPLES = pathlib.Path(__file__).parent
 # aps-*: the card's line (codes through Horovod's own optimizer); aps-*-values: float16 values;

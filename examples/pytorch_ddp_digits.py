@@ -8,17 +8,15 @@ hvd_aps.ddp.aps_hook (no Horovod needed).
 The data ships with scikit-learn: nothing is downloaded.
 """
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_aps
 import hvd_aps.ddp
-from digits_torch import accuracy, add_arguments, cnn, digits
+from digits_torch import add_arguments, cnn, digits, train
 
 TORCH_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
@@ -33,6 +31,12 @@ def register(ddp, name):
     compressor = hvd_aps.from_name(name, None)
     ddp.register_comm_hook(hvd_aps.ddp.APSState(compressor), hvd_aps.ddp.aps_hook)
     return compressor
+
+
+def mean_over_ranks(value, size):
+    total = torch.tensor([value])
+    dist.all_reduce(total)
+    return total.item() / size
 
 
 def main():
@@ -51,26 +55,8 @@ def main():
     if rank == 0:
         print(f"{size} ranks, {len(x)} training images per rank, compression={args.compression}")
 
-    gen = torch.Generator().manual_seed(args.seed + rank)
-    steps = len(x) // args.batch_size
-    start = time.time()
-    for epoch in range(1, args.epochs + 1):
-        order, total = torch.randperm(len(x), generator=gen), torch.zeros(1)
-        for step in range(steps):
-            idx = order[step * args.batch_size:(step + 1) * args.batch_size]
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            total += loss.detach()
-        dist.all_reduce(total)
-        if rank == 0:
-            print(f"epoch {epoch:3d}/{args.epochs}  loss {total.item() / steps / size:.4f}  "
-                  f"test accuracy {accuracy(model.module, x_test, y_test):.4f}  ({time.time() - start:.1f} s)",
-                  flush=True)
-
+    train(model, opt, (x, y), (x_test, y_test), args, rank, lambda value: mean_over_ranks(value, size))
     if rank == 0:
-        print(f"final test accuracy {accuracy(model.module, x_test, y_test):.4f}")
         if compressor is not None:
             print(f"per rank, all {args.epochs} epochs: {compressor.totals()}; "
                   f"the codes exchanges sent {compressor.bytes_sent} bytes")

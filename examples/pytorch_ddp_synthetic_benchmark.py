@@ -7,15 +7,13 @@ pytorch_synthetic_benchmark.py: the same MLP, DDP over Gloo with a communication
 | aps-<fmt> (hvd_aps.ddp.aps_hook). Rank 0 prints one JSON line, as the Horovod benchmarks do.
 """
 import argparse
-import statistics
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmark_common import add_arguments, measure, timed
+from benchmark_common import add_arguments, measure
 from pytorch_ddp_digits import register
-from synthetic_mlp import mlp, step_fn
+from synthetic_mlp import prepared, step_fn
 
 
 def allgather_object(obj):
@@ -30,13 +28,7 @@ def main():
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = mlp(args.hidden)
-    params = sum(p.numel() for p in model.parameters())
-    x, y = torch.randn(args.batch_size, args.hidden), torch.randn(args.batch_size, args.hidden)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    compute = statistics.median(timed(step_fn(model, opt, x, y), 3))  # no communication yet
+    model, opt, x, y, params, compute = prepared(args)
     ddp = DDP(model)
     compressor = register(ddp, args.compression)
     if compressor is not None:

@@ -9,15 +9,13 @@ hvd_aps.torch.DistributedOptimizer, with buckets fixed at construction.
 The data ships with scikit-learn: nothing is downloaded.
 """
 import argparse
-import time
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 
 import hvd_aps
 import hvd_aps.torch
-from digits_torch import accuracy, add_arguments, cnn, digits
+from digits_torch import add_arguments, cnn, digits, train
 from hvd_aps import from_name
 
 
@@ -43,25 +41,9 @@ def main():
     if hvd.rank() == 0:
         print(f"{hvd.size()} ranks, {len(x)} training images per rank, compression={args.compression}")
 
-    gen = torch.Generator().manual_seed(args.seed + hvd.rank())
-    steps = len(x) // args.batch_size
-    start = time.time()
-    for epoch in range(1, args.epochs + 1):
-        order, total = torch.randperm(len(x), generator=gen), 0.0
-        for step in range(steps):
-            idx = order[step * args.batch_size:(step + 1) * args.batch_size]
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            total += loss.item()
-        mean_loss = hvd.allreduce(torch.tensor(total / steps), name="loss").item()
-        if hvd.rank() == 0:
-            print(f"epoch {epoch:3d}/{args.epochs}  loss {mean_loss:.4f}  "
-                  f"test accuracy {accuracy(model, x_test, y_test):.4f}  ({time.time() - start:.1f} s)", flush=True)
-
+    train(model, opt, (x, y), (x_test, y_test), args, hvd.rank(),
+          lambda value: hvd.allreduce(torch.tensor(value), name="loss").item())
     if hvd.rank() == 0:
-        print(f"final test accuracy {accuracy(model, x_test, y_test):.4f}")
         if isinstance(compression, hvd_aps.APSCompressor):
             print(f"per rank, all {args.epochs} epochs: {compression.totals()}; "
                   f"the codes exchanges sent {compression.bytes_sent} bytes")

@@ -11,16 +11,14 @@ timed steps (from the interface counters), the compute-only step time and the co
 that the performance model in examples/netns_cluster.py uses.
 """
 import argparse
-import statistics
 
 import horovod.torch as hvd
-import torch
 
 import hvd_aps
 import hvd_aps.torch
-from benchmark_common import add_arguments, measure, timed
+from benchmark_common import add_arguments, measure
 from hvd_aps import from_name
-from synthetic_mlp import mlp, step_fn
+from synthetic_mlp import prepared, step_fn
 
 
 def wrap(opt, model, compression):
@@ -38,13 +36,7 @@ def main():
     args = parser.parse_args()
 
     hvd.init()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = mlp(args.hidden)
-    params = sum(p.numel() for p in model.parameters())
-    x, y = torch.randn(args.batch_size, args.hidden), torch.randn(args.batch_size, args.hidden)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    compute = statistics.median(timed(step_fn(model, opt, x, y), 3))  # no communication yet
+    model, opt, x, y, params, compute = prepared(args)
     opt = wrap(opt, model, args.compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     measure(step_fn(model, opt, x, y), args, compute, params, hvd.allgather_object, hvd.rank(), hvd.size())

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 import hvd_aps
-from common import CODES_SIZES, codes_grads, poisoned, rank_data
+from common import codes_grads, poisoned, rank_data
 
 hvd.init()
 rank, size, out = hvd.rank(), hvd.size(), {}
