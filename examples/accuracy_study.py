@@ -38,10 +38,11 @@ from hvd_aps import emulate
 from hvd_aps import from_name
 
 # aps-*: the card's line (horovod.torch.DistributedOptimizer + APSCompressor), codes on the wire;
-# *-values: the same rounding carried as float16 values; codes-*: hvd_aps.torch.DistributedOptimizer
-SETTINGS = ["none", "fp16", "naive-e4m3", "naive-e5m2", "aps-e4m3", "aps-e5m2", "aps-e3m0",
-            "aps-e4m3-values", "aps-e5m2-values", "aps-e3m0-values"]
-QUICK_SETTINGS = ["none", "naive-e4m3", "aps-e4m3", "aps-e4m3-values"]
+# *-values: the same rounding carried as float16 values; codes-*: hvd_aps.torch.DistributedOptimizer;
+# *-ef: with error feedback
+SETTINGS = ["none", "fp16", "naive-e4m3", "naive-e5m2", "aps-e4m3", "aps-e5m2", "aps-e3m0", "aps-e2m1fn",
+            "aps-e4m3-values", "aps-e5m2-values", "aps-e3m0-values", "codes-e3m0-ef", "codes-e2m1fn-ef"]
+QUICK_SETTINGS = ["none", "naive-e4m3", "aps-e4m3", "aps-e4m3-values", "codes-e3m0-ef", "codes-e2m1fn-ef"]
 GLOBAL_BATCH = 256
 
 

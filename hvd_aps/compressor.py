@@ -68,9 +68,10 @@ class APSCompressor:
 
     Arguments:
         fmt: a FloatFormat or its name ("e4m3", "e5m2", "e3m0", ...).
-        rounding, scaling, saturate, wire, bucket_bytes, min_elements: see hvd_aps.config.APSConfig
-            (defaults: nearest rounding, APS, no saturation, codes on the wire, 16 MiB buckets,
-            tensors under 4096 elements through Horovod's plain allreduce).
+        rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback: see
+            hvd_aps.config.APSConfig (defaults: nearest rounding, APS, no saturation, codes on the
+            wire, 16 MiB buckets, tensors under 4096 elements through Horovod's plain allreduce,
+            no error feedback).
         seed: base of the stochastic-rounding streams (random if None).
         stats: record what each tensor went through: `stats[label]` holds the last call per
             tensor label (TF: the gradient's graph name; torch: dtype and shape, so tensors of one
@@ -87,8 +88,10 @@ class APSCompressor:
     """
 
     def __init__(self, fmt, rounding="nearest", scaling="aps", saturate=False, wire="codes",
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, min_elements=DEFAULT_MIN_ELEMENTS, seed=None, stats=True):
-        self.config = APSConfig(fmt, rounding, scaling, saturate, wire, bucket_bytes, min_elements)
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, min_elements=DEFAULT_MIN_ELEMENTS, error_feedback=False,
+                 seed=None, stats=True):
+        self.config = APSConfig(fmt, rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback)
+        self._residuals = {}
         self.carrier = np.dtype(np.float16 if self.fmt.fits_float16 else np.float32)
         self.seed = secrets.randbits(63) if seed is None else int(seed)
         self.collect_stats = stats
@@ -169,6 +172,34 @@ class APSCompressor:
                 self._stages[(world, rank)] = wire.CodesExchange(self, world, rank)
             return self._stages[(world, rank)]
 
+    # Error-feedback residuals: state, saved and restored with the model ------------------------
+    def residual(self, key, index, like):
+        """The residual of tensor `index` of bucket `key` (zeros the first time, or when the
+        bucket's tensors changed, as after DDP rebuilds its buckets)."""
+        xp = _arrays.array_module(like)
+        with self._lock:
+            kept = self._residuals.get((key, index))
+            if kept is None or kept.size != like.size:
+                kept = self._residuals[(key, index)] = xp.zeros(like.size, xp.float32)
+            elif _arrays.array_module(kept) is not xp:  # restored from a checkpoint onto the device
+                kept = self._residuals[(key, index)] = xp.asarray(kept)
+            return kept
+
+    def state_dict(self):
+        """What a checkpoint must hold to resume bit for bit: the error-feedback residuals (as
+        NumPy arrays) and the stochastic-rounding counter."""
+        with self._lock:
+            residuals = {f"{key}#{index}": _arrays.to_numpy(r).copy() for (key, index), r in self._residuals.items()}
+            return {"residuals": residuals, "seed": self.seed, "calls": self._calls}
+
+    def load_state_dict(self, state):
+        residuals = {}
+        for name, kept in state["residuals"].items():
+            key, index = name.rsplit("#", 1)
+            residuals[(key, int(index))] = np.array(kept, np.float32)
+        with self._lock:
+            self._residuals, self.seed, self._calls = residuals, int(state["seed"]), int(state["calls"])
+
     def to_wire(self, x, agreed_amax, world_size, rank, label):
         """wire="values": scale x (NumPy, or CuPy on a GPU) by the agreed APS shift and round it
         onto the grid: (carrier array, shift)."""
@@ -241,18 +272,21 @@ def from_name(name, stock):
     "none" and "fp16": Horovod's own (`stock` is the framework's horovod Compression namespace);
     "aps-<format>": APSCompressor(format), codes on the wire through Horovod's own optimizer;
     "naive-<format>": the same with scaling="none"; a "-values" suffix sends wire="values"
-    (float16 carrier) instead of codes; "codes-<format>": the compressor of "aps-<format>", for
-    hvd_aps.torch.DistributedOptimizer (the examples pick that optimizer by this prefix).
+    (float16 carrier) instead of codes, "-ef" turns error feedback on; "codes-<format>": the
+    compressor of "aps-<format>", for hvd_aps.torch.DistributedOptimizer (the examples pick that
+    optimizer by this prefix).
     """
     if name in ("none", "fp16"):
         return getattr(stock, name)
     parts = name.split("-")
-    wire_kind = "values" if parts[-1] == "values" else "codes"
-    parts = parts[:-1] if wire_kind == "values" else parts
+    suffixes = {"values": False, "ef": False}
+    while parts and parts[-1] in suffixes:
+        suffixes[parts.pop()] = True
     if len(parts) != 2 or parts[0] not in _NAMED_SCALINGS:
         raise ValueError(f"unknown compression {name!r}: use none, fp16, aps-<format> or naive-<format>, "
-                         "optionally ending in -values")
-    return APSCompressor(parts[1], scaling=_NAMED_SCALINGS[parts[0]], wire=wire_kind)
+                         "optionally ending in -values or -ef")
+    return APSCompressor(parts[1], scaling=_NAMED_SCALINGS[parts[0]], wire="values" if suffixes["values"] else "codes",
+                         error_feedback=suffixes["ef"])
 
 
 _NAMED_SCALINGS = {"aps": "aps", "codes": "aps", "naive": "none"}

@@ -28,6 +28,10 @@ class APSConfig:
     cannot hold): 2x less than fp32 at most.
     bucket_bytes: float32 gradient bytes fused into one codes exchange.
     min_elements: on the codes path, smaller tensors take the framework's plain allreduce.
+    error_feedback: on the codes path, each rank adds what the last step's encode lost (its
+    residual) to the gradient before encoding, and each shard's owner does the same for its
+    re-encode of the sum, so rounding errors are carried forward instead of dropped (1-bit SGD,
+    EF-SGD, two-sided); the residuals are state (APSCompressor.state_dict).
     """
 
     fmt: FloatFormat
@@ -37,14 +41,18 @@ class APSConfig:
     wire: str = "codes"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     min_elements: int = DEFAULT_MIN_ELEMENTS
+    error_feedback: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "fmt", FloatFormat.parse(self.fmt))
         for field, allowed in (("rounding", ROUNDINGS), ("scaling", SCALINGS), ("wire", WIRES)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
-        if not isinstance(self.saturate, bool):
-            raise TypeError(f"saturate must be a bool, got {self.saturate!r}")
+        for field in ("saturate", "error_feedback"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"{field} must be a bool, got {getattr(self, field)!r}")
+        if self.error_feedback and self.wire != "codes":
+            raise ValueError("error_feedback needs wire='codes': Horovod's own allreduce of values keeps no residual")
         for field in ("bucket_bytes", "min_elements"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -56,4 +64,4 @@ class APSConfig:
         exchange raises. Exactly representable in float32, so it rides in the metadata vector."""
         f = self.fmt
         code = ((f.exp_bits * 32 + f.man_bits) * 2 + (f.variant == "fn")) * 2 + (self.rounding == "stochastic")
-        return (code * 2 + (self.scaling == "aps")) * 2 + self.saturate
+        return ((code * 2 + (self.scaling == "aps")) * 2 + self.saturate) * 2 + self.error_feedback

@@ -65,7 +65,7 @@ def run(stages, flats, coll, name, labels=None, outs=None):
     def finish(gathered):
         return tuple(stages.finish(gathered, state.pop("s"), outs, name))
 
-    meta, = coll.stage(lambda *arrays: (stages.metadata(arrays),), flats, [np.float64])
+    meta, = coll.stage(lambda *arrays: (stages.metadata(arrays, name),), flats, [np.float64])
     agreed = coll.max_allreduce(meta, f"{name}.meta")
     send, splits = coll.stage(begin, [agreed, *flats], [np.uint8, np.int32])
     received = coll.alltoall(send, splits, f"{name}.codes")

@@ -101,14 +101,17 @@ class CodesExchange:
         self.comp, self.fmt, self.world, self.rank = compressor, compressor.fmt, world, rank
         self._buffers, self._results = {}, {}
 
-    def metadata(self, flats):
-        """Vector to Max-allreduce: every tensor's max |g|, its size (and minus it), the signature."""
+    def metadata(self, flats, key=0):
+        """Vector to Max-allreduce: every tensor's max |g| (with error feedback: of the gradient
+        plus last step's residual), its size (and minus it), the signature."""
+        flats = self._corrected(flats, key)
         return self.comp.metadata([codec.amax(f) for f in flats], [f.size for f in flats])
 
     def begin(self, flats, agreed, key=0, labels=None):
         """-> (bytes to alltoall, bytes per destination rank, State). `labels` name the tensors
         in errors and stats."""
         labels = labels or [f"{key}[{i}]" for i in range(len(flats))]
+        flats = self._corrected(flats, key)
         amaxes = self.comp.agreed_amaxes(agreed, [f.size for f in flats], labels)
         finite = np.isfinite(amaxes)
         shifts = (scaling.shifts_for(np.where(finite, amaxes, 0), self.world, self.fmt, _FLOAT32_MAX)
@@ -122,8 +125,10 @@ class CodesExchange:
             codes = flat[state.plan.offsets[k]:state.plan.offsets[k + 1]]
             self._encode(flats[i].ravel(), int(shifts[i]), codes)
             self.comp.record_codes(labels[i], flats[i], codes, int(shifts[i]))
+            self._keep_residual(key, i, flats[i].ravel(), codes, int(shifts[i]))
         for i in state.fallback:
             self.comp.record_codes(labels[i], flats[i], None, 0)
+            self._keep_residual(key, i, flats[i].ravel(), None, 0)
         parts = [codec.pack(flat[state.plan.shards[r]:state.plan.shards[r + 1]], self.fmt) for r in range(self.world)]
         splits = [int(p.size) for p in parts]
         state.bytes_sent = sum(splits) - splits[self.rank]
@@ -142,12 +147,15 @@ class CodesExchange:
         total = self._buffer((key, "sum"), n, np.float32, xp)
         fresh_codes = self._buffer((key, "fresh"), n, self.fmt.code_dtype, xp)
         fresh_shifts = []
-        for t, a, b in state.plan.pieces(self.rank):
+        for piece, (t, a, b) in enumerate(state.plan.pieces(self.rank)):
             part = total[a - lo:b - lo]
             part.fill(0)
             codec.decode_sum(codes[:, a - lo:b - lo], self.fmt, int(state.shifts[state.included[t]]), out=part)
+            if self.comp.config.error_feedback:  # the shard owner's re-encode loses bits too
+                part += self.comp.residual(f"{key}:owner", piece, part)
             fresh = scaling.shift_for(codec.amax(part), 1, self.fmt) if self.comp.config.scaling == "aps" else 0
             self._encode(part, fresh, fresh_codes[a - lo:b - lo])
+            self._keep_residual(f"{key}:owner", piece, part, fresh_codes[a - lo:b - lo], fresh)
             fresh_shifts.append(fresh)
         shift_bytes = xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))
         packed = codec.pack(fresh_codes, self.fmt)
@@ -177,6 +185,31 @@ class CodesExchange:
             for (t, a, b), shift in zip(pieces, shifts):
                 codec.decode(codes[a - lo:b - lo], self.fmt, int(shift), out=included[t][a - offsets[t]:b - offsets[t]])
         return outs
+
+    def _corrected(self, flats, key):
+        """Error feedback: each gradient plus its residual from the last exchange of bucket `key`
+        (the sum kept per bucket, so metadata and begin see the same values); as given otherwise."""
+        if not self.comp.config.error_feedback:
+            return flats
+        out = []
+        for i, f in enumerate(flats):
+            f = f.ravel()
+            total = self._buffer((key, "corrected", i), f.size, np.float32, _arrays.array_module(f))
+            _arrays.array_module(f).add(f, self.comp.residual(key, i, f), out=total)
+            out.append(total)
+        return out
+
+    def _keep_residual(self, key, i, x, codes, shift):
+        """Error feedback: what this rank's codes lost of x (x - decode(codes)), for the next
+        exchange of bucket `key`; zero where x went out as NaN (codes None)."""
+        if not self.comp.config.error_feedback:
+            return
+        residual = self.comp.residual(key, i, x)
+        if codes is None:
+            residual.fill(0)
+            return
+        codec.decode(codes, self.fmt, shift, out=residual)
+        _arrays.array_module(x).subtract(x, residual, out=residual)
 
     def _encode(self, x, shift, out):
         cfg = self.comp.config

@@ -6,7 +6,7 @@ import pytest
 
 from hvd_aps import scaling
 from horovod_run import horovodrun, load
-from test_wire import reference
+from test_wire import reference, reference_with_error_feedback
 from workers.common import CODES_SIZES, codes_grads, poisoned, rank_data
 
 
@@ -47,6 +47,13 @@ def test_allreduce_sends_codes_bit_exact_to_the_numpy_model(ranks):
     # NaN tensor sends no codes)
     ring = 2 * (n - 1) / n * (1000 + 100 + 1000)
     assert all(ring <= int(r["bytes_sent"]) <= ring * 1.02 + 64 for r in ranks)
+
+
+def test_error_feedback_through_the_cards_line_is_bit_exact(ranks):
+    steps = [[[rank_data(r, seed=step)] for r in range(len(ranks))] for step in range(3)]
+    for step, want in enumerate(reference_with_error_feedback(steps, "e2m1fn")):
+        for r in ranks:
+            assert r[f"ef_{step}"].tobytes() == want[0].tobytes(), step
 
 
 def test_naive_cast_loses_small_gradients_and_aps_keeps_them(ranks):

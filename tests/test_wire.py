@@ -60,8 +60,10 @@ def same_format(fmt, world):
     return [hvd_aps.APSCompressor(fmt) for _ in range(world)]
 
 
-def reference(grads, fmt, average=True):
-    """The same arithmetic, written from the description in hvd_aps/wire.py with ml_dtypes."""
+def reference(grads, fmt, average=True, owner_residuals=None):
+    """The same arithmetic, written from the description in hvd_aps/wire.py with ml_dtypes.
+    owner_residuals (error feedback): {(rank, piece): array} added to each shard piece's sum
+    before its re-encode and replaced by what that re-encode lost."""
     world, dtype = len(grads), TWINS[fmt]
     f32_max = float(np.finfo(np.float32).max)  # shards are summed in float32: no x N headroom
     shifts = [scaling.shift_for(max(float(np.abs(g[t]).max()) for g in grads), world, fmt, f32_max)
@@ -74,12 +76,15 @@ def reference(grads, fmt, average=True):
     starts = wire.shard_starts(int(offsets[-1]), world)
     out = np.empty_like(flat_sum)
     for r in range(world):
-        for t in range(len(sizes)):
-            a, b = max(starts[r], offsets[t]), min(starts[r + 1], offsets[t + 1])
-            if a < b:
-                seg = flat_sum[a:b]
-                s2 = scaling.shift_for(float(np.abs(seg).max()), 1, fmt)
-                out[a:b] = np.ldexp(np.ldexp(seg, s2).astype(dtype).astype(np.float32), -s2)
+        pieces = [(max(starts[r], offsets[t]), min(starts[r + 1], offsets[t + 1])) for t in range(len(sizes))]
+        for piece, (a, b) in enumerate((a, b) for a, b in pieces if a < b):
+            seg = flat_sum[a:b]
+            if owner_residuals is not None:
+                seg = seg + owner_residuals.get((r, piece), np.zeros_like(seg))
+            s2 = scaling.shift_for(float(np.abs(seg).max()), 1, fmt)
+            out[a:b] = np.ldexp(np.ldexp(seg, s2).astype(dtype).astype(np.float32), -s2)
+            if owner_residuals is not None:
+                owner_residuals[(r, piece)] = seg - out[a:b]
     if average:
         out = out / np.float32(world)
     return [out[offsets[t]:offsets[t + 1]] for t in range(len(sizes))]
@@ -143,3 +148,60 @@ def test_tensors_in_another_order_are_refused_naming_the_tensor():
     grads[1] = grads[1][::-1]
     with pytest.raises(ValueError, match=r"tensor 0 \(bucket\[0\]\) has 100 elements here and 100 to 200"):
         simulate(grads, same_format("e4m3", 2))
+
+
+def reference_with_error_feedback(steps, fmt, average=True):
+    """The model over several steps (steps[s][r][t]: rank r's tensor t at step s): each rank sends
+    gradient + residual and keeps what its codes lost; each shard's owner does the same for its
+    re-encode (two-sided). Returns every step's results."""
+    world, sizes = len(steps[0]), [g.size for g in steps[0][0]]
+    residuals = [[np.zeros(n, np.float32) for n in sizes] for _ in range(world)]
+    owner_residuals, results = {}, []
+    f32_max = float(np.finfo(np.float32).max)
+    for grads in steps:
+        corrected = [[g.ravel() + r for g, r in zip(gs, rs)] for gs, rs in zip(grads, residuals)]
+        results.append(reference(corrected, fmt, average, owner_residuals))
+        for t in range(len(sizes)):
+            s = scaling.shift_for(max(float(np.abs(c[t]).max()) for c in corrected), world, fmt, f32_max)
+            for r in range(world):
+                sent = np.ldexp(np.ldexp(corrected[r][t], s).astype(TWINS[fmt]).astype(np.float32), -s)
+                residuals[r][t] = corrected[r][t] - sent
+    return results
+
+
+def test_error_feedback_matches_the_model_over_steps():
+    world, sizes, fmt = 3, [500, 40], "e2m1fn"
+    compressors = [hvd_aps.APSCompressor(fmt, error_feedback=True) for _ in range(world)]
+    steps = [rank_grads(world, sizes, seed=step) for step in range(3)]
+    for step, want in enumerate(reference_with_error_feedback(steps, fmt)):
+        for rank_result in simulate(steps[step], compressors)[0]:
+            for got, w in zip(rank_result, want):
+                assert got.tobytes() == w.tobytes(), step
+
+
+def test_error_feedback_removes_the_bias_of_a_repeated_gradient():
+    """The same gradients every step: with error feedback the mean of the results converges to
+    the exact mean (what rounding drops comes back later); without, the rounding bias stays.
+    Measured here: relative error 0.187 without, 0.067 with the senders' residuals alone, 0.004
+    with the shard owners' too, which is why both are kept."""
+    grads = rank_grads(2, [300], seed=5)
+    exact = np.mean([g[0].astype(np.float64) for g in grads], axis=0)
+    errors = {}
+    for ef in (False, True):
+        compressors = [hvd_aps.APSCompressor("e2m1fn", error_feedback=ef) for _ in range(2)]
+        mean = np.mean([simulate(grads, compressors)[0][0][0] for _ in range(64)], axis=0)
+        errors[ef] = np.linalg.norm(mean - exact) / np.linalg.norm(exact)
+    assert errors[True] < 0.05 * errors[False] and errors[False] > 0.1
+
+
+def test_error_feedback_state_resumes_bit_for_bit():
+    grads = [rank_grads(2, [200], seed=s) for s in range(3)]
+    going = [hvd_aps.APSCompressor("e2m1fn", error_feedback=True, seed=1) for _ in range(2)]
+    simulate(grads[0], going)
+    saved = [c.state_dict() for c in going]
+    resumed = [hvd_aps.APSCompressor("e2m1fn", error_feedback=True) for _ in range(2)]
+    for c, state in zip(resumed, saved):
+        c.load_state_dict(state)
+    assert saved[0]["residuals"] and any(np.any(r) for r in saved[0]["residuals"].values())
+    for g in grads[1:]:
+        assert simulate(g, going)[0][0][0].tobytes() == simulate(g, resumed)[0][0][0].tobytes()

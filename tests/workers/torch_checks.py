@@ -35,6 +35,9 @@ out["inf"] = reduce(poisoned(rank, np.inf), hvd_aps.APSCompressor("e2m1fn", min_
 out["after"] = reduce(rank_data(rank), e4m3, name="after")
 out["bytes_sent"] = np.array(e4m3.bytes_sent)
 half = hvd.allreduce(torch.from_numpy(rank_data(rank)).bfloat16(), compression=e4m3, name="bf16")
+ef = hvd_aps.APSCompressor("e2m1fn", min_elements=16, error_feedback=True)
+for step in range(3):  # one batch name each call: the residuals carry from call to call
+    out[f"ef_{step}"] = reduce(rank_data(rank, seed=step), ef, name="ef")
 out["bf16_dtype_ok"] = np.array(half.dtype == torch.bfloat16 and half.shape == (1000,))
 out["ints"] = hvd.allreduce(torch.arange(5) * (rank + 1), op=hvd.Sum, compression=e4m3, name="ints").numpy()
 
