@@ -1,6 +1,6 @@
 """The accuracy study's quick mode under 2 real ranks, through Horovod (horovodrun) and through
-torch.distributed DDP (torchrun): APS e4m3 must train like fp32 and the naive e4m3 cast measurably
-worse, with parameters identical on every rank."""
+torch.distributed DDP (torchrun): APS e4m3 must train like fp32, the naive e4m3 cast measurably
+worse, and 4-bit codes with error feedback close to fp32, with parameters identical on every rank."""
 import json
 import os
 import pathlib
@@ -53,3 +53,7 @@ def test_quick_study(tmp_path, kind):
         values = summary["aps-e4m3-values"]
         close_to_fp32(values, fp32)
         assert values["bytes_per_step_per_worker"] * 2 == fp32["bytes_per_step_per_worker"]
+        # 4-bit codes with error feedback: final loss within 3 % (e3m0) and 5 % (e2m1fn) of fp32's
+        assert summary["codes-e3m0-ef"]["final_train_loss_mean"] <= 1.03 * fp32["final_train_loss_mean"]
+        assert summary["codes-e2m1fn-ef"]["final_train_loss_mean"] <= 1.05 * fp32["final_train_loss_mean"]
+        assert summary["codes-e3m0-ef"]["bytes_per_step_per_worker"] < 0.13 * fp32["bytes_per_step_per_worker"]
