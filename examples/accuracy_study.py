@@ -214,8 +214,9 @@ def plot(path, label, runs):
         steps = seeds[0]["curve"]["step"]
         acc = np.mean([r["curve"]["test_accuracy"] for r in seeds], axis=0)
         loss = np.mean([r["curve"]["train_loss"] for r in seeds], axis=0)
-        left.plot(steps, acc, styles[i % 4], label=setting, linewidth=1.6)
-        right.plot(steps, loss, styles[i % 4], label=setting, linewidth=1.6)
+        color = plt.cm.tab20(i % 20)  # more settings than the default cycle has colours
+        left.plot(steps, acc, styles[i % 4], label=setting, linewidth=1.6, color=color)
+        right.plot(steps, loss, styles[i % 4], label=setting, linewidth=1.6, color=color)
     left.set(xlabel="step", ylabel="test accuracy", title=f"digits MLP, {label} workers (mean of seeds)")
     right.set(xlabel="step", ylabel="training loss", yscale="log", title="training loss")
     left.legend()
