@@ -78,9 +78,6 @@ class APSState:
                       for lane in range(self.LANES)]
         self.buckets_exchanged = 0
 
-    def __getstate__(self):
-        raise TypeError("APSState holds a process group and a thread: build a new one in each process")
-
 
 def aps_hook(state, bucket):
     """DDP comm hook: average the bucket's gradients across ranks, sending APS codes.

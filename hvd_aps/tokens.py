@@ -62,13 +62,14 @@ class Batches:
                 self._open = _Batch(f"hvd_aps.{self._count}", adapter)
                 self._count += 1
             batch = self._open
+            ticket = Ticket(batch, len(batch.flats), tensor)
             batch.flats.append(adapter.flatten(tensor))
             batch.labels.append(adapter.label(tensor))
             batch.nbytes += 4 * adapter.numel(tensor)
             self._outstanding += 1
             if batch.nbytes >= self._comp.config.bucket_bytes:
                 self._launch(batch)
-        return adapter.token(tensor), Ticket(batch, len(batch.flats) - 1, tensor)
+        return adapter.token(tensor), ticket
 
     def result(self, token, ticket):
         """decompress(): the exchanged gradient, reduced as Horovod's op would have left it."""

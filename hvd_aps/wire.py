@@ -147,15 +147,15 @@ class CodesExchange:
         total = self._buffer((key, "sum"), n, np.float32, xp)
         fresh_codes = self._buffer((key, "fresh"), n, self.fmt.code_dtype, xp)
         fresh_shifts = []
-        for piece, (t, a, b) in enumerate(state.plan.pieces(self.rank)):
-            part = total[a - lo:b - lo]
+        for t, a, b in state.plan.pieces(self.rank):
+            part, tensor = total[a - lo:b - lo], state.included[t]  # a tensor has one piece per shard
             part.fill(0)
-            codec.decode_sum(codes[:, a - lo:b - lo], self.fmt, int(state.shifts[state.included[t]]), out=part)
+            codec.decode_sum(codes[:, a - lo:b - lo], self.fmt, int(state.shifts[tensor]), out=part)
             if self.comp.config.error_feedback:  # the shard owner's re-encode loses bits too
-                part += self.comp.residual(f"{key}:owner", piece, part)
+                part += self.comp.residual(f"{key}:owner", tensor, part)
             fresh = scaling.shift_for(codec.amax(part), 1, self.fmt) if self.comp.config.scaling == "aps" else 0
             self._encode(part, fresh, fresh_codes[a - lo:b - lo])
-            self._keep_residual(f"{key}:owner", piece, part, fresh_codes[a - lo:b - lo], fresh)
+            self._keep_residual(f"{key}:owner", tensor, part, fresh_codes[a - lo:b - lo], fresh)
             fresh_shifts.append(fresh)
         shift_bytes = xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))
         packed = codec.pack(fresh_codes, self.fmt)
@@ -188,7 +188,7 @@ class CodesExchange:
 
     def _corrected(self, flats, key):
         """Error feedback: each gradient plus its residual from the last exchange of bucket `key`
-        (the sum kept per bucket, so metadata and begin see the same values); as given otherwise."""
+        (metadata and begin each form it; the residual only changes after begin); as given otherwise."""
         if not self.comp.config.error_feedback:
             return flats
         out = []

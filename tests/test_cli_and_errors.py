@@ -55,3 +55,9 @@ def test_import_pulls_in_no_framework():
     code = "import sys, hvd_aps; print(any(m in sys.modules for m in ('torch', 'tensorflow')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_ddp_hook_needs_no_horovod():
+    code = "import sys, hvd_aps.ddp; print('horovod' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
