@@ -304,6 +304,7 @@ def ddp_main(settings, seeds, args):
             identical = identical and bool(high.eq(r["params"]).all() and low.eq(r["params"]).all())
     if rank == 0:
         finish(pathlib.Path(args.out) / f"ddp-{size}", f"{size} DDP", runs, {"parameters_identical_on_all_ranks": identical})
+    dist.barrier()  # no rank tears Gloo down while another still talks
     dist.destroy_process_group()
 
 

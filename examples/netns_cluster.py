@@ -108,7 +108,8 @@ def run_job(names, compression, args):
         outs = [p.communicate(timeout=args.timeout) for p in procs]
         for p, (_, err) in zip(procs, outs):
             if p.returncode:
-                raise RuntimeError(f"{compression}: a rank failed:\n{err[-4000:]}")
+                raise RuntimeError(f"{compression}: rank {procs.index(p)} failed ({p.returncode}):\n"
+                                   f"{outs[procs.index(p)][0][-1000:]}\n{err[-4000:]}")
         return json.loads(outs[0][0].strip().splitlines()[-1])
     finally:
         for p in locals().get("procs", []):

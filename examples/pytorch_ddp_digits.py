@@ -60,6 +60,7 @@ def main():
         if compressor is not None:
             print(f"per rank, all {args.epochs} epochs: {compressor.totals()}; "
                   f"the codes exchanges sent {compressor.bytes_sent} bytes")
+    dist.barrier()  # no rank tears Gloo down while another still talks
     dist.destroy_process_group()
 
 

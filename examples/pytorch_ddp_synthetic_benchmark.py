@@ -34,6 +34,7 @@ def main():
     if compressor is not None:
         compressor.collect_stats = False
     measure(step_fn(ddp, opt, x, y), args, compute, params, allgather_object, dist.get_rank(), dist.get_world_size())
+    dist.barrier()  # a rank tearing Gloo down while another still talks can abort ("terminate called")
     dist.destroy_process_group()
 
 

@@ -53,7 +53,8 @@ def test_quick_study(tmp_path, kind):
         values = summary["aps-e4m3-values"]
         close_to_fp32(values, fp32)
         assert values["bytes_per_step_per_worker"] * 2 == fp32["bytes_per_step_per_worker"]
-        # 4-bit codes with error feedback: final loss within 3 % (e3m0) and 5 % (e2m1fn) of fp32's
-        assert summary["codes-e3m0-ef"]["final_train_loss_mean"] <= 1.03 * fp32["final_train_loss_mean"]
-        assert summary["codes-e2m1fn-ef"]["final_train_loss_mean"] <= 1.05 * fp32["final_train_loss_mean"]
+        # 4-bit codes with error feedback: final loss within 5 % of fp32's (without it, this quick
+        # run ends 12-22 % above fp32)
+        for setting in ("codes-e3m0-ef", "codes-e2m1fn-ef"):
+            assert summary[setting]["final_train_loss_mean"] <= 1.05 * fp32["final_train_loss_mean"]
         assert summary["codes-e3m0-ef"]["bytes_per_step_per_worker"] < 0.13 * fp32["bytes_per_step_per_worker"]

@@ -111,4 +111,5 @@ def train(**ddp_kwargs):
 out["train_unused"], out["train_unused_buckets"] = train(find_unused_parameters=True, bucket_cap_mb=0.01)
 out["train_static"], _ = train(static_graph=True, gradient_as_bucket_view=True)
 np.savez(f"{sys.argv[1]}/ddp{size}_rank{rank}.npz", **out)
+dist.barrier()  # no rank tears Gloo down while another still talks
 dist.destroy_process_group()
