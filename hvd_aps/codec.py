@@ -126,7 +126,8 @@ def _check_dtype(dtype, fmt):
 
 def decode(codes, fmt, shift=0, dtype=np.float32, out=None):
     """Values of `codes` (as produced by encode) times 2**-shift, as float32 (or float16 where
-    fmt.fits_float16 and the scaled values stay in float16's range), into `out` if given."""
+    fmt.fits_float16 and the scaled values stay in float16's range), into `out` if given. Values
+    beyond float32's range (e8mXfn reaches 2^128) come back as +-Inf."""
     fmt = FloatFormat.parse(fmt)
     codes = as_array(codes)
     if codes.dtype.kind not in "ui":

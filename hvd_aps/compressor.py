@@ -14,6 +14,7 @@ This class holds the numerics (NumPy, through the codec) and the state; the per-
 (collectives, moving data between tensor and array) live in thin adapters, chosen per tensor.
 """
 import dataclasses
+import math
 import secrets
 import threading
 
@@ -36,22 +37,39 @@ class TensorStats:
     bytes_in: int = 0
     bytes_carried: int = 0  # what Horovod moves for it (per rank, before the allreduce)
     finite: bool = True     # False: some rank held NaN/Inf, so the tensor went unscaled
+    error_sq: float = 0.0   # sum of (sent - input)^2, the sent values unscaled ...
+    norm_sq: float = 0.0    # ... and of input^2: sums, so they add up over tensors and calls
 
     @property
     def flushed(self):
         """Fraction of nonzero inputs that rounded to zero."""
         return self.flushed_count / self.nonzero if self.nonzero else 0.0
 
+    @property
+    def relative_error(self):
+        """||q(g) - g|| / ||g||: what this rank's encode changed (0 for zeros; NaN/Inf tensors count 0)."""
+        return math.sqrt(self.error_sq / self.norm_sq) if self.norm_sq else 0.0
+
     def __add__(self, other):
         return TensorStats(other.shift, self.elements + other.elements, self.nonzero + other.nonzero,
                            self.flushed_count + other.flushed_count, self.saturated + other.saturated,
                            self.bytes_in + other.bytes_in, self.bytes_carried + other.bytes_carried,
-                           self.finite and other.finite)
+                           self.finite and other.finite, self.error_sq + other.error_sq,
+                           self.norm_sq + other.norm_sq)
 
     def __str__(self):
         ratio = self.bytes_carried / self.bytes_in if self.bytes_in else 0.0
         return (f"{self.bytes_in} gradient bytes in, {self.bytes_carried} carried ({ratio:.2f}x), "
-                f"{self.flushed:.2%} of nonzero values flushed to zero, {self.saturated} saturated")
+                f"{self.flushed:.2%} of nonzero values flushed to zero, {self.saturated} saturated, "
+                f"relative encode error {self.relative_error:.3e}")
+
+    def row(self, label):
+        return [label, self.elements, self.shift, f"{self.flushed:.4f}", self.saturated,
+                f"{self.relative_error:.4e}", self.bytes_in, self.bytes_carried]
+
+
+STATS_COLUMNS = ["tensor", "elements", "shift", "flushed", "saturated", "relative_error", "bytes_in",
+                 "bytes_carried"]
 
 
 def _adapter(tensor):
@@ -216,7 +234,7 @@ class APSCompressor:
             wire_values = x.astype(self.carrier)
         if self.collect_stats:
             limit = np.float32(np.ldexp(self.fmt.max, -shift)) if finite else None
-            self.record(label, _measure(xp, x, xp.count_nonzero(wire_values), limit, shift,
+            self.record(label, _measure(xp, x, self.from_wire(wire_values, shift), limit, shift,
                                         bytes_carried=wire_values.nbytes))
         return wire_values, shift
 
@@ -234,10 +252,8 @@ class APSCompressor:
         if codes is None:
             self.record(label, TensorStats(elements=x.size, bytes_in=4 * x.size, finite=False))
             return
-        magnitude = (1 << (self.fmt.bits - 1)) - 1  # a code of zero magnitude is +-0
-        nonzero_codes = xp.count_nonzero(codes & codes.dtype.type(magnitude))
-        self.record(label, _measure(xp, x, nonzero_codes, np.float32(np.ldexp(self.fmt.max, -shift)), shift,
-                                    bytes_carried=codec.packed_size(x.size, self.fmt)))
+        self.record(label, _measure(xp, x, codec.decode(codes, self.fmt, shift), np.float32(np.ldexp(self.fmt.max, -shift)),
+                                    shift, bytes_carried=codec.packed_size(x.size, self.fmt)))
 
     def record(self, label, stats):
         if not self.collect_stats:
@@ -254,16 +270,32 @@ class APSCompressor:
         """TensorStats summed over every tensor since reset_stats()."""
         return self._total
 
+    def stats_table(self, csv=False):
+        """The last stats of every tensor label as an aligned table, or CSV with a header."""
+        with self._lock:
+            rows = [stats.row(label) for label, stats in self.stats.items()]
+        cells = [STATS_COLUMNS] + [[str(c) for c in row] for row in rows]
+        if csv:
+            return "\n".join(",".join(row) for row in cells) + "\n"
+        widths = [max(len(row[i]) for row in cells) for i in range(len(STATS_COLUMNS))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells) + "\n"
+
     def reset_stats(self):
         self.stats, self._total, self.bytes_sent = {}, TensorStats(), 0
 
 
-def _measure(xp, x, nonzero_out, limit, shift, bytes_carried):
-    """TensorStats of x against what it became (limit None: x held NaN/Inf and went unscaled)."""
+def _measure(xp, x, sent, limit, shift, bytes_carried):
+    """TensorStats of x against the values sent for it, unscaled (limit None: x held NaN/Inf and
+    went unscaled, so there is no error to speak of)."""
     nonzero = int(xp.count_nonzero(x))
-    saturated = int(xp.count_nonzero((x > limit) | (x < -limit))) if limit is not None else 0
-    return TensorStats(shift=shift, elements=x.size, nonzero=nonzero, flushed_count=nonzero - int(nonzero_out),
-                       saturated=saturated, bytes_in=x.nbytes, bytes_carried=bytes_carried, finite=limit is not None)
+    finite = limit is not None
+    saturated = int(xp.count_nonzero((x > limit) | (x < -limit))) if finite else 0
+    x64 = x.ravel().astype(xp.float64)
+    diff = sent.ravel().astype(xp.float64) - x64
+    return TensorStats(shift=shift, elements=x.size, nonzero=nonzero, flushed_count=nonzero - int(xp.count_nonzero(sent)),
+                       saturated=saturated, bytes_in=x.nbytes, bytes_carried=bytes_carried, finite=finite,
+                       error_sq=float(xp.dot(diff, diff)) if finite else 0.0,
+                       norm_sq=float(xp.dot(x64, x64)) if finite else 0.0)
 
 
 def from_name(name, stock):

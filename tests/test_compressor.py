@@ -102,3 +102,24 @@ def test_missing_host_engine_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hvd_aps.codec.engine_name()  # said once per process
+
+
+def test_stats_measure_the_encode_error_on_both_wires():
+    """relative_error = ||q(g) - g|| / ||g||, against quantize() computed here, for the values
+    wire (to_wire) and for the codes wire (the exchange's record of what each rank encoded)."""
+    x = np.random.default_rng(3).normal(0, 1e-3, (40, 50)).astype(np.float32)
+    comp = hvd_aps.APSCompressor("e3m0", wire="values")
+    _, shift = comp.to_wire(x, float(np.abs(x).max()), 2, 0, "w")
+    sent = hvd_aps.quantize(x, "e3m0", shift=shift).astype(np.float64)
+    want = np.linalg.norm(sent - x) / np.linalg.norm(x.astype(np.float64))
+    assert comp.stats["w"].relative_error == pytest.approx(want, rel=1e-9) and want > 0.05
+
+    codes_comp = hvd_aps.APSCompressor("e3m0")
+    codes_comp.record_codes("c", x.ravel(), hvd_aps.encode(x.ravel(), "e3m0", shift=shift), shift)
+    assert codes_comp.stats["c"].relative_error == pytest.approx(want, rel=1e-9)
+    total = codes_comp.totals() + comp.totals()
+    assert total.relative_error == pytest.approx(want, rel=1e-9)  # sums of squares add up
+    table, csv = codes_comp.stats_table(), codes_comp.stats_table(csv=True)
+    assert csv.splitlines()[0] == "tensor,elements,shift,flushed,saturated,relative_error,bytes_in,bytes_carried"
+    assert csv.splitlines()[1].startswith(f"c,2000,{shift},") and f"{want:.4e}" in csv
+    assert table.split()[:2] == ["tensor", "elements"] and "relative encode error" in str(total)
