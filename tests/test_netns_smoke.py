@@ -30,11 +30,13 @@ def test_quick_cluster_run(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = {r["compression"]: r for r in json.loads(out.read_text())}
-    # 0.25x and 0.125x of fp32's bytes, plus what is fixed per step whatever the model's size
-    # (Horovod's control messages, the tokens, fp32 biases: ~20 KB here, 0.005 of this 1M-parameter
-    # model's fp32 bytes; 0.001 of the 16.8M model's in the full benchmark)
-    assert rows["aps-e4m3"]["bytes_ratio"] <= 0.26 and rows["aps-e3m0"]["bytes_ratio"] <= 0.135
-    assert rows["ddp:aps-e4m3"]["bytes_ratio"] <= 0.26
+    # 0.25x and 0.125x of fp32's bytes, plus what a step sends whatever the model's size: Horovod's
+    # controller exchanges a few hundred bytes every 1 ms cycle, the tokens, the fp32 biases. Here
+    # that measured 20-55 KB a step, 0.005-0.013 of this 1M-parameter model's fp32 bytes (0.001 of
+    # the 16.8M model's in the full benchmark); 0.03 is allowed. Float16 would show 0.5.
+    overhead = 0.03
+    assert rows["aps-e4m3"]["bytes_ratio"] <= 0.25 + overhead and rows["aps-e3m0"]["bytes_ratio"] <= 0.125 + overhead
+    assert rows["ddp:aps-e4m3"]["bytes_ratio"] <= 0.25 + overhead
     assert rows["none"]["tx_bytes_per_step"] > 2 * 1e6  # ~4 MB of float32 gradients really crossed the link
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "hvdaps-" not in left  # everything it made is gone
