@@ -11,7 +11,6 @@ CuPy engine. Importing this module does not import Horovod.
 """
 import concurrent.futures
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -107,11 +106,9 @@ def aps_hook(state, bucket):
         # written); the buffer is the bucket's gradients end to end
         outs = ([_arrays.as_array(part) for part in buffer.view(-1).split([g.numel() for g in grads])]
                 if buffer.dtype == torch.float32 else None)
-        sums = exchange.run(stages, flats, coll, f"ddp.bucket{bucket.index()}", outs=outs)
-        for total in sums:  # in NumPy/CuPy: torch divides by a scalar through its reciprocal
-            total /= np.float32(coll.world)
+        means = exchange.run(stages, flats, coll, f"ddp.bucket{bucket.index()}", outs=outs, average=True)
         if outs is None:
-            buffer.copy_(torch.cat([torch.from_dlpack(total) for total in sums]))
+            buffer.copy_(torch.cat([torch.from_dlpack(mean) for mean in means]))
         state.buckets_exchanged += 1
         return buffer
 

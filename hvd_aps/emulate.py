@@ -41,10 +41,10 @@ def allreduce(arrays, fmt, scaling="aps", accumulate="fp32", kahan=False, roundi
 
     Each worker rounds its gradient, scaled by the APS shift agreed over all workers
     (scaling="aps"; the x N headroom only with accumulate="format", where the sum could overflow
-    the format) or unscaled (scaling="none", the naive cast), onto fmt's grid. The terms are summed in rank order
-    in float32 (accumulate="fp32", what hvd_aps's wire paths do) or with a rounding to fmt after
-    every addition (accumulate="format", the paper's low-precision ring), optionally with Kahan
-    compensation; then unscaled and divided by N. Exact for man_bits <= 10: a float32 sum of two
+    the format) or unscaled (scaling="none", the naive cast), onto fmt's grid. The terms are
+    summed in rank order in float32 (accumulate="fp32", what hvd_aps's wire paths do) or with a
+    rounding to fmt after every addition (accumulate="format", the paper's low-precision ring),
+    optionally with Kahan compensation; then unscaled and divided by N. Exact for man_bits <= 10: a float32 sum of two
     such grid values rounds at most once before the format's rounding. A NaN or Inf on any worker
     makes the tensor go unscaled and unrounded, so it stays visible in the result.
     Stochastic rounding draws from (seed, flat index in the stacked workers' arrays).

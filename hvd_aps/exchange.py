@@ -48,11 +48,11 @@ class Eager(Collectives):
         return fn(*inputs)
 
 
-def run(stages, flats, coll, name, labels=None, outs=None):
-    """One bucket's exchange -> the float32 sums across ranks, one flat per input (NaN-filled
-    where a rank held NaN/Inf). `stages`: a wire.CodesExchange; `name`: stable from step to step
-    and equal on every rank (collective names, buffer keys); `outs`: eager callers may pass the
-    arrays to write the sums into."""
+def run(stages, flats, coll, name, labels=None, outs=None, average=False):
+    """One bucket's exchange -> the float32 sums across ranks (average=True: divided by N), one
+    flat per input (NaN-filled where a rank held NaN/Inf). `stages`: a wire.CodesExchange;
+    `name`: stable from step to step and equal on every rank (collective names, buffer keys);
+    `outs`: eager callers may pass the arrays to write the results into."""
     state = {}
 
     def begin(agreed, *arrays):
@@ -63,7 +63,7 @@ def run(stages, flats, coll, name, labels=None, outs=None):
         return (stages.reduce_shard(received, state["s"], name),)
 
     def finish(gathered):
-        return tuple(stages.finish(gathered, state.pop("s"), outs, name))
+        return tuple(stages.finish(gathered, state.pop("s"), outs, name, average))
 
     meta, = coll.stage(lambda *arrays: (stages.metadata(arrays, name),), flats, [np.float64])
     agreed = coll.max_allreduce(meta, f"{name}.meta")

@@ -100,6 +100,7 @@ class CodesExchange:
     def __init__(self, compressor, world, rank):
         self.comp, self.fmt, self.world, self.rank = compressor, compressor.fmt, world, rank
         self._buffers, self._results = {}, {}
+        self._corrected_by_key = {}  # error feedback: what metadata() formed, for begin() to encode
 
     def metadata(self, flats, key=0):
         """Vector to Max-allreduce: every tensor's max |g| (with error feedback: of the gradient
@@ -111,7 +112,7 @@ class CodesExchange:
         """-> (bytes to alltoall, bytes per destination rank, State). `labels` name the tensors
         in errors and stats."""
         labels = labels or [f"{key}[{i}]" for i in range(len(flats))]
-        flats = self._corrected(flats, key)
+        flats = self._corrected_by_key.pop(key, flats)  # the driver calls metadata() first
         amaxes = self.comp.agreed_amaxes(agreed, [f.size for f in flats], labels)
         finite = np.isfinite(amaxes)
         shifts = (scaling.shifts_for(np.where(finite, amaxes, 0), self.world, self.fmt, _FLOAT32_MAX)
@@ -165,10 +166,10 @@ class CodesExchange:
         self.comp.record_sent(state.bytes_sent)
         return message
 
-    def finish(self, gathered, state, outs=None, key=0):
-        """Every rank's reduced shard -> the summed tensors (float32, flat), written into `outs`
-        (one array per tensor) or into result buffers of this bucket `key`; NaN-filled for the
-        tensors in state.fallback."""
+    def finish(self, gathered, state, outs=None, key=0, average=False):
+        """Every rank's reduced shard -> the summed (average=True: divided by N in float32)
+        tensors, float32 and flat, written into `outs` (one array per tensor) or into result
+        buffers of this bucket `key`; NaN-filled for the tensors in state.fallback."""
         xp = _arrays.array_module(gathered)
         offsets, stride = state.plan.offsets, state.plan.message_len(self.fmt)
         if outs is None:
@@ -184,11 +185,14 @@ class CodesExchange:
             lo = int(state.plan.shards[r])
             for (t, a, b), shift in zip(pieces, shifts):
                 codec.decode(codes[a - lo:b - lo], self.fmt, int(shift), out=included[t][a - offsets[t]:b - offsets[t]])
+        if average:
+            for out in outs:
+                out /= np.float32(self.world)
         return outs
 
     def _corrected(self, flats, key):
-        """Error feedback: each gradient plus its residual from the last exchange of bucket `key`
-        (metadata and begin each form it; the residual only changes after begin); as given otherwise."""
+        """Error feedback: each gradient plus its residual from the last exchange of bucket `key`,
+        kept for begin() to encode; the gradients as given otherwise."""
         if not self.comp.config.error_feedback:
             return flats
         out = []
@@ -197,6 +201,7 @@ class CodesExchange:
             total = self._buffer((key, "corrected", i), f.size, np.float32, _arrays.array_module(f))
             _arrays.array_module(f).add(f, self.comp.residual(key, i, f), out=total)
             out.append(total)
+        self._corrected_by_key[key] = out
         return out
 
     def _keep_residual(self, key, i, x, codes, shift):

@@ -4,7 +4,6 @@ collectives, eagerly and inside tf.function; buckets have no data dependence on 
 TensorFlow overlaps them. A tensor that held NaN/Inf on any rank comes back all NaN everywhere.
 """
 import horovod.tensorflow as hvd
-import numpy as np
 import tensorflow as tf
 
 from .. import exchange, wire
@@ -33,12 +32,10 @@ def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
     for i in small:
         out[i] = hvd.allreduce(tensors[i], op=op, name=f"{name}.small{i}")
     for b, bucket in enumerate(buckets):
-        sums = exchange.run(stages, [flatten(tensors[i]) for i in bucket], coll, f"{name}.bucket{b}",
-                            [label(tensors[i]) for i in bucket])
-        for i, total in zip(bucket, sums):
-            if op == hvd.Average:
-                total = total / np.float32(hvd.size())  # float32 division, as every codes path divides
-            out[i] = tf.cast(tf.reshape(total, tf.shape(tensors[i])), tensors[i].dtype)
+        results = exchange.run(stages, [flatten(tensors[i]) for i in bucket], coll, f"{name}.bucket{b}",
+                               [label(tensors[i]) for i in bucket], average=op == hvd.Average)
+        for i, result in zip(bucket, results):
+            out[i] = tf.cast(tf.reshape(result, tf.shape(tensors[i])), tensors[i].dtype)
     return out
 
 

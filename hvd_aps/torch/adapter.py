@@ -12,9 +12,10 @@ from .. import _arrays, codec, exchange, tokens
 # One name for every values-path metadata allreduce: the calls are blocking and sequential
 # (backward hooks run one at a time), and a reused name hits Horovod's response cache.
 _METADATA = "hvd_aps.metadata"
-# Two threads: one batch's encoding and decoding overlap another's transfers; Horovod matches
-# collectives by name, so batches may run in any order on each rank.
-_POOL = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hvd_aps_comm")
+# The exchanges' threads, for the compressor's batches and hvd_aps.torch.DistributedOptimizer's
+# buckets alike. Two: one exchange's encoding and decoding overlap another's transfers; Horovod
+# matches collectives by name, so exchanges may run in any order on each rank.
+COMM_THREADS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hvd_aps_comm")
 
 
 class HorovodCollectives(exchange.Eager):
@@ -67,7 +68,7 @@ def token(tensor):
 
 
 def launch(stages, flats, name, labels):
-    return _POOL.submit(exchange.run, stages, flats, HorovodCollectives(), name, labels)
+    return COMM_THREADS.submit(exchange.run, stages, flats, HorovodCollectives(), name, labels)
 
 
 def finish(handle, index, token_out, like):
@@ -78,7 +79,7 @@ def finish(handle, index, token_out, like):
 
 # wire="values" ------------------------------------------------------------------------------------
 def compress_values(tensor, comp):
-    x = _arrays.as_array(tensor.detach().to(torch.float32).contiguous())
+    x = flatten(tensor)
     agreed = hvd.allreduce(torch.from_numpy(comp.metadata([codec.amax(x)], [x.size])), op=hvd.Max, name=_METADATA)
     amax = float(comp.agreed_amaxes(agreed.numpy(), [x.size], [label(tensor)])[0])
     wire, shift = comp.to_wire(x, amax, hvd.size(), hvd.rank(), label(tensor))
@@ -87,5 +88,4 @@ def compress_values(tensor, comp):
 
 def decompress_values(tensor, ctx, comp):
     shift, dtype = ctx
-    x = _arrays.as_array(tensor.detach().to(torch.float32).contiguous())
-    return torch.from_dlpack(comp.from_wire(x, shift)).to(dtype)
+    return torch.from_dlpack(comp.from_wire(flatten(tensor), shift)).reshape(tensor.shape).to(dtype)

@@ -8,17 +8,15 @@ communication thread while backward goes on; step() waits for all of them. Tenso
 compressor's min_elements go through a plain Horovod allreduce. The lifecycle is Horovod's:
 synchronize(), skip_synchronize(), and zero_grad() refused between backward and step.
 """
-import concurrent.futures
 import contextlib
 import warnings
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 
 from .. import _arrays, exchange, wire
 from ..compressor import APSCompressor
-from .adapter import HorovodCollectives, flatten, label
+from .adapter import COMM_THREADS, HorovodCollectives, flatten, label
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -39,8 +37,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._small = [params[i] for i in small]
         self._buckets = [[params[i] for i in group] for group in groups]
         self._bucket_of = {p: b for b, bucket in enumerate(self._buckets) for p in bucket}
-        # two threads: one bucket's encoding and decoding overlap another's transfers
-        self._thread = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hvd_aps_comm")
         self.bytes_sent = 0
         self._should_synchronize, self._synchronized = True, False
         self._reset()
@@ -77,19 +73,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._buckets[b]:  # parameters that got no gradient this step count as zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._futures[b] = self._thread.submit(self._exchange_bucket, b, [p.grad for p in self._buckets[b]])
+        self._futures[b] = COMM_THREADS.submit(self._exchange_bucket, b, [p.grad for p in self._buckets[b]])
 
     def _exchange_bucket(self, b, grads):
         """One bucket through the driver; float32 gradients take the result in place, others a
         float32 copy converted back in synchronize()."""
         targets = [g.view(-1) if g.dtype == torch.float32 and g.is_contiguous()
                    else torch.empty(g.numel(), dtype=torch.float32, device=g.device) for g in grads]
-        outs = [_arrays.as_array(t) for t in targets]
         exchange.run(self._stages, [flatten(g) for g in grads], self._coll, f"hvd_aps.bucket{b}",
-                     [label(g) for g in grads], outs)
-        if self._op == hvd.Average:
-            for out in outs:
-                out /= np.float32(self._coll.world)  # float32 division, as every codes path divides
+                     [label(g) for g in grads], [_arrays.as_array(t) for t in targets], self._op == hvd.Average)
         return targets
 
     def synchronize(self):
