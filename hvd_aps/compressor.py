@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from . import _arrays, codec, scaling, tokens, wire
-from .config import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_ELEMENTS, APSConfig
+from .config import DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS, APSConfig
 
 _ADAPTERS = {"torch": "hvd_aps.torch.adapter", "tensorflow": "hvd_aps.tensorflow.adapter"}
 
@@ -39,6 +39,8 @@ class TensorStats:
     finite: bool = True     # False: some rank held NaN/Inf, so the tensor went unscaled
     error_sq: float = 0.0   # sum of (sent - input)^2, the sent values unscaled ...
     norm_sq: float = 0.0    # ... and of input^2: sums, so they add up over tensors and calls
+    measured: int = 0       # elements looked at: counts and sums above are scaled up from them
+    fmt: str = ""           # the format it went out in (hybrid precision: the narrow or the wide one)
 
     @property
     def flushed(self):
@@ -55,21 +57,23 @@ class TensorStats:
                            self.flushed_count + other.flushed_count, self.saturated + other.saturated,
                            self.bytes_in + other.bytes_in, self.bytes_carried + other.bytes_carried,
                            self.finite and other.finite, self.error_sq + other.error_sq,
-                           self.norm_sq + other.norm_sq)
+                           self.norm_sq + other.norm_sq, self.measured + other.measured, other.fmt)
 
     def __str__(self):
         ratio = self.bytes_carried / self.bytes_in if self.bytes_in else 0.0
+        sampled = f" (from {self.measured} sampled elements)" if self.measured < self.elements else ""
         return (f"{self.bytes_in} gradient bytes in, {self.bytes_carried} carried ({ratio:.2f}x), "
                 f"{self.flushed:.2%} of nonzero values flushed to zero, {self.saturated} saturated, "
-                f"relative encode error {self.relative_error:.3e}")
+                f"relative encode error {self.relative_error:.3e}{sampled}")
 
     def row(self, label):
-        return [label, self.elements, self.shift, f"{self.flushed:.4f}", self.saturated,
+        return [label, self.fmt, self.elements, self.measured, self.shift, f"{self.flushed:.4f}", self.saturated,
                 f"{self.relative_error:.4e}", self.bytes_in, self.bytes_carried]
 
 
-STATS_COLUMNS = ["tensor", "elements", "shift", "flushed", "saturated", "relative_error", "bytes_in",
-                 "bytes_carried"]
+STATS_COLUMNS = ["tensor", "format", "elements", "measured", "shift", "flushed", "saturated", "relative_error",
+                 "bytes_in", "bytes_carried"]
+STATS_SAMPLE = 1 << 16  # elements per tensor the stats look at by default (a strided sample)
 
 
 def _adapter(tensor):
@@ -91,10 +95,16 @@ class APSCompressor:
             wire, 16 MiB buckets, tensors under 4096 elements through Horovod's plain allreduce,
             no error feedback).
         seed: base of the stochastic-rounding streams (random if None).
+        hybrid, hybrid_threshold: hybrid precision (see APSConfig): e.g. hybrid="e4m3" sends the
+            tensors a 4-bit format would lose too much of in e4m3.
         stats: record what each tensor went through: `stats[label]` holds the last call per
             tensor label (TF: the gradient's graph name; torch: dtype and shape, so tensors of one
-            shape share an entry), `totals()` the sum since `reset_stats()`; `bytes_sent` counts
-            the codes exchanges' bytes sent by this rank.
+            shape share an entry), `totals()` the sum since `reset_stats()`, `stats_table()` both
+            as text or CSV; `bytes_sent` counts the codes exchanges' bytes sent by this rank.
+        stats_sample: the error, flushed and saturated figures of a tensor come from an evenly
+            strided sample of about this many of its elements, scaled up (0: every element).
+            Measuring every element costs ~10x the encode; the default sample, ~1 % of it on a
+            4M-element tensor, so stats stay on.
 
     Every rank must use an equal compressor and hand it the same tensors in the same order: the
     metadata allreduce checks the configuration and every tensor's size, and raises on a mismatch.
@@ -107,8 +117,13 @@ class APSCompressor:
 
     def __init__(self, fmt, rounding="nearest", scaling="aps", saturate=False, wire="codes",
                  bucket_bytes=DEFAULT_BUCKET_BYTES, min_elements=DEFAULT_MIN_ELEMENTS, error_feedback=False,
-                 seed=None, stats=True):
-        self.config = APSConfig(fmt, rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback)
+                 hybrid=None, hybrid_threshold=DEFAULT_HYBRID_THRESHOLD, seed=None, stats=True,
+                 stats_sample=STATS_SAMPLE):
+        self.config = APSConfig(fmt, rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback,
+                                hybrid, hybrid_threshold)
+        if not isinstance(stats_sample, int) or stats_sample < 0:
+            raise ValueError(f"stats_sample must be an int >= 0, got {stats_sample!r}")
+        self.stats_sample = stats_sample
         self._residuals = {}
         self.carrier = np.dtype(np.float16 if self.fmt.fits_float16 else np.float32)
         self.seed = secrets.randbits(63) if seed is None else int(seed)
@@ -135,9 +150,9 @@ class APSCompressor:
         if self.config.wire == "values":
             return adapter.compress_values(tensor, self)
         if adapter.numel(tensor) < self.config.min_elements:  # Horovod's plain allreduce carries it
-            self.record(adapter.label(tensor), TensorStats(elements=adapter.numel(tensor),
-                                                           bytes_in=4 * adapter.numel(tensor),
-                                                           bytes_carried=4 * adapter.numel(tensor)))
+            n = adapter.numel(tensor)
+            self.record(adapter.label(tensor), TensorStats(elements=n, bytes_in=4 * n, bytes_carried=4 * n,
+                                                           measured=n, fmt="float32"))
             return tensor, None
         return self._batches.add(adapter, tensor)
 
@@ -153,17 +168,20 @@ class APSCompressor:
     def signature(self):
         return self.config.signature
 
-    def metadata(self, amaxes, sizes):
-        """The float64 vector every rank Max-allreduces: [amax..., size..., -size..., signature,
-        -signature]; the Max of x and of -x tells whether all ranks had the same x."""
+    def metadata(self, amaxes, sizes, errors=()):
+        """The float64 vector every rank Max-allreduces: [amax..., size..., -size..., error...,
+        signature, -signature]; the Max of x and of -x tells whether all ranks had the same x.
+        `errors` (hybrid precision only, one per tensor): the narrow format's sampled relative
+        encode error, whose Max over the ranks picks each tensor's format."""
         sizes = np.asarray(sizes, np.float64)
-        return np.concatenate([np.asarray(amaxes, np.float64), sizes, -sizes, [self.signature, -self.signature]])
+        return np.concatenate([np.asarray(amaxes, np.float64), sizes, -sizes, np.asarray(errors, np.float64),
+                               [self.signature, -self.signature]])
 
     def agreed_amaxes(self, agreed, sizes, labels):
         """From the Max-allreduced metadata to the agreed amaxes, after checking that every rank
         has this configuration and these tensor sizes."""
         agreed, count = np.asarray(agreed, np.float64).ravel(), len(sizes)
-        if agreed.size != 3 * count + 2:
+        if agreed.size != (3 + self._error_entries) * count + 2:
             raise ValueError(f"metadata of {agreed.size} values for {count} tensors: ranks disagree on the bucket")
         high, neg_low = agreed[-2], agreed[-1]
         if high != -neg_low:
@@ -175,6 +193,18 @@ class APSCompressor:
                              f"{sizes[i]} elements here and {least[i]:.0f} to {most[i]:.0f} across ranks "
                              "(another model, or gradients in another order)")
         return agreed[:count]
+
+    @property
+    def _error_entries(self):
+        return int(self.config.hybrid is not None)
+
+    def goes_wide(self, agreed, count):
+        """Hybrid precision, from the checked metadata: which tensors go out in the wide format
+        (some rank's sampled error over the threshold; NaN counts as over)."""
+        if not self._error_entries:
+            return np.zeros(count, bool)
+        errors = np.asarray(agreed, np.float64).ravel()[3 * count:4 * count]
+        return ~(errors <= self.config.hybrid_threshold)
 
     def next_seed(self, rank):
         """Seed for one stochastic encode: from (seed, rank, call number), so no two ranks or calls
@@ -233,9 +263,10 @@ class APSCompressor:
         else:  # unscaled and unrounded: the NaN/Inf reaches every rank's sum
             wire_values = x.astype(self.carrier)
         if self.collect_stats:
+            step = self._stats_stride(x.size)
             limit = np.float32(np.ldexp(self.fmt.max, -shift)) if finite else None
-            self.record(label, _measure(xp, x, self.from_wire(wire_values, shift), limit, shift,
-                                        bytes_carried=wire_values.nbytes))
+            self.record(label, _measure(xp, x.ravel()[::step], self.from_wire(wire_values.ravel()[::step], shift),
+                                        limit, shift, x.size, wire_values.nbytes, str(self.fmt)))
         return wire_values, shift
 
     def from_wire(self, wire_values, shift):
@@ -244,16 +275,23 @@ class APSCompressor:
         return xp.ldexp(wire_values.astype(xp.float32), xp.int32(-int(shift))).astype(xp.float32)
 
     # Stats --------------------------------------------------------------------------------------
-    def record_codes(self, label, x, codes, shift):
-        """Stats of one tensor the codes exchange encoded (codes None: it held NaN/Inf)."""
+    def record_codes(self, label, x, codes, shift, fmt):
+        """Stats of one tensor the codes exchange encoded in `fmt` (codes None: it held NaN/Inf)."""
         if not self.collect_stats:
             return
         xp = _arrays.array_module(x)
         if codes is None:
-            self.record(label, TensorStats(elements=x.size, bytes_in=4 * x.size, finite=False))
+            self.record(label, TensorStats(elements=x.size, bytes_in=4 * x.size, finite=False, fmt=str(fmt)))
             return
-        self.record(label, _measure(xp, x, codec.decode(codes, self.fmt, shift), np.float32(np.ldexp(self.fmt.max, -shift)),
-                                    shift, bytes_carried=codec.packed_size(x.size, self.fmt)))
+        step = self._stats_stride(x.size)
+        sent = codec.decode(xp.ascontiguousarray(codes[::step]), fmt, shift)
+        self.record(label, _measure(xp, x.ravel()[::step], sent, np.float32(np.ldexp(fmt.max, -shift)), shift,
+                                    x.size, codec.packed_size(x.size, fmt), str(fmt)))
+
+    def _stats_stride(self, n):
+        """Stride of the stats' sample of n elements: odd, so rows of a power-of-two width are
+        all visited."""
+        return (n // self.stats_sample) | 1 if self.stats_sample and n > self.stats_sample else 1
 
     def record(self, label, stats):
         if not self.collect_stats:
@@ -284,18 +322,20 @@ class APSCompressor:
         self.stats, self._total, self.bytes_sent = {}, TensorStats(), 0
 
 
-def _measure(xp, x, sent, limit, shift, bytes_carried):
-    """TensorStats of x against the values sent for it, unscaled (limit None: x held NaN/Inf and
-    went unscaled, so there is no error to speak of)."""
+def _measure(xp, x, sent, limit, shift, elements, bytes_carried, fmt):
+    """TensorStats of a tensor of `elements` float32 values from x (all of them, or a sample)
+    against the values sent for x, unscaled; counts and sums scaled up to the whole tensor
+    (limit None: it held NaN/Inf and went unscaled, so there is no error to speak of)."""
+    scale, finite = elements / x.size if x.size else 1.0, limit is not None
     nonzero = int(xp.count_nonzero(x))
-    finite = limit is not None
     saturated = int(xp.count_nonzero((x > limit) | (x < -limit))) if finite else 0
-    x64 = x.ravel().astype(xp.float64)
-    diff = sent.ravel().astype(xp.float64) - x64
-    return TensorStats(shift=shift, elements=x.size, nonzero=nonzero, flushed_count=nonzero - int(xp.count_nonzero(sent)),
-                       saturated=saturated, bytes_in=x.nbytes, bytes_carried=bytes_carried, finite=finite,
-                       error_sq=float(xp.dot(diff, diff)) if finite else 0.0,
-                       norm_sq=float(xp.dot(x64, x64)) if finite else 0.0)
+    x64 = x.astype(xp.float64)
+    diff = sent.astype(xp.float64) - x64
+    return TensorStats(shift=shift, elements=elements, nonzero=round(nonzero * scale),
+                       flushed_count=round((nonzero - int(xp.count_nonzero(sent))) * scale),
+                       saturated=round(saturated * scale), bytes_in=4 * elements, bytes_carried=bytes_carried,
+                       finite=finite, error_sq=float(xp.dot(diff, diff)) * scale if finite else 0.0,
+                       norm_sq=float(xp.dot(x64, x64)) * scale if finite else 0.0, measured=x.size, fmt=fmt)
 
 
 def from_name(name, stock):
@@ -304,21 +344,23 @@ def from_name(name, stock):
     "none" and "fp16": Horovod's own (`stock` is the framework's horovod Compression namespace);
     "aps-<format>": APSCompressor(format), codes on the wire through Horovod's own optimizer;
     "naive-<format>": the same with scaling="none"; a "-values" suffix sends wire="values"
-    (float16 carrier) instead of codes, "-ef" turns error feedback on; "codes-<format>": the
+    (float16 carrier) instead of codes, "-ef" turns error feedback on, "-hybrid" hybrid precision
+    with HYBRID_FORMAT as the wide format; "codes-<format>": the
     compressor of "aps-<format>", for hvd_aps.torch.DistributedOptimizer (the examples pick that
     optimizer by this prefix).
     """
     if name in ("none", "fp16"):
         return getattr(stock, name)
     parts = name.split("-")
-    suffixes = {"values": False, "ef": False}
+    suffixes = {"values": False, "ef": False, "hybrid": False}
     while parts and parts[-1] in suffixes:
         suffixes[parts.pop()] = True
     if len(parts) != 2 or parts[0] not in _NAMED_SCALINGS:
         raise ValueError(f"unknown compression {name!r}: use none, fp16, aps-<format> or naive-<format>, "
-                         "optionally ending in -values or -ef")
+                         "optionally ending in -values, -ef and/or -hybrid")
     return APSCompressor(parts[1], scaling=_NAMED_SCALINGS[parts[0]], wire="values" if suffixes["values"] else "codes",
-                         error_feedback=suffixes["ef"])
+                         error_feedback=suffixes["ef"], hybrid=HYBRID_FORMAT if suffixes["hybrid"] else None)
 
 
 _NAMED_SCALINGS = {"aps": "aps", "codes": "aps", "naive": "none"}
+HYBRID_FORMAT = "e4m3"  # the wide format of from_name's "-hybrid" settings

@@ -69,6 +69,26 @@ def allreduce(arrays, fmt, scaling="aps", accumulate="fp32", kahan=False, roundi
     return (np.ldexp(total, -shift, dtype=np.float32) / np.float32(n)).astype(np.float32)
 
 
+def codes_allreduce(compressors, grads, name="emulated"):
+    """The average N workers get from the codes exchange that real ranks run (hvd_aps.wire's
+    stages, with error feedback and hybrid precision as configured), every worker's stages run
+    in lockstep in this process: the collectives become a max, a transpose of byte blocks and a
+    concatenation. compressors: one APSCompressor per worker (each keeps its own residuals);
+    grads[w]: worker w's tensors. Returns one float32 flat per tensor (every worker decodes the
+    same bytes alike, so worker 0's result is everyone's)."""
+    world = len(compressors)
+    if len(grads) != world:
+        raise ValueError(f"{len(grads)} workers' gradients for {world} compressors")
+    stages = [c.stages(world, w) for w, c in enumerate(compressors)]
+    flats = [[codec._as_float32(g).ravel() for g in worker] for worker in grads]
+    agreed = np.max([s.metadata(f, name) for s, f in zip(stages, flats)], axis=0)
+    begun = [s.begin(f, agreed, name) for s, f in zip(stages, flats)]  # (send, splits, state) each
+    cuts = [np.concatenate([[0], np.cumsum(splits)]) for _, splits, _ in begun]
+    messages = [stages[w].reduce_shard(np.concatenate([send[cut[w]:cut[w + 1]] for (send, _, _), cut in zip(begun, cuts)]),
+                                       begun[w][2], name) for w in range(world)]
+    return stages[0].finish(np.concatenate(messages), begun[0][2], key=name, average=True)
+
+
 def relative_error(result, arrays):
     """||result - exact mean|| / ||exact mean||, the exact mean taken in float64."""
     exact = np.mean(np.asarray(arrays, dtype=np.float64), axis=0)

@@ -28,6 +28,7 @@ from . import _arrays, codec, scaling
 
 _SHIFT = np.dtype("<i2")  # re-encode exponents on the wire
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # shards are summed in float32: no x N headroom needed
+HYBRID_SAMPLE = 4096  # elements per tensor the hybrid policy's error estimate looks at
 
 
 def buckets(sizes, bucket_bytes, min_elements):
@@ -82,14 +83,27 @@ class Plan:
 
 
 @dataclasses.dataclass
+class Lane:
+    """The tensors of a bucket that travel in one format, laid out in their own flat code buffer."""
+    fmt: object
+    included: list  # tensor indices, in bucket order
+    plan: Plan
+
+    def shard_bytes(self, shard):
+        return codec.packed_size(self.plan.shard_len(shard), self.fmt)
+
+
+@dataclasses.dataclass
 class State:
     """What one bucket's exchange carries from stage to stage."""
-    plan: Plan
+    lanes: list      # the narrow format's Lane, then (hybrid) the wide one's
     shifts: np.ndarray
     sizes: list      # every tensor's element count
-    included: list   # indices of the tensors that travel as codes
     fallback: list   # indices of the tensors with a NaN/Inf somewhere: NaN on every rank (see above)
     bytes_sent: int = 0
+
+    def message_lens(self):
+        return [lane.plan.message_len(lane.fmt) for lane in self.lanes]
 
 
 class CodesExchange:
@@ -104,91 +118,137 @@ class CodesExchange:
 
     def metadata(self, flats, key=0):
         """Vector to Max-allreduce: every tensor's max |g| (with error feedback: of the gradient
-        plus last step's residual), its size (and minus it), the signature."""
+        plus last step's residual), its size (and minus it), with hybrid precision the error the
+        narrow format would make on a sample of it, and the signature."""
         flats = self._corrected(flats, key)
-        return self.comp.metadata([codec.amax(f) for f in flats], [f.size for f in flats])
+        amaxes = [codec.amax(f) for f in flats]
+        errors = [self._sampled_error(f, a) for f, a in zip(flats, amaxes)] if self.comp.config.hybrid else ()
+        return self.comp.metadata(amaxes, [f.size for f in flats], errors)
 
     def begin(self, flats, agreed, key=0, labels=None):
         """-> (bytes to alltoall, bytes per destination rank, State). `labels` name the tensors
         in errors and stats."""
         labels = labels or [f"{key}[{i}]" for i in range(len(flats))]
         flats = self._corrected_by_key.pop(key, flats)  # the driver calls metadata() first
-        amaxes = self.comp.agreed_amaxes(agreed, [f.size for f in flats], labels)
+        sizes = [f.size for f in flats]
+        amaxes = self.comp.agreed_amaxes(agreed, sizes, labels)
         finite = np.isfinite(amaxes)
-        shifts = (scaling.shifts_for(np.where(finite, amaxes, 0), self.world, self.fmt, _FLOAT32_MAX)
-                  if self.comp.config.scaling == "aps" else np.zeros(len(flats), np.int64))
-        included = [i for i in range(len(flats)) if finite[i]]
-        state = State(Plan([flats[i].size for i in included], self.world), shifts, [f.size for f in flats], included,
+        wide = self.comp.goes_wide(agreed, len(flats)) & finite
+        fmts = [self.fmt] + ([self.comp.config.hybrid] if self.comp.config.hybrid else [])
+        state = State([Lane(f, [i for i in range(len(flats)) if finite[i] and wide[i] == n], None)
+                       for n, f in enumerate(fmts)], np.zeros(len(flats), np.int64), sizes,
                       [i for i in range(len(flats)) if not finite[i]])
         xp = _arrays.array_module(flats[0]) if flats else np
-        flat = self._buffer((key, "codes"), int(state.plan.offsets[-1]), self.fmt.code_dtype, xp)
-        for k, i in enumerate(included):
-            codes = flat[state.plan.offsets[k]:state.plan.offsets[k + 1]]
-            self._encode(flats[i].ravel(), int(shifts[i]), codes)
-            self.comp.record_codes(labels[i], flats[i], codes, int(shifts[i]))
-            self._keep_residual(key, i, flats[i].ravel(), codes, int(shifts[i]))
+        parts, flat = [], None
+        for n, lane in enumerate(state.lanes):
+            lane.plan = Plan([sizes[i] for i in lane.included], self.world)
+            if self.comp.config.scaling == "aps":
+                state.shifts[lane.included] = scaling.shifts_for(amaxes[lane.included], self.world, lane.fmt,
+                                                                 _FLOAT32_MAX)
+            flat = self._encode_lane(lane, n, flats, state.shifts, key, labels, xp)
+            parts.append([codec.pack(flat[lane.plan.shards[r]:lane.plan.shards[r + 1]], lane.fmt)
+                          for r in range(self.world)])
         for i in state.fallback:
-            self.comp.record_codes(labels[i], flats[i], None, 0)
-            self._keep_residual(key, i, flats[i].ravel(), None, 0)
-        parts = [codec.pack(flat[state.plan.shards[r]:state.plan.shards[r + 1]], self.fmt) for r in range(self.world)]
-        splits = [int(p.size) for p in parts]
+            self.comp.record_codes(labels[i], flats[i], None, 0, self.fmt)
+            self._keep_residual(key, i, flats[i].ravel(), None, 0, self.fmt)
+        splits = [sum(int(lane_parts[r].size) for lane_parts in parts) for r in range(self.world)]
         state.bytes_sent = sum(splits) - splits[self.rank]
-        return (flat if self.fmt.bits == 8 else xp.concatenate(parts)), splits, state
+        if len(parts) == 1 and self.fmt.bits == 8:  # the flat code buffer is the message: no copy
+            return flat, splits, state
+        return xp.concatenate([lane_parts[r] for r in range(self.world) for lane_parts in parts]), splits, state
+
+    def _encode_lane(self, lane, n, flats, shifts, key, labels, xp):
+        """Encode a lane's tensors into its flat code buffer, which it returns."""
+        flat = self._buffer((key, "codes", n), int(lane.plan.offsets[-1]), lane.fmt.code_dtype, xp)
+        for k, i in enumerate(lane.included):
+            codes = flat[lane.plan.offsets[k]:lane.plan.offsets[k + 1]]
+            self._encode(flats[i].ravel(), int(shifts[i]), codes, lane.fmt)
+            self.comp.record_codes(labels[i], flats[i], codes, int(shifts[i]), lane.fmt)
+            self._keep_residual(key, i, flats[i].ravel(), codes, int(shifts[i]), lane.fmt)
+        return flat
 
     def reduce_shard(self, received, state, key=0):
         """The N packed copies of this rank's shard -> its reduced, re-encoded shard (bytes to allgather)."""
         xp = _arrays.array_module(received)
-        n = state.plan.shard_len(self.rank)
-        size = codec.packed_size(n, self.fmt)
-        if self.fmt.bits == 8:
-            codes = received.reshape(self.world, n)
-        else:
-            codes = xp.stack([codec.unpack(received[r * size:(r + 1) * size], self.fmt, n) for r in range(self.world)])
-        lo = int(state.plan.shards[self.rank])
-        total = self._buffer((key, "sum"), n, np.float32, xp)
-        fresh_codes = self._buffer((key, "fresh"), n, self.fmt.code_dtype, xp)
-        fresh_shifts = []
-        for t, a, b in state.plan.pieces(self.rank):
-            part, tensor = total[a - lo:b - lo], state.included[t]  # a tensor has one piece per shard
-            part.fill(0)
-            codec.decode_sum(codes[:, a - lo:b - lo], self.fmt, int(state.shifts[tensor]), out=part)
-            if self.comp.config.error_feedback:  # the shard owner's re-encode loses bits too
-                part += self.comp.residual(f"{key}:owner", tensor, part)
-            fresh = scaling.shift_for(codec.amax(part), 1, self.fmt) if self.comp.config.scaling == "aps" else 0
-            self._encode(part, fresh, fresh_codes[a - lo:b - lo])
-            self._keep_residual(f"{key}:owner", tensor, part, fresh_codes[a - lo:b - lo], fresh)
-            fresh_shifts.append(fresh)
-        shift_bytes = xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))
-        packed = codec.pack(fresh_codes, self.fmt)
-        padding = xp.zeros(state.plan.message_len(self.fmt) - packed.size - shift_bytes.size, np.uint8)
-        message = xp.concatenate([packed, shift_bytes, padding])
+        stride = sum(lane.shard_bytes(self.rank) for lane in state.lanes)  # what each rank sent here
+        received = received.reshape(self.world, stride)
+        segments, at = [], 0
+        for n, (lane, length) in enumerate(zip(state.lanes, state.message_lens())):
+            size = lane.shard_bytes(self.rank)
+            segment = self._reduce_lane(received[:, at:at + size], lane, n, state.shifts, key, xp)
+            segments += [segment, xp.zeros(length - segment.size, np.uint8)]  # equal sizes on every rank
+            at += size
+        message = xp.concatenate(segments)
         state.bytes_sent += int(message.size) * (self.world - 1)
         self.comp.record_sent(state.bytes_sent)
         return message
+
+    def _reduce_lane(self, received, lane, n, shifts, key, xp):
+        """One lane's N packed copies (rows) of this rank's shard -> its packed re-encoded sums
+        and an exponent per piece."""
+        fmt, count = lane.fmt, lane.plan.shard_len(self.rank)
+        codes = (received if fmt.bits == 8 else
+                 xp.stack([codec.unpack(received[r], fmt, count) for r in range(self.world)]))
+        lo = int(lane.plan.shards[self.rank])
+        total = self._buffer((key, "sum", n), count, np.float32, xp)
+        fresh_codes = self._buffer((key, "fresh", n), count, fmt.code_dtype, xp)
+        fresh_shifts = []
+        for t, a, b in lane.plan.pieces(self.rank):
+            part, tensor = total[a - lo:b - lo], lane.included[t]  # a tensor has one piece per shard
+            part.fill(0)
+            codec.decode_sum(codes[:, a - lo:b - lo], fmt, int(shifts[tensor]), out=part)
+            if self.comp.config.error_feedback:  # the shard owner's re-encode loses bits too
+                part += self.comp.residual(f"{key}:owner", tensor, part)
+            fresh = scaling.shift_for(codec.amax(part), 1, fmt) if self.comp.config.scaling == "aps" else 0
+            self._encode(part, fresh, fresh_codes[a - lo:b - lo], fmt)
+            self._keep_residual(f"{key}:owner", tensor, part, fresh_codes[a - lo:b - lo], fresh, fmt)
+            fresh_shifts.append(fresh)
+        return xp.concatenate([codec.pack(fresh_codes, fmt), xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))])
 
     def finish(self, gathered, state, outs=None, key=0, average=False):
         """Every rank's reduced shard -> the summed (average=True: divided by N in float32)
         tensors, float32 and flat, written into `outs` (one array per tensor) or into result
         buffers of this bucket `key`; NaN-filled for the tensors in state.fallback."""
         xp = _arrays.array_module(gathered)
-        offsets, stride = state.plan.offsets, state.plan.message_len(self.fmt)
         if outs is None:
             outs = [self._result_buffer((key, i), n, xp) for i, n in enumerate(state.sizes)]
         for i in state.fallback:
             outs[i].fill(np.nan)
-        included = [outs[i] for i in state.included]
-        for r in range(self.world):
-            n, pieces, at = state.plan.shard_len(r), state.plan.pieces(r), r * stride
-            size = codec.packed_size(n, self.fmt)
-            codes = codec.unpack(gathered[at:at + size], self.fmt, n)
-            shifts = _arrays.to_numpy(gathered[at + size:at + size + _SHIFT.itemsize * len(pieces)]).view(_SHIFT)
-            lo = int(state.plan.shards[r])
-            for (t, a, b), shift in zip(pieces, shifts):
-                codec.decode(codes[a - lo:b - lo], self.fmt, int(shift), out=included[t][a - offsets[t]:b - offsets[t]])
+        lens = state.message_lens()
+        gathered = gathered.reshape(self.world, sum(lens))
+        for lane, at in zip(state.lanes, np.cumsum([0] + lens[:-1])):
+            self._finish_lane(gathered[:, at:], lane, [outs[i] for i in lane.included])
         if average:
             for out in outs:
                 out /= np.float32(self.world)
         return outs
+
+    def _finish_lane(self, gathered, lane, outs):
+        """Decode a lane's segment of every rank's message (rows of `gathered`) into `outs`."""
+        offsets = lane.plan.offsets
+        for r in range(self.world):
+            n, pieces = lane.plan.shard_len(r), lane.plan.pieces(r)
+            size = codec.packed_size(n, lane.fmt)
+            codes = codec.unpack(gathered[r, :size], lane.fmt, n)
+            shifts = _arrays.to_numpy(gathered[r, size:size + _SHIFT.itemsize * len(pieces)]).view(_SHIFT)
+            lo = int(lane.plan.shards[r])
+            for (t, a, b), shift in zip(pieces, shifts):
+                codec.decode(codes[a - lo:b - lo], lane.fmt, int(shift), out=outs[t][a - offsets[t]:b - offsets[t]])
+
+    def _sampled_error(self, x, amax):
+        """Hybrid precision: the mean over a strided sample of x's nonzero elements (at most
+        HYBRID_SAMPLE; an odd stride, so rows of a power-of-two width are all visited) of
+        |q(x) - x| / |x|, q rounding onto the narrow format at the shift this rank's amax alone
+        gives. Elementwise, not ||q(x) - x|| / ||x||: the norm hides the small entries a narrow
+        format flushes, and an Adam step scales every entry to its own size."""
+        if not np.isfinite(amax) or amax == 0:
+            return 0.0
+        xp = _arrays.array_module(x)
+        sample = x.ravel()[::(x.size // HYBRID_SAMPLE) | 1].astype(np.float32)
+        sample = sample[sample != 0]
+        shift = scaling.shift_for(amax, self.world, self.fmt, _FLOAT32_MAX) if self.comp.config.scaling == "aps" else 0
+        error = xp.abs(codec.quantize(sample, self.fmt, shift=shift) - sample) / xp.abs(sample)
+        return float(xp.minimum(error, 1).mean()) if sample.size else 0.0
 
     def _corrected(self, flats, key):
         """Error feedback: each gradient plus its residual from the last exchange of bucket `key`,
@@ -204,7 +264,7 @@ class CodesExchange:
         self._corrected_by_key[key] = out
         return out
 
-    def _keep_residual(self, key, i, x, codes, shift):
+    def _keep_residual(self, key, i, x, codes, shift, fmt):
         """Error feedback: what this rank's codes lost of x (x - decode(codes)), for the next
         exchange of bucket `key`; zero where x went out as NaN (codes None)."""
         if not self.comp.config.error_feedback:
@@ -213,12 +273,12 @@ class CodesExchange:
         if codes is None:
             residual.fill(0)
             return
-        codec.decode(codes, self.fmt, shift, out=residual)
+        codec.decode(codes, fmt, shift, out=residual)
         _arrays.array_module(x).subtract(x, residual, out=residual)
 
-    def _encode(self, x, shift, out):
+    def _encode(self, x, shift, out, fmt):
         cfg = self.comp.config
-        return codec.encode(x, self.fmt, cfg.rounding, self.comp.next_seed(self.rank), cfg.saturate, shift, out=out)
+        return codec.encode(x, fmt, cfg.rounding, self.comp.next_seed(self.rank), cfg.saturate, shift, out=out)
 
     def _result_buffer(self, name, n, xp):
         """Last step's result array for `name` where nothing outside holds it any more (the

@@ -115,11 +115,43 @@ def test_stats_measure_the_encode_error_on_both_wires():
     assert comp.stats["w"].relative_error == pytest.approx(want, rel=1e-9) and want > 0.05
 
     codes_comp = hvd_aps.APSCompressor("e3m0")
-    codes_comp.record_codes("c", x.ravel(), hvd_aps.encode(x.ravel(), "e3m0", shift=shift), shift)
+    codes_comp.record_codes("c", x.ravel(), hvd_aps.encode(x.ravel(), "e3m0", shift=shift), shift, codes_comp.fmt)
     assert codes_comp.stats["c"].relative_error == pytest.approx(want, rel=1e-9)
     total = codes_comp.totals() + comp.totals()
     assert total.relative_error == pytest.approx(want, rel=1e-9)  # sums of squares add up
     table, csv = codes_comp.stats_table(), codes_comp.stats_table(csv=True)
-    assert csv.splitlines()[0] == "tensor,elements,shift,flushed,saturated,relative_error,bytes_in,bytes_carried"
-    assert csv.splitlines()[1].startswith(f"c,2000,{shift},") and f"{want:.4e}" in csv
-    assert table.split()[:2] == ["tensor", "elements"] and "relative encode error" in str(total)
+    assert csv.splitlines()[0] == ("tensor,format,elements,measured,shift,flushed,saturated,relative_error,"
+                                   "bytes_in,bytes_carried")
+    assert csv.splitlines()[1].startswith(f"c,e3m0,2000,2000,{shift},") and f"{want:.4e}" in csv
+    assert table.split()[:2] == ["tensor", "format"] and "relative encode error" in str(total)
+
+
+def test_sampled_stats_estimate_the_whole_tensor():
+    """Stats of a 4M-element tensor from the default strided sample: within a few per cent of
+    every element's figures (a heavy-tailed tensor, so flushed and saturated counts are not 0)."""
+    x = np.random.default_rng(4).laplace(0, 1e-3, 1 << 22).astype(np.float32)
+    fmt, shift = hvd_aps.FloatFormat.parse("e3m0"), 11  # e3m0's max 16 at 2**11: |x| > 0.0078 saturates
+    codes = hvd_aps.encode(x, fmt, shift=shift, saturate=True)
+    exact, sampled = hvd_aps.APSCompressor(fmt, stats_sample=0), hvd_aps.APSCompressor(fmt)
+    for comp in (exact, sampled):
+        comp.record_codes("x", x, codes, shift, fmt)
+    e, s = exact.stats["x"], sampled.stats["x"]
+    assert e.measured == x.size and 0.9 * 65536 <= s.measured <= 65536 and s.elements == x.size
+    assert s.relative_error == pytest.approx(e.relative_error, rel=0.05) and e.relative_error > 0.1
+    assert s.flushed == pytest.approx(e.flushed, rel=0.05) and e.flushed > 0.01
+    assert s.saturated == pytest.approx(e.saturated, rel=0.2) and e.saturated > 100
+    assert "sampled elements" in str(s) and "sampled" not in str(e)
+
+
+def test_hybrid_configuration_is_checked_and_signed():
+    with pytest.raises(ValueError, match="wider format than e4m3"):
+        hvd_aps.APSCompressor("e4m3", hybrid="e3m0")
+    with pytest.raises(ValueError, match="hybrid needs wire='codes'"):
+        hvd_aps.APSCompressor("e3m0", wire="values", hybrid="e4m3")
+    with pytest.raises(ValueError, match="hybrid_threshold"):
+        hvd_aps.APSCompressor("e3m0", hybrid="e4m3", hybrid_threshold=0)
+    signatures = {hvd_aps.APSCompressor("e3m0", hybrid=h, hybrid_threshold=t).signature
+                  for h, t in ((None, 0.75), ("e4m3", 0.75), ("e5m2", 0.75), ("e4m3", 0.5))}
+    assert len(signatures) == 4 and max(signatures) < 2 ** 53
+    comp = hvd_aps.from_name("codes-e2m1fn-ef-hybrid", None)
+    assert comp.config.error_feedback and str(comp.config.hybrid) == "e4m3"

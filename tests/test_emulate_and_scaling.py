@@ -101,3 +101,17 @@ def test_probe_rows():
     rows = emulate.probe("e4m3", ranks=8, size=20_000)
     assert [(r[1], r[2]) for r in rows] == [("aps", "fp32"), ("aps", "format"), ("none", "fp32"), ("none", "format")]
     assert rows[0][3] < 0.03 and rows[2][3] == 1.0
+
+
+def test_codes_allreduce_is_the_exchange_real_ranks_run():
+    """The lockstep emulation against the thread-simulated ranks of tests/test_wire.py (the same
+    stages driven through exchange.run with real collectives), with error feedback over two
+    steps, bit for bit."""
+    from test_wire import rank_grads, simulate
+    steps = [rank_grads(3, [900, 40], seed=s) for s in range(2)]
+    emulated = [hvd_aps.APSCompressor("e2m1fn", error_feedback=True) for _ in range(3)]
+    threaded = [hvd_aps.APSCompressor("e2m1fn", error_feedback=True) for _ in range(3)]
+    for grads in steps:
+        want = simulate(grads, threaded)[0][0]
+        got = emulate.codes_allreduce(emulated, grads)
+        assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want))

@@ -7,7 +7,7 @@ import pytest
 from hvd_aps import scaling
 from horovod_run import horovodrun, load
 from test_wire import reference, reference_with_error_feedback
-from workers.common import CODES_SIZES, codes_grads, poisoned, rank_data
+from workers.common import CODES_SIZES, codes_grads, poisoned, rank_data, spiked
 
 
 def stock_reference(arrays, fmt_dtype, fmt, average=True):
@@ -54,6 +54,17 @@ def test_error_feedback_through_the_cards_line_is_bit_exact(ranks):
     for step, want in enumerate(reference_with_error_feedback(steps, "e2m1fn")):
         for r in ranks:
             assert r[f"ef_{step}"].tobytes() == want[0].tobytes(), step
+
+
+def test_hybrid_precision_through_the_cards_line_is_bit_exact(ranks):
+    """A grouped allreduce of a Gaussian tensor and one whose outlier (on rank 1 only) makes e2m1fn
+    flush the rest: the first in e2m1fn, the second in e4m3 on every rank, each lane bit-exact."""
+    n = len(ranks)
+    narrow = reference([[rank_data(r, seed=4)] for r in range(n)], "e2m1fn")[0]
+    wide = reference([[spiked(r)[:999]] for r in range(n)], "e4m3")[0]
+    for r in ranks:
+        assert r["hybrid"].tobytes() == np.concatenate([narrow, wide]).tobytes()
+        assert sorted(r["hybrid_formats"]) == ["e2m1fn", "e4m3"]
 
 
 def test_naive_cast_loses_small_gradients_and_aps_keeps_them(ranks):

@@ -205,3 +205,36 @@ def test_error_feedback_state_resumes_bit_for_bit():
     assert saved[0]["residuals"] and any(np.any(r) for r in saved[0]["residuals"].values())
     for g in grads[1:]:
         assert simulate(g, going)[0][0][0].tobytes() == simulate(g, resumed)[0][0][0].tobytes()
+
+
+def test_hybrid_precision_sends_the_tensors_the_narrow_format_would_lose_wide():
+    """e2m1fn with hybrid e4m3: a tensor with one outlier (e2m1fn flushes the rest of it: mean
+    elementwise error ~1) goes out in e4m3 on every rank, even where only one rank holds the
+    outlier; the Gaussian ones (error ~0.35) stay narrow. Each lane equals the model's exchange of its own
+    tensors, bit for bit, and the bytes count both lanes."""
+    world, sizes = 3, [1000, 3001, 500]
+    grads = rank_grads(world, sizes, seed=7)
+    grads[1][1][7] = 1e3 * np.abs(grads[1][1]).max()  # only rank 1 holds tensor 1's outlier
+    compressors = [hvd_aps.APSCompressor("e2m1fn", hybrid="e4m3") for _ in range(world)]
+    results, sent = simulate(grads, compressors)
+    narrow = reference([[g[0], g[2]] for g in grads], "e2m1fn")
+    wide = reference([[g[1]] for g in grads], "e4m3")
+    for rank_result in results:
+        for got, want in zip(rank_result, [narrow[0], wide[0], narrow[1]]):
+            assert got.tobytes() == want.tobytes()
+    assert [compressors[0].stats[f"bucket[{i}]"].fmt for i in range(3)] == ["e2m1fn", "e4m3", "e2m1fn"]
+    ring = 2 * (world - 1) / world * (1500 * 0.5 + 3001 * 1.0)
+    assert all(ring <= s <= ring + 64 for s in sent)
+
+
+def test_hybrid_error_estimate_is_the_sampled_relative_error():
+    """The estimate behind the hybrid choice, against ml_dtypes: the mean of |q(s) - s| / |s| over
+    the strided sample's nonzero entries, at the shift this rank's amax gives."""
+    x = np.random.default_rng(2).laplace(0, 1e-3, 100_000).astype(np.float32)
+    stages = hvd_aps.APSCompressor("e2m1fn", hybrid="e4m3").stages(2, 0)
+    sample = x[::(x.size // wire.HYBRID_SAMPLE) | 1]
+    s = scaling.shift_for(float(np.abs(x).max()), 2, "e2m1fn", float(np.finfo(np.float32).max))
+    q = np.ldexp(np.ldexp(sample, s).astype(TWINS["e2m1fn"]).astype(np.float32), -s)
+    want = np.mean(np.abs(q - sample) / np.abs(sample))
+    got = stages.metadata([x])[3]  # [amax, size, -size, error, signature, -signature]
+    assert got == pytest.approx(want, rel=1e-6) and 0.5 < want < 0.6

@@ -16,6 +16,15 @@ def poisoned(rank, bad):
     return x
 
 
+def spiked(rank, seed=5):
+    """Rank data with one entry 10**4 times the largest on rank 1 only: a 4-bit format flushes
+    the rest of the tensor, so hybrid precision must send it wide on every rank."""
+    x = rank_data(rank, seed=seed)
+    if rank == 1:
+        x[3] = 1e4 * np.abs(x).max()
+    return x
+
+
 def keras_data(rank, batch=16):
     rng = np.random.default_rng(50 + rank)
     x = rng.normal(size=(batch, 4)).astype(np.float32)

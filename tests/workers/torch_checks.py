@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 import hvd_aps
-from common import codes_grads, poisoned, rank_data
+from common import codes_grads, poisoned, rank_data, spiked
 
 hvd.init()
 rank, size, out = hvd.rank(), hvd.size(), {}
@@ -38,6 +38,10 @@ half = hvd.allreduce(torch.from_numpy(rank_data(rank)).bfloat16(), compression=e
 ef = hvd_aps.APSCompressor("e2m1fn", min_elements=16, error_feedback=True)
 for step in range(3):  # one batch name each call: the residuals carry from call to call
     out[f"ef_{step}"] = reduce(rank_data(rank, seed=step), ef, name="ef")
+hybrid = hvd_aps.APSCompressor("e2m1fn", min_elements=16, hybrid="e4m3")  # one batch of both tensors
+pair = [torch.from_numpy(rank_data(rank, seed=4)), torch.from_numpy(spiked(rank)[:999].copy())]  # stats by shape
+out["hybrid"] = np.concatenate([t.numpy() for t in hvd.grouped_allreduce(pair, compression=hybrid, name="hybrid")])
+out["hybrid_formats"] = np.array([s.fmt for s in hybrid.stats.values()])
 out["bf16_dtype_ok"] = np.array(half.dtype == torch.bfloat16 and half.shape == (1000,))
 out["ints"] = hvd.allreduce(torch.arange(5) * (rank + 1), op=hvd.Sum, compression=e4m3, name="ints").numpy()
 
