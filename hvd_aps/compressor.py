@@ -21,7 +21,8 @@ import threading
 import numpy as np
 
 from . import _arrays, codec, scaling, tokens, wire
-from .config import DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS, APSConfig
+from .config import (DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS,
+                     APSConfig)
 
 _ADAPTERS = {"torch": "hvd_aps.torch.adapter", "tensorflow": "hvd_aps.tensorflow.adapter"}
 
@@ -90,10 +91,10 @@ class APSCompressor:
 
     Arguments:
         fmt: a FloatFormat or its name ("e4m3", "e5m2", "e3m0", ...).
-        rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback: see
-            hvd_aps.config.APSConfig (defaults: nearest rounding, APS, no saturation, codes on the
-            wire, 16 MiB buckets, tensors under 4096 elements through Horovod's plain allreduce,
-            no error feedback).
+        rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback,
+            chunk_bytes: see hvd_aps.config.APSConfig (defaults: nearest rounding, APS, no
+            saturation, codes on the wire, 16 MiB buckets exchanged in pipelined 4 MiB chunks,
+            tensors under 4096 elements through Horovod's plain allreduce, no error feedback).
         seed: base of the stochastic-rounding streams (random if None).
         hybrid, hybrid_threshold: hybrid precision (see APSConfig): e.g. hybrid="e4m3" sends the
             tensors a 4-bit format would lose too much of in e4m3.
@@ -117,10 +118,10 @@ class APSCompressor:
 
     def __init__(self, fmt, rounding="nearest", scaling="aps", saturate=False, wire="codes",
                  bucket_bytes=DEFAULT_BUCKET_BYTES, min_elements=DEFAULT_MIN_ELEMENTS, error_feedback=False,
-                 hybrid=None, hybrid_threshold=DEFAULT_HYBRID_THRESHOLD, seed=None, stats=True,
-                 stats_sample=STATS_SAMPLE):
+                 hybrid=None, hybrid_threshold=DEFAULT_HYBRID_THRESHOLD, chunk_bytes=DEFAULT_CHUNK_BYTES,
+                 seed=None, stats=True, stats_sample=STATS_SAMPLE):
         self.config = APSConfig(fmt, rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback,
-                                hybrid, hybrid_threshold)
+                                hybrid, hybrid_threshold, chunk_bytes)
         if not isinstance(stats_sample, int) or stats_sample < 0:
             raise ValueError(f"stats_sample must be an int >= 0, got {stats_sample!r}")
         self.stats_sample = stats_sample
@@ -275,18 +276,18 @@ class APSCompressor:
         return xp.ldexp(wire_values.astype(xp.float32), xp.int32(-int(shift))).astype(xp.float32)
 
     # Stats --------------------------------------------------------------------------------------
-    def record_codes(self, label, x, codes, shift, fmt):
-        """Stats of one tensor the codes exchange encoded in `fmt` (codes None: it held NaN/Inf)."""
+    def measure_codes(self, x, codes, shift, fmt):
+        """TensorStats of float32 values x the codes exchange encoded into `codes` of `fmt`
+        (codes None: they held NaN/Inf); None when stats are off."""
         if not self.collect_stats:
-            return
+            return None
         xp = _arrays.array_module(x)
         if codes is None:
-            self.record(label, TensorStats(elements=x.size, bytes_in=4 * x.size, finite=False, fmt=str(fmt)))
-            return
+            return TensorStats(elements=x.size, bytes_in=4 * x.size, finite=False, fmt=str(fmt))
         step = self._stats_stride(x.size)
         sent = codec.decode(xp.ascontiguousarray(codes[::step]), fmt, shift)
-        self.record(label, _measure(xp, x.ravel()[::step], sent, np.float32(np.ldexp(fmt.max, -shift)), shift,
-                                    x.size, codec.packed_size(x.size, fmt), str(fmt)))
+        return _measure(xp, x.ravel()[::step], sent, np.float32(np.ldexp(fmt.max, -shift)), shift, x.size,
+                        codec.packed_size(x.size, fmt), str(fmt))
 
     def _stats_stride(self, n):
         """Stride of the stats' sample of n elements: odd, so rows of a power-of-two width are
@@ -294,7 +295,7 @@ class APSCompressor:
         return (n // self.stats_sample) | 1 if self.stats_sample and n > self.stats_sample else 1
 
     def record(self, label, stats):
-        if not self.collect_stats:
+        if not self.collect_stats or stats is None:
             return
         with self._lock:
             self.stats[label] = stats

@@ -4,6 +4,7 @@ Configuration is kept apart from state (seeds, stats, buffers), as torchao's flo
 every rank must build an equal APSConfig, and the exchange checks that through `signature`.
 """
 import dataclasses
+import hashlib
 
 from .formats import FloatFormat
 
@@ -12,6 +13,7 @@ SCALINGS = ("aps", "none")  # "none": the naive cast, for comparison
 WIRES = ("codes", "values")
 DEFAULT_BUCKET_BYTES = 16 << 20  # float32 gradient bytes fused into one codes exchange
 DEFAULT_MIN_ELEMENTS = 4096      # smaller tensors take Horovod's plain allreduce on the codes path
+DEFAULT_CHUNK_BYTES = 4 << 20  # float32 gradient bytes per pipelined chunk of a bucket
 DEFAULT_HYBRID_THRESHOLD = 0.75  # sampled elementwise relative error above which a tensor goes wide
 
 
@@ -50,6 +52,7 @@ class APSConfig:
     error_feedback: bool = False
     hybrid: FloatFormat = None
     hybrid_threshold: float = DEFAULT_HYBRID_THRESHOLD
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self):
         object.__setattr__(self, "fmt", FloatFormat.parse(self.fmt))
@@ -69,26 +72,15 @@ class APSConfig:
             if getattr(self, field) and self.wire != "codes":
                 raise ValueError(f"{field} needs wire='codes': Horovod's own allreduce of values carries one format "
                                  "and keeps no residual")
-        for field in ("bucket_bytes", "min_elements"):
+        for field in ("bucket_bytes", "min_elements", "chunk_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{field} must be an int >= 0, got {value!r}")
 
     @property
     def signature(self):
-        """An integer naming everything that changes the numbers: equal on every rank or the
-        exchange raises. Below 2**53, so it rides exactly in the float64 metadata vector."""
-        code = _format_code(self.fmt) * 2 + (self.rounding == "stochastic")
-        code = ((code * 2 + (self.scaling == "aps")) * 2 + self.saturate) * 2 + self.error_feedback
-        if self.hybrid is None:
-            return code
-        return (code * _FORMAT_CODES + _format_code(self.hybrid)) * _THRESHOLD_STEPS + round(
-            self.hybrid_threshold * _THRESHOLD_STEPS)
-
-
-_THRESHOLD_STEPS = 1 << 16  # hybrid_threshold in the signature, to 2**-16
-_FORMAT_CODES = 1 << 12     # _format_code's range
-
-
-def _format_code(f):
-    return (f.exp_bits * 32 + f.man_bits) * 2 + (f.variant == "fn")
+        """An integer naming the whole configuration: equal on every rank or the exchange raises.
+        48 bits of a hash of every field, so it rides exactly in the float64 metadata vector
+        (two configurations share it with probability 2**-48)."""
+        fields = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return int.from_bytes(hashlib.blake2b(fields.encode(), digest_size=6).digest(), "little")

@@ -34,18 +34,30 @@ class TorchDistributedCollectives(exchange.Eager):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.cpu().numpy()
 
-    def alltoall(self, send, splits, name):
+    def alltoall_start(self, send, splits, name):
         splits = [int(s) for s in _arrays.to_numpy(splits)]
         # every rank's shard r has the same length, so rank r receives splits[r] bytes from each
         received = torch.empty(splits[self.rank] * self.world, dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(received, self._tensor(send), [splits[self.rank]] * self.world, splits, group=self.group)
-        return _arrays.as_array(received)
+        sent = self._tensor(send)
+        work = dist.all_to_all_single(received, sent, [splits[self.rank]] * self.world, splits, group=self.group,
+                                      async_op=True)
+        return work, sent, received
 
-    def allgather(self, message, name):
+    def allgather_start(self, message, name):
         mine = self._tensor(message)
         parts = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(parts, mine, group=self.group)
-        return _arrays.as_array(torch.cat(parts))
+        return dist.all_gather(parts, mine, group=self.group, async_op=True), mine, parts
+
+    def wait(self, handle):
+        work, _, out = handle  # the input stays referenced until the collective is done
+        work.wait()
+        return _arrays.as_array(torch.cat(out) if isinstance(out, list) else out)
+
+    def alltoall(self, send, splits, name):
+        return self.wait(self.alltoall_start(send, splits, name))
+
+    def allgather(self, message, name):
+        return self.wait(self.allgather_start(message, name))
 
 
 class APSState:

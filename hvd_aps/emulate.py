@@ -81,12 +81,18 @@ def codes_allreduce(compressors, grads, name="emulated"):
         raise ValueError(f"{len(grads)} workers' gradients for {world} compressors")
     stages = [c.stages(world, w) for w, c in enumerate(compressors)]
     flats = [[codec._as_float32(g).ravel() for g in worker] for worker in grads]
+    sizes = [f.size for f in flats[0]]
     agreed = np.max([s.metadata(f, name) for s, f in zip(stages, flats)], axis=0)
-    begun = [s.begin(f, agreed, name) for s, f in zip(stages, flats)]  # (send, splits, state) each
-    cuts = [np.concatenate([[0], np.cumsum(splits)]) for _, splits, _ in begun]
-    messages = [stages[w].reduce_shard(np.concatenate([send[cut[w]:cut[w + 1]] for (send, _, _), cut in zip(begun, cuts)]),
-                                       begun[w][2], name) for w in range(world)]
-    return stages[0].finish(np.concatenate(messages), begun[0][2], key=name, average=True)
+    agreements = [s.agree(agreed, sizes, name, average=True) for s in stages]
+    for chunk in range(stages[0].chunk_count(sizes)):
+        begun = [s.begin(f, a, chunk) for s, f, a in zip(stages, flats, agreements)]  # (send, splits, state)
+        cuts = [np.concatenate([[0], np.cumsum(splits)]) for _, splits, _ in begun]
+        messages = [stages[w].reduce_shard(np.concatenate([send[cut[w]:cut[w + 1]] for (send, _, _), cut in
+                                                           zip(begun, cuts)]), begun[w][2]) for w in range(world)]
+        stages[0].finish(np.concatenate(messages), begun[0][2])
+    for s, a in zip(stages[1:], agreements[1:]):
+        s.done(a)  # counts the bytes each worker sent
+    return stages[0].done(agreements[0])
 
 
 def relative_error(result, arrays):

@@ -21,6 +21,7 @@ hvd_aps.exchange drives these stages; the collectives between them are the calle
 """
 import dataclasses
 import sys
+import threading
 
 import numpy as np
 
@@ -82,11 +83,23 @@ class Plan:
                    for r in range(self.world))
 
 
+def chunk_slices(sizes, chunk_elements):
+    """The bucket's tensors, laid end to end and cut into equal chunks of at most chunk_elements
+    (0: one chunk): per chunk, the (tensor, start, stop) slices it holds, in tensor coordinates.
+    The same sizes give the same chunks on every rank."""
+    total = int(sum(sizes))
+    bounds = shard_starts(total, max(1, -(-total // chunk_elements)) if chunk_elements else 1)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return [[(t, int(max(lo, a) - a), int(min(hi, b) - a)) for t, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))
+             if max(lo, a) < min(hi, b)] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
 @dataclasses.dataclass
 class Lane:
-    """The tensors of a bucket that travel in one format, laid out in their own flat code buffer."""
+    """The tensor slices of a chunk that travel in one format, laid out in their own flat code
+    buffer, each cut into one shard per rank."""
     fmt: object
-    included: list  # tensor indices, in bucket order
+    items: list  # (tensor, start, stop) slices, in bucket order
     plan: Plan
 
     def shard_bytes(self, shard):
@@ -94,13 +107,29 @@ class Lane:
 
 
 @dataclasses.dataclass
-class State:
-    """What one bucket's exchange carries from stage to stage."""
-    lanes: list      # the narrow format's Lane, then (hybrid) the wide one's
-    shifts: np.ndarray
-    sizes: list      # every tensor's element count
-    fallback: list   # indices of the tensors with a NaN/Inf somewhere: NaN on every rank (see above)
+class Agreement:
+    """What the metadata allreduce settled for a whole bucket, on every rank alike."""
+    key: object
+    sizes: list        # every tensor's element count
+    labels: list
+    shifts: np.ndarray  # per tensor, for the format it travels in
+    wide: np.ndarray    # per tensor: hybrid precision sends it in the wide format
+    fallback: list      # tensors with a NaN/Inf somewhere: NaN on every rank (see above)
+    chunks: list        # chunk_slices(sizes, ...)
+    outs: list          # where the results go, one float32 flat per tensor
+    average: bool
+    corrected: list = None  # error feedback: gradient + residual, what begin() encodes
+    stats: dict = dataclasses.field(default_factory=dict)  # per tensor, summed over its slices
     bytes_sent: int = 0
+    lock: object = dataclasses.field(default_factory=threading.Lock)  # graph stages may run at once
+
+
+@dataclasses.dataclass
+class ChunkState:
+    """What one chunk's exchange carries from stage to stage."""
+    agreement: Agreement
+    index: int
+    lanes: list  # the narrow format's Lane, then (hybrid) the wide one's
 
     def message_lens(self):
         return [lane.plan.message_len(lane.fmt) for lane in self.lanes]
@@ -108,13 +137,17 @@ class State:
 
 class CodesExchange:
     """The stages of a bucket's exchange for one rank; the caller runs the collectives between them.
-    Buffers are kept per bucket `key` and reused every step: fresh pages of a large allocation
-    cost more to fault in than the codec takes to fill them."""
+    Buffers are kept per bucket `key` (and chunk) and reused every step: fresh pages of a large
+    allocation cost more to fault in than the codec takes to fill them."""
 
     def __init__(self, compressor, world, rank):
         self.comp, self.fmt, self.world, self.rank = compressor, compressor.fmt, world, rank
+        self.chunk_elements = compressor.config.chunk_bytes // 4
         self._buffers, self._results = {}, {}
         self._corrected_by_key = {}  # error feedback: what metadata() formed, for begin() to encode
+
+    def chunk_count(self, sizes):
+        return len(chunk_slices(sizes, self.chunk_elements))
 
     def metadata(self, flats, key=0):
         """Vector to Max-allreduce: every tensor's max |g| (with error feedback: of the gradient
@@ -125,106 +158,121 @@ class CodesExchange:
         errors = [self._sampled_error(f, a) for f, a in zip(flats, amaxes)] if self.comp.config.hybrid else ()
         return self.comp.metadata(amaxes, [f.size for f in flats], errors)
 
-    def begin(self, flats, agreed, key=0, labels=None):
-        """-> (bytes to alltoall, bytes per destination rank, State). `labels` name the tensors
-        in errors and stats."""
-        labels = labels or [f"{key}[{i}]" for i in range(len(flats))]
-        flats = self._corrected_by_key.pop(key, flats)  # the driver calls metadata() first
-        sizes = [f.size for f in flats]
+    def agree(self, agreed, sizes, key=0, labels=None, outs=None, average=False, xp=np):
+        """The metadata allreduce's result -> the bucket's Agreement: every tensor's format and
+        shift, its chunks, and the result arrays (`outs`, else this bucket's result buffers),
+        NaN-filled already for the tensors in the fallback. average=True: results are divided
+        by N in float32."""
+        labels = labels or [f"{key}[{i}]" for i in range(len(sizes))]
         amaxes = self.comp.agreed_amaxes(agreed, sizes, labels)
         finite = np.isfinite(amaxes)
-        wide = self.comp.goes_wide(agreed, len(flats)) & finite
+        wide = self.comp.goes_wide(agreed, len(sizes)) & finite
+        shifts = np.zeros(len(sizes), np.int64)
+        if self.comp.config.scaling == "aps":
+            for fmt, chosen in ((self.fmt, ~wide), (self.comp.config.hybrid, wide)):
+                chosen &= finite
+                if chosen.any():
+                    shifts[chosen] = scaling.shifts_for(amaxes[chosen], self.world, fmt, _FLOAT32_MAX)
+        if outs is None:
+            outs = [self._result_buffer((key, i), n, xp) for i, n in enumerate(sizes)]
+        fallback = [i for i in range(len(sizes)) if not finite[i]]
+        for i in fallback:
+            outs[i].fill(np.nan)
+        return Agreement(key, list(sizes), labels, shifts, wide, fallback,
+                         chunk_slices([n if finite[i] else 0 for i, n in enumerate(sizes)], self.chunk_elements),
+                         outs, average, self._corrected_by_key.pop(key, None))
+
+    def begin(self, flats, agreement, chunk=0):
+        """Encode chunk `chunk` of the bucket -> (bytes to alltoall, bytes per destination rank,
+        ChunkState)."""
+        a = agreement
+        flats = a.corrected or flats  # the driver calls metadata() first
+        if chunk == 0:
+            for i in a.fallback:
+                self._record(a, i, flats[i].ravel(), None, 0, self.fmt, whole=True)
+                if self.comp.config.error_feedback:
+                    self.comp.residual(a.key, i, flats[i].ravel()).fill(0)
         fmts = [self.fmt] + ([self.comp.config.hybrid] if self.comp.config.hybrid else [])
-        state = State([Lane(f, [i for i in range(len(flats)) if finite[i] and wide[i] == n], None)
-                       for n, f in enumerate(fmts)], np.zeros(len(flats), np.int64), sizes,
-                      [i for i in range(len(flats)) if not finite[i]])
+        items = a.chunks[chunk]
+        state = ChunkState(a, chunk, [Lane(f, [it for it in items if a.wide[it[0]] == n], None) for n, f in enumerate(fmts)])
         xp = _arrays.array_module(flats[0]) if flats else np
         parts, flat = [], None
         for n, lane in enumerate(state.lanes):
-            lane.plan = Plan([sizes[i] for i in lane.included], self.world)
-            if self.comp.config.scaling == "aps":
-                state.shifts[lane.included] = scaling.shifts_for(amaxes[lane.included], self.world, lane.fmt,
-                                                                 _FLOAT32_MAX)
-            flat = self._encode_lane(lane, n, flats, state.shifts, key, labels, xp)
+            lane.plan = Plan([stop - start for _, start, stop in lane.items], self.world)
+            flat = self._encode_lane(lane, n, flats, state, xp)
             parts.append([codec.pack(flat[lane.plan.shards[r]:lane.plan.shards[r + 1]], lane.fmt)
                           for r in range(self.world)])
-        for i in state.fallback:
-            self.comp.record_codes(labels[i], flats[i], None, 0, self.fmt)
-            self._keep_residual(key, i, flats[i].ravel(), None, 0, self.fmt)
         splits = [sum(int(lane_parts[r].size) for lane_parts in parts) for r in range(self.world)]
-        state.bytes_sent = sum(splits) - splits[self.rank]
+        with a.lock:
+            a.bytes_sent += sum(splits) - splits[self.rank]
         if len(parts) == 1 and self.fmt.bits == 8:  # the flat code buffer is the message: no copy
             return flat, splits, state
         return xp.concatenate([lane_parts[r] for r in range(self.world) for lane_parts in parts]), splits, state
 
-    def _encode_lane(self, lane, n, flats, shifts, key, labels, xp):
-        """Encode a lane's tensors into its flat code buffer, which it returns."""
-        flat = self._buffer((key, "codes", n), int(lane.plan.offsets[-1]), lane.fmt.code_dtype, xp)
-        for k, i in enumerate(lane.included):
-            codes = flat[lane.plan.offsets[k]:lane.plan.offsets[k + 1]]
-            self._encode(flats[i].ravel(), int(shifts[i]), codes, lane.fmt)
-            self.comp.record_codes(labels[i], flats[i], codes, int(shifts[i]), lane.fmt)
-            self._keep_residual(key, i, flats[i].ravel(), codes, int(shifts[i]), lane.fmt)
+    def _encode_lane(self, lane, n, flats, state, xp):
+        """Encode a lane's slices into its flat code buffer, which it returns."""
+        a = state.agreement
+        flat = self._buffer((a.key, "codes", n, state.index), int(lane.plan.offsets[-1]), lane.fmt.code_dtype, xp)
+        for k, (i, start, stop) in enumerate(lane.items):
+            codes, x = flat[lane.plan.offsets[k]:lane.plan.offsets[k + 1]], flats[i].ravel()[start:stop]
+            self._encode(x, int(a.shifts[i]), codes, lane.fmt)
+            self._record(a, i, x, codes, int(a.shifts[i]), lane.fmt, whole=stop == a.sizes[i])
+            residual = self.comp.residual(a.key, i, flats[i].ravel())[start:stop] if self.comp.config.error_feedback else None
+            self._keep_residual(residual, x, codes, int(a.shifts[i]), lane.fmt)
         return flat
 
-    def reduce_shard(self, received, state, key=0):
-        """The N packed copies of this rank's shard -> its reduced, re-encoded shard (bytes to allgather)."""
+    def reduce_shard(self, received, state):
+        """The N packed copies of this rank's shard of a chunk -> its reduced, re-encoded shard
+        (bytes to allgather)."""
         xp = _arrays.array_module(received)
         stride = sum(lane.shard_bytes(self.rank) for lane in state.lanes)  # what each rank sent here
         received = received.reshape(self.world, stride)
         segments, at = [], 0
         for n, (lane, length) in enumerate(zip(state.lanes, state.message_lens())):
             size = lane.shard_bytes(self.rank)
-            segment = self._reduce_lane(received[:, at:at + size], lane, n, state.shifts, key, xp)
+            segment = self._reduce_lane(received[:, at:at + size], lane, n, state, xp)
             segments += [segment, xp.zeros(length - segment.size, np.uint8)]  # equal sizes on every rank
             at += size
         message = xp.concatenate(segments)
-        state.bytes_sent += int(message.size) * (self.world - 1)
-        self.comp.record_sent(state.bytes_sent)
+        with state.agreement.lock:
+            state.agreement.bytes_sent += int(message.size) * (self.world - 1)
         return message
 
-    def _reduce_lane(self, received, lane, n, shifts, key, xp):
+    def _reduce_lane(self, received, lane, n, state, xp):
         """One lane's N packed copies (rows) of this rank's shard -> its packed re-encoded sums
         and an exponent per piece."""
-        fmt, count = lane.fmt, lane.plan.shard_len(self.rank)
+        a, fmt, count = state.agreement, lane.fmt, lane.plan.shard_len(self.rank)
         codes = (received if fmt.bits == 8 else
                  xp.stack([codec.unpack(received[r], fmt, count) for r in range(self.world)]))
         lo = int(lane.plan.shards[self.rank])
-        total = self._buffer((key, "sum", n), count, np.float32, xp)
-        fresh_codes = self._buffer((key, "fresh", n), count, fmt.code_dtype, xp)
+        total = self._buffer((a.key, "sum", n, state.index), count, np.float32, xp)
+        fresh_codes = self._buffer((a.key, "fresh", n, state.index), count, fmt.code_dtype, xp)
         fresh_shifts = []
-        for t, a, b in lane.plan.pieces(self.rank):
-            part, tensor = total[a - lo:b - lo], lane.included[t]  # a tensor has one piece per shard
+        owner = f"{a.key}:owner{state.index}"  # a slice has one piece per shard
+        for t, p, q in lane.plan.pieces(self.rank):
+            part, tensor = total[p - lo:q - lo], lane.items[t][0]
             part.fill(0)
-            codec.decode_sum(codes[:, a - lo:b - lo], fmt, int(shifts[tensor]), out=part)
-            if self.comp.config.error_feedback:  # the shard owner's re-encode loses bits too
-                part += self.comp.residual(f"{key}:owner", tensor, part)
+            codec.decode_sum(codes[:, p - lo:q - lo], fmt, int(a.shifts[tensor]), out=part)
+            residual = self.comp.residual(owner, tensor, part) if self.comp.config.error_feedback else None
+            if residual is not None:  # the shard owner's re-encode loses bits too
+                part += residual
             fresh = scaling.shift_for(codec.amax(part), 1, fmt) if self.comp.config.scaling == "aps" else 0
-            self._encode(part, fresh, fresh_codes[a - lo:b - lo], fmt)
-            self._keep_residual(f"{key}:owner", tensor, part, fresh_codes[a - lo:b - lo], fresh, fmt)
+            self._encode(part, fresh, fresh_codes[p - lo:q - lo], fmt)
+            self._keep_residual(residual, part, fresh_codes[p - lo:q - lo], fresh, fmt)
             fresh_shifts.append(fresh)
         return xp.concatenate([codec.pack(fresh_codes, fmt), xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))])
 
-    def finish(self, gathered, state, outs=None, key=0, average=False):
-        """Every rank's reduced shard -> the summed (average=True: divided by N in float32)
-        tensors, float32 and flat, written into `outs` (one array per tensor) or into result
-        buffers of this bucket `key`; NaN-filled for the tensors in state.fallback."""
+    def finish(self, gathered, state):
+        """Every rank's reduced shard of a chunk -> its slices of the results (the sums, divided
+        by N where the agreement says average)."""
         xp = _arrays.array_module(gathered)
-        if outs is None:
-            outs = [self._result_buffer((key, i), n, xp) for i, n in enumerate(state.sizes)]
-        for i in state.fallback:
-            outs[i].fill(np.nan)
         lens = state.message_lens()
         gathered = gathered.reshape(self.world, sum(lens))
         for lane, at in zip(state.lanes, np.cumsum([0] + lens[:-1])):
-            self._finish_lane(gathered[:, at:], lane, [outs[i] for i in lane.included])
-        if average:
-            for out in outs:
-                out /= np.float32(self.world)
-        return outs
+            self._finish_lane(gathered[:, at:], lane, state.agreement)
 
-    def _finish_lane(self, gathered, lane, outs):
-        """Decode a lane's segment of every rank's message (rows of `gathered`) into `outs`."""
+    def _finish_lane(self, gathered, lane, a):
+        """Decode a lane's segment of every rank's message (rows of `gathered`) into the results."""
         offsets = lane.plan.offsets
         for r in range(self.world):
             n, pieces = lane.plan.shard_len(r), lane.plan.pieces(r)
@@ -232,8 +280,27 @@ class CodesExchange:
             codes = codec.unpack(gathered[r, :size], lane.fmt, n)
             shifts = _arrays.to_numpy(gathered[r, size:size + _SHIFT.itemsize * len(pieces)]).view(_SHIFT)
             lo = int(lane.plan.shards[r])
-            for (t, a, b), shift in zip(pieces, shifts):
-                codec.decode(codes[a - lo:b - lo], lane.fmt, int(shift), out=outs[t][a - offsets[t]:b - offsets[t]])
+            for (t, p, q), shift in zip(pieces, shifts):
+                i, start, _ = lane.items[t]
+                out = a.outs[i][start + p - offsets[t]:start + q - offsets[t]]
+                codec.decode(codes[p - lo:q - lo], lane.fmt, int(shift), out=out)
+                if a.average:
+                    out /= np.float32(self.world)
+
+    def done(self, agreement):
+        """After the last chunk: the results, and the bytes this rank sent counted."""
+        self.comp.record_sent(agreement.bytes_sent)
+        return agreement.outs
+
+    def _record(self, a, i, x, codes, shift, fmt, whole):
+        """Stats of tensor i's slice x, recorded once its last slice is in (`whole`)."""
+        stats = self.comp.measure_codes(x, codes, shift, fmt)
+        if stats is None:
+            return
+        with a.lock:
+            a.stats[i] = a.stats[i] + stats if i in a.stats else stats
+            if whole:
+                self.comp.record(a.labels[i], a.stats.pop(i))
 
     def _sampled_error(self, x, amax):
         """Hybrid precision: the mean over a strided sample of x's nonzero elements (at most
@@ -264,12 +331,12 @@ class CodesExchange:
         self._corrected_by_key[key] = out
         return out
 
-    def _keep_residual(self, key, i, x, codes, shift, fmt):
-        """Error feedback: what this rank's codes lost of x (x - decode(codes)), for the next
-        exchange of bucket `key`; zero where x went out as NaN (codes None)."""
-        if not self.comp.config.error_feedback:
+    @staticmethod
+    def _keep_residual(residual, x, codes, shift, fmt):
+        """Error feedback: what the codes lost of x (x - decode(codes)) into `residual`, for the
+        next exchange; zero where x went out as NaN (codes None). residual None: no feedback."""
+        if residual is None:
             return
-        residual = self.comp.residual(key, i, x)
         if codes is None:
             residual.fill(0)
             return

@@ -115,7 +115,8 @@ def test_stats_measure_the_encode_error_on_both_wires():
     assert comp.stats["w"].relative_error == pytest.approx(want, rel=1e-9) and want > 0.05
 
     codes_comp = hvd_aps.APSCompressor("e3m0")
-    codes_comp.record_codes("c", x.ravel(), hvd_aps.encode(x.ravel(), "e3m0", shift=shift), shift, codes_comp.fmt)
+    codes_comp.record("c", codes_comp.measure_codes(x.ravel(), hvd_aps.encode(x.ravel(), "e3m0", shift=shift), shift,
+                                                    codes_comp.fmt))
     assert codes_comp.stats["c"].relative_error == pytest.approx(want, rel=1e-9)
     total = codes_comp.totals() + comp.totals()
     assert total.relative_error == pytest.approx(want, rel=1e-9)  # sums of squares add up
@@ -134,7 +135,7 @@ def test_sampled_stats_estimate_the_whole_tensor():
     codes = hvd_aps.encode(x, fmt, shift=shift, saturate=True)
     exact, sampled = hvd_aps.APSCompressor(fmt, stats_sample=0), hvd_aps.APSCompressor(fmt)
     for comp in (exact, sampled):
-        comp.record_codes("x", x, codes, shift, fmt)
+        comp.record("x", comp.measure_codes(x, codes, shift, fmt))
     e, s = exact.stats["x"], sampled.stats["x"]
     assert e.measured == x.size and 0.9 * 65536 <= s.measured <= 65536 and s.elements == x.size
     assert s.relative_error == pytest.approx(e.relative_error, rel=0.05) and e.relative_error > 0.1

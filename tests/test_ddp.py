@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from horovod_run import WORKERS, load
-from test_wire import reference
+from test_wire import reference, reference_in_chunks
 from workers.common import DDP_SIZES, codes_grads
 
 
@@ -24,24 +24,27 @@ def ranks(request, tmp_path_factory):
     return load(tmp, f"ddp{request.param}", request.param)
 
 
-def expected(rank_grads, order, average=True):
-    """Every bucket's tensors, in the order the hook saw them, through the model of the exchange."""
+def expected(rank_grads, order, average=True, chunk=None):
+    """Every bucket's tensors, in the order the hook saw them, through the model of the exchange
+    (cut into chunks of `chunk` elements where given)."""
     want = {}
     for bucket in order.split(";"):
         idx = [int(i) for i in bucket.split(",")]
-        for i, w in zip(idx, reference([[g[i].ravel() for i in idx] for g in rank_grads], "e4m3", average)):
+        grads = [[g[i].ravel() for i in idx] for g in rank_grads]
+        model = reference(grads, "e4m3", average) if chunk is None else reference_in_chunks(grads, "e4m3", chunk)
+        for i, w in zip(idx, model):
             want[i] = w.reshape(DDP_SIZES[i])
     return want
 
 
-@pytest.mark.parametrize("key, steps", [("plain", 2), ("view", 1), ("group", 1)])
+@pytest.mark.parametrize("key, steps", [("plain", 2), ("view", 1), ("group", 1), ("chunked", 1)])
 def test_bit_exact_to_the_numpy_model_on_every_rank(ranks, key, steps):
     """Several buckets; two steps, so the buckets DDP rebuilds after the first step are covered;
-    gradient_as_bucket_view; a process group other than the default."""
+    gradient_as_bucket_view; a process group other than the default; chunks of 700 elements."""
     grads = [codes_grads(r, DDP_SIZES) for r in range(len(ranks))]
     for step in range(steps):
         order = ranks[0][f"{key}_{step}_order"].item()
-        want = expected(grads, order)
+        want = expected(grads, order, chunk=700 if key == "chunked" else None)
         for r in ranks:
             assert r[f"{key}_{step}_order"].item() == order
             for i in range(len(DDP_SIZES)):

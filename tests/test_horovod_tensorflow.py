@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from horovod_run import horovodrun, load
-from test_wire import reference
+from test_wire import reference, reference_in_chunks
 from workers.common import CODES_SIZES, codes_grads
 from test_horovod_torch import stock_reference
 from workers.common import KERAS_LR, KERAS_W0, keras_data, rank_data
@@ -85,6 +85,15 @@ def test_codes_path_equals_the_numpy_model(ranks, key, fmt):
     for r in ranks:
         for i in big:
             assert r[f"{key}_{i}"].tobytes() == want[i].reshape(CODES_SIZES[i]).tobytes(), (key, i)
+
+
+def test_chunked_codes_in_a_graph_equal_the_model_cut_alike(ranks):
+    big = [i for i, s in enumerate(CODES_SIZES) if np.prod(s) >= 16][::-1]  # bucket order
+    grads = [[codes_grads(r)[i].ravel() for i in big] for r in range(2)]
+    want = dict(zip(big, reference_in_chunks(grads, "e4m3", 700)))
+    for r in ranks:
+        for i in big:
+            assert r[f"codes_chunked_{i}"].tobytes() == want[i].reshape(CODES_SIZES[i]).tobytes(), i
 
 
 def test_codes_path_non_finite_stays_visible(ranks):

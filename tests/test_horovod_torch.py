@@ -6,7 +6,7 @@ import pytest
 
 from hvd_aps import scaling
 from horovod_run import horovodrun, load
-from test_wire import reference, reference_with_error_feedback
+from test_wire import reference, reference_in_chunks, reference_with_error_feedback
 from workers.common import CODES_SIZES, codes_grads, poisoned, rank_data, spiked
 
 
@@ -65,6 +65,12 @@ def test_hybrid_precision_through_the_cards_line_is_bit_exact(ranks):
     for r in ranks:
         assert r["hybrid"].tobytes() == np.concatenate([narrow, wide]).tobytes()
         assert sorted(r["hybrid_formats"]) == ["e2m1fn", "e4m3"]
+
+
+def test_chunks_pipelined_on_horovods_async_collectives_are_bit_exact(ranks):
+    want = reference_in_chunks([[rank_data(r, seed=6)] for r in range(len(ranks))], "e4m3", 300)[0]
+    for r in ranks:
+        assert r["chunked"].tobytes() == want.tobytes()
 
 
 def test_naive_cast_loses_small_gradients_and_aps_keeps_them(ranks):

@@ -60,14 +60,19 @@ def same_format(fmt, world):
     return [hvd_aps.APSCompressor(fmt) for _ in range(world)]
 
 
-def reference(grads, fmt, average=True, owner_residuals=None):
+def agreed_shifts(grads, fmt):
+    f32_max = float(np.finfo(np.float32).max)  # shards are summed in float32: no x N headroom
+    return [scaling.shift_for(max(float(np.abs(g[t]).max()) for g in grads), len(grads), fmt, f32_max)
+            for t in range(len(grads[0]))]
+
+
+def reference(grads, fmt, average=True, owner_residuals=None, shifts=None):
     """The same arithmetic, written from the description in hvd_aps/wire.py with ml_dtypes.
     owner_residuals (error feedback): {(rank, piece): array} added to each shard piece's sum
-    before its re-encode and replaced by what that re-encode lost."""
+    before its re-encode and replaced by what that re-encode lost. shifts: the APS shift of
+    every tensor (default: from these tensors' agreed max)."""
     world, dtype = len(grads), TWINS[fmt]
-    f32_max = float(np.finfo(np.float32).max)  # shards are summed in float32: no x N headroom
-    shifts = [scaling.shift_for(max(float(np.abs(g[t]).max()) for g in grads), world, fmt, f32_max)
-              for t in range(len(grads[0]))]
+    shifts = agreed_shifts(grads, fmt) if shifts is None else shifts
     flat_sum = np.concatenate([
         sum_in_order([np.ldexp(np.ldexp(g[t], s).astype(dtype).astype(np.float32), -s) for g in grads])
         for t, s in enumerate(shifts)])
@@ -88,6 +93,24 @@ def reference(grads, fmt, average=True, owner_residuals=None):
     if average:
         out = out / np.float32(world)
     return [out[offsets[t]:offsets[t + 1]] for t in range(len(sizes))]
+
+
+def reference_in_chunks(grads, fmt, chunk_elements):
+    """The bucket cut into equal chunks of at most chunk_elements: each chunk's tensor slices go
+    through the model's exchange on their own, with the shifts agreed for the whole tensors."""
+    shifts, sizes = agreed_shifts(grads, fmt), [g.size for g in grads[0]]
+    total = sum(sizes)
+    count = -(-total // chunk_elements)
+    bounds = list(np.concatenate([[0], np.cumsum([total // count + (k < total % count) for k in range(count)])]))
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    results = [np.empty(n, np.float32) for n in sizes]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        items = [(t, max(lo, a) - a, min(hi, b) - a) for t, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))
+                 if max(lo, a) < min(hi, b)]
+        outs = reference([[g[t][a:b] for t, a, b in items] for g in grads], fmt, shifts=[shifts[t] for t, _, _ in items])
+        for (t, a, b), out in zip(items, outs):
+            results[t][a:b] = out
+    return results
 
 
 def sum_in_order(terms):
@@ -112,6 +135,21 @@ def test_matches_reference_and_is_identical_on_every_rank(fmt, world, sizes, eng
     for rank_result in results:
         for got, w in zip(rank_result, want):
             assert got.tobytes() == w.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1fn"])
+def test_chunked_buckets_match_the_model_cut_alike(fmt):
+    """chunk_bytes of 700 elements over tensors of 1000, 24 and 3001: chunks cut tensors and hold
+    pieces of several; each chunk's shards carry their own re-encode exponents."""
+    grads = rank_grads(3, [1000, 24, 3001], seed=3)
+    compressors = [hvd_aps.APSCompressor(fmt, chunk_bytes=4 * 700) for _ in range(3)]
+    results, sent = simulate(grads, compressors)
+    want = reference_in_chunks(grads, fmt, 700)
+    for rank_result in results:
+        for got, w in zip(rank_result, want):
+            assert got.tobytes() == w.tobytes()
+    ring = 2 * 2 / 3 * 4025 * (1 if fmt == "e4m3" else 0.5)
+    assert all(ring <= s <= ring + 150 for s in sent)
 
 
 def test_sums_are_the_averages_times_n_before_the_division():

@@ -29,13 +29,22 @@ class HorovodCollectives(exchange.Eager):
         return _arrays.as_array(hvd.allreduce(torch.from_dlpack(vector), op=hvd.Max, name=name,
                                               process_set=self.process_set))
 
+    def alltoall_start(self, send, splits, name):
+        return hvd.alltoall_async(torch.from_dlpack(send), splits=torch.from_numpy(_arrays.to_numpy(splits)),
+                                  name=name, process_set=self.process_set)
+
+    def allgather_start(self, message, name):
+        return hvd.allgather_async(torch.from_dlpack(message), name=name, process_set=self.process_set)
+
+    def wait(self, handle):
+        out = hvd.synchronize(handle)  # alltoall: (received, received splits)
+        return _arrays.as_array(out[0] if isinstance(out, tuple) else out)
+
     def alltoall(self, send, splits, name):
-        received, _ = hvd.alltoall(torch.from_dlpack(send), splits=torch.from_numpy(_arrays.to_numpy(splits)),
-                                   name=name, process_set=self.process_set)
-        return _arrays.as_array(received)
+        return self.wait(self.alltoall_start(send, splits, name))
 
     def allgather(self, message, name):
-        return _arrays.as_array(hvd.allgather(torch.from_dlpack(message), name=name, process_set=self.process_set))
+        return self.wait(self.allgather_start(message, name))
 
 
 def is_dense_float(tensor):

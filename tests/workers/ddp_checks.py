@@ -35,11 +35,11 @@ def recording(order, index_of):
     return hook
 
 
-def given_steps(key, grads_per_step, dtype=torch.float32, group=None, **ddp_kwargs):
+def given_steps(key, grads_per_step, dtype=torch.float32, group=None, compression=None, **ddp_kwargs):
     model = Given(DDP_SIZES, dtype)
     ddp = DDP(model, process_group=group, **ddp_kwargs)
     order, index_of = [], {id(p): i for i, p in enumerate(model.ps)}
-    compressor = hvd_aps.APSCompressor("e4m3")
+    compressor = hvd_aps.APSCompressor("e4m3", **(compression or {}))
     ddp.register_comm_hook(hvd_aps.ddp.APSState(compressor, group), recording(order, index_of))
     for step, grads in enumerate(grads_per_step):
         model.zero_grad()
@@ -58,6 +58,7 @@ given_steps("plain", [grads, grads], bucket_cap_mb=0.01)
 given_steps("view", [grads], gradient_as_bucket_view=True)
 given_steps("half", [grads], dtype=torch.float16)
 given_steps("group", [grads], group=dist.new_group(list(range(size))))
+given_steps("chunked", [grads], compression={"chunk_bytes": 4 * 700})  # pipelined on async collectives
 poisoned = [g.copy() for g in grads]
 poisoned[0][:] = 0.0
 if rank == size - 1:

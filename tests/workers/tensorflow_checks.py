@@ -90,6 +90,10 @@ for fmt in ("e4m3", "e2m1fn"):
 graph_codes = tf.function(lambda gs: hvd_aps.tensorflow.allreduce_codes(gs, e4m3, name="g"))
 for i, g in enumerate(graph_codes([tf.constant(g) for g in codes_grads(rank)])):
     out[f"codes_graph_{i}"] = g.numpy()
+chunked = hvd_aps.APSCompressor("e4m3", min_elements=16, chunk_bytes=4 * 700)  # 4 chunks, pipelined in the graph
+chunked_codes = tf.function(lambda gs: hvd_aps.tensorflow.allreduce_codes(gs, chunked, name="c"))
+for i, g in enumerate(chunked_codes([tf.constant(g) for g in codes_grads(rank)])):
+    out[f"codes_chunked_{i}"] = g.numpy()
 nonfinite = codes_grads(rank)
 nonfinite[0][3] = np.nan if rank == 1 else nonfinite[0][3]
 out["codes_nan"] = hvd_aps.tensorflow.allreduce_codes([tf.constant(g) for g in nonfinite], e4m3, name="nan")[0].numpy()

@@ -42,6 +42,8 @@ hybrid = hvd_aps.APSCompressor("e2m1fn", min_elements=16, hybrid="e4m3")  # one 
 pair = [torch.from_numpy(rank_data(rank, seed=4)), torch.from_numpy(spiked(rank)[:999].copy())]  # stats by shape
 out["hybrid"] = np.concatenate([t.numpy() for t in hvd.grouped_allreduce(pair, compression=hybrid, name="hybrid")])
 out["hybrid_formats"] = np.array([s.fmt for s in hybrid.stats.values()])
+chunked = hvd_aps.APSCompressor("e4m3", min_elements=16, chunk_bytes=4 * 300)  # 4 chunks, async collectives
+out["chunked"] = reduce(rank_data(rank, seed=6), chunked, name="chunked")
 out["bf16_dtype_ok"] = np.array(half.dtype == torch.bfloat16 and half.shape == (1000,))
 out["ints"] = hvd.allreduce(torch.arange(5) * (rank + 1), op=hvd.Sum, compression=e4m3, name="ints").numpy()
 
