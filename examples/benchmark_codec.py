@@ -4,7 +4,10 @@
     python examples/benchmark_codec.py --device cuda [--repeats 20]      # GPU, 1 MiB .. 1 GiB
 
 CPU: GB/s of float32 converted (a round trip is encode + decode), against ml_dtypes' astype and
-torch's float8 casts. GPU: GB/s of bytes read + written by encode, decode and decode-accumulate
+torch's float8 casts; then the codes exchange's reduce step, decode-and-sum of N=4 ranks'
+packed code buffers, two ways in the same run: unpacking each rank's buffer and adding one rank
+at a time (unpack + codec.decode_sum, the way the exchange summed before), and in one pass
+straight from the packed bytes (codec.decode_sum_rows, what it does now), with their ratio. GPU: GB/s of bytes read + written by encode, decode and decode-accumulate
 (4 ranks' code buffers into one float32 sum), against a device-to-device copy (its bytes read +
 written) and torch's `.to(torch.float8_e4m3fn)`. Figures are medians of --repeats timed runs
 after a warm-up run.
@@ -114,6 +117,34 @@ def main():
             theirs = gbs(median_seconds(peer, args.repeats)) if peer else None
             row += [f"{theirs:.2f}", f"{ours / theirs:.2f}x"] if theirs else ["-", "-"]
         print("  ".join(f"{c:>12}" for c in row))
+    print(f"\ndecode-and-sum of {RANKS} ranks' packed codes, {args.mib} MiB of float32 sums each")
+    print("  ".join(f"{h:>16}" for h in ["format", "per rank GB/s", "one pass GB/s", "x per rank"]))
+    for fmt in FORMATS:
+        per_rank, one_pass = decode_sum_seconds(x, fmt, args.repeats)
+        print("  ".join(f"{c:>16}" for c in [fmt, f"{gbs(per_rank):.2f}", f"{gbs(one_pass):.2f}",
+                                              f"{per_rank / one_pass:.2f}x"]))
+
+
+RANKS = 4
+
+
+def decode_sum_seconds(x, fmt, repeats):
+    """Median seconds of the reduce step's sum of RANKS packed buffers, unpack-and-add-per-rank
+    against one pass; the two results checked equal bit for bit first."""
+    fmt = hvd_aps.FloatFormat.parse(fmt)
+    rows = np.stack([codec.pack(hvd_aps.encode(np.roll(x, r), fmt, shift=2), fmt) for r in range(RANKS)])
+    added, summed = np.empty(x.size, np.float32), np.empty(x.size, np.float32)
+
+    def per_rank():
+        added.fill(0)
+        return codec.decode_sum(np.stack([codec.unpack(row, fmt, x.size) for row in rows]), fmt, 2, out=added)
+
+    def one_pass():
+        return codec.decode_sum_rows(rows, fmt, 0, x.size, 2, out=summed)[0]
+
+    assert per_rank().tobytes() == one_pass().tobytes()
+    pairs = [(median_seconds(per_rank, 1), median_seconds(one_pass, 1)) for _ in range(repeats)]  # interleaved
+    return statistics.median(p for p, _ in pairs), statistics.median(o for _, o in pairs)
 
 
 if __name__ == "__main__":

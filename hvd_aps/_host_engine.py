@@ -51,6 +51,10 @@ def _load():
     lib.hvd_pack_nibbles.restype = None
     lib.hvd_unpack_nibbles.argtypes = [ptr, ptr, i64, i64]
     lib.hvd_unpack_nibbles.restype = None
+    lib.hvd_sum_rows.argtypes = [ptr, i64, i32, i32, i64, i64, ptr, ptr]
+    lib.hvd_sum_rows.restype = ctypes.c_float
+    lib.hvd_decode_row.argtypes = [ptr, i32, i64, i64, ptr, ptr]
+    lib.hvd_decode_row.restype = None
     lib.hvd_amax.argtypes = [ptr, i64]
     lib.hvd_amax.restype = ctypes.c_float
     return lib
@@ -121,6 +125,22 @@ def decode_accumulate(codes, fmt, shift, out=None):
     for rank_codes in codes:  # rank order, as every engine sums
         cp = rank_codes.ctypes.data
         _run(lambda lo, hi: add(cp + size * lo, op + 4 * lo, hi - lo, tp), out.size)
+    return out
+
+
+def sum_rows(rows, fmt, start, stop, shift, out=None):
+    out = np.empty(stop - start, np.float32) if out is None else out
+    table, n = decode_table(fmt, shift), stop - start
+    rp, stride, ranks, op, tp = rows.ctypes.data, rows.strides[0], rows.shape[0], out.ctypes.data, table.ctypes.data
+    peaks = _run(lambda lo, hi: _lib.hvd_sum_rows(rp, stride, ranks, fmt.bits, start + lo, start + hi, op + 4 * lo, tp), n)
+    return out, float(max(peaks, default=0.0))
+
+
+def decode_row(row, fmt, start, stop, shift, out=None):
+    out = np.empty(stop - start, np.float32) if out is None else out
+    table, rp, op = decode_table(fmt, shift), row.ctypes.data, out.ctypes.data
+    _run(lambda lo, hi: _lib.hvd_decode_row(rp, fmt.bits, start + lo, start + hi, op + 4 * lo, table.ctypes.data),
+         stop - start)
     return out
 
 

@@ -151,6 +151,48 @@ def decode_sum(codes, fmt, shift=0, out=None):
     return _engine_for(codes).decode_accumulate(codes, fmt, _check_shift(shift), out)
 
 
+_ROW_BITS = (4, 8, 16)  # widths the host engine reads straight from packed rows
+
+
+def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None):
+    """Codes start..stop of every row of `rows` (a (ranks, bytes) uint8 array, each row a stream
+    as pack() writes it; rows may lie apart, as slices of a larger buffer do) decoded, times
+    2**-shift, and summed over the rows in rank order from +0.0 in float32 -> (sums, max |sums|,
+    +inf where a sum is NaN/Inf). One pass over the codes: no unpacked copy, no pass per rank,
+    and the max the re-encode's APS shift needs comes with it (host engine, 4-, 8- and 16-bit
+    formats; the rest unpack first)."""
+    fmt, rows = _check_rows(rows, fmt, start, stop)
+    out = _check_out(out, (stop - start,), np.float32, rows)
+    engine = _engine_for(rows)
+    if engine is _host_engine and fmt.bits in _ROW_BITS:
+        return engine.sum_rows(rows, fmt, start, stop, _check_shift(shift), out)
+    codes = array_module(rows).stack([unpack(row, fmt, stop)[start:] for row in rows])
+    out = out if out is not None else array_module(rows).empty(stop - start, np.float32)
+    out.fill(0)
+    engine.decode_accumulate(codes, fmt, _check_shift(shift), out)
+    return out, amax(out)
+
+
+def decode_row(row, fmt, start, stop, shift=0, out=None):
+    """decode() of codes start..stop of one packed stream `row`, without unpacking it first."""
+    fmt, rows = _check_rows(row.reshape(1, -1), fmt, start, stop)
+    out = _check_out(out, (stop - start,), np.float32, rows)
+    engine = _engine_for(rows)
+    if engine is _host_engine and fmt.bits in _ROW_BITS:
+        return engine.decode_row(rows[0], fmt, start, stop, _check_shift(shift), out)
+    return decode(unpack(rows[0], fmt, stop)[start:], fmt, shift, out=out)
+
+
+def _check_rows(rows, fmt, start, stop):
+    fmt, rows = FloatFormat.parse(fmt), as_array(rows)
+    if rows.ndim != 2 or rows.dtype != np.uint8 or (rows.shape[1] > 1 and rows.strides[1] != 1):
+        raise TypeError(f"rows must be a (ranks, bytes) uint8 array with contiguous rows, got {rows.dtype}{rows.shape}")
+    if not 0 <= start <= stop or packed_size(stop, fmt) > rows.shape[1]:
+        raise ValueError(f"codes {start}..{stop} of {fmt} need {packed_size(stop, fmt)} bytes a row, "
+                         f"rows have {rows.shape[1]}")
+    return fmt, rows
+
+
 def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, unscale=True,
              dtype=np.float32):
     """x rounded onto fmt's grid after scaling by 2**shift, and scaled back unless unscale=False.

@@ -240,10 +240,8 @@ class CodesExchange:
 
     def _reduce_lane(self, received, lane, n, state, xp):
         """One lane's N packed copies (rows) of this rank's shard -> its packed re-encoded sums
-        and an exponent per piece."""
+        and an exponent per piece. Each piece is summed straight from the received bytes."""
         a, fmt, count = state.agreement, lane.fmt, lane.plan.shard_len(self.rank)
-        codes = (received if fmt.bits == 8 else
-                 xp.stack([codec.unpack(received[r], fmt, count) for r in range(self.world)]))
         lo = int(lane.plan.shards[self.rank])
         total = self._buffer((a.key, "sum", n, state.index), count, np.float32, xp)
         fresh_codes = self._buffer((a.key, "fresh", n, state.index), count, fmt.code_dtype, xp)
@@ -251,12 +249,12 @@ class CodesExchange:
         owner = f"{a.key}:owner{state.index}"  # a slice has one piece per shard
         for t, p, q in lane.plan.pieces(self.rank):
             part, tensor = total[p - lo:q - lo], lane.items[t][0]
-            part.fill(0)
-            codec.decode_sum(codes[:, p - lo:q - lo], fmt, int(a.shifts[tensor]), out=part)
+            _, peak = codec.decode_sum_rows(received, fmt, p - lo, q - lo, int(a.shifts[tensor]), out=part)
             residual = self.comp.residual(owner, tensor, part) if self.comp.config.error_feedback else None
             if residual is not None:  # the shard owner's re-encode loses bits too
                 part += residual
-            fresh = scaling.shift_for(codec.amax(part), 1, fmt) if self.comp.config.scaling == "aps" else 0
+                peak = codec.amax(part)
+            fresh = scaling.shift_for(peak, 1, fmt) if self.comp.config.scaling == "aps" else 0
             self._encode(part, fresh, fresh_codes[p - lo:q - lo], fmt)
             self._keep_residual(residual, part, fresh_codes[p - lo:q - lo], fresh, fmt)
             fresh_shifts.append(fresh)
@@ -277,13 +275,12 @@ class CodesExchange:
         for r in range(self.world):
             n, pieces = lane.plan.shard_len(r), lane.plan.pieces(r)
             size = codec.packed_size(n, lane.fmt)
-            codes = codec.unpack(gathered[r, :size], lane.fmt, n)
             shifts = _arrays.to_numpy(gathered[r, size:size + _SHIFT.itemsize * len(pieces)]).view(_SHIFT)
             lo = int(lane.plan.shards[r])
             for (t, p, q), shift in zip(pieces, shifts):
                 i, start, _ = lane.items[t]
                 out = a.outs[i][start + p - offsets[t]:start + q - offsets[t]]
-                codec.decode(codes[p - lo:q - lo], lane.fmt, int(shift), out=out)
+                codec.decode_row(gathered[r, :size], lane.fmt, p - lo, q - lo, int(shift), out=out)
                 if a.average:
                     out /= np.float32(self.world)
 

@@ -56,6 +56,68 @@ GATHER(hvd_gather_u16_f16, uint16_t, uint16_t)
 ACCUMULATE(hvd_accumulate_u8, uint8_t)
 ACCUMULATE(hvd_accumulate_u16, uint16_t)
 
+/*
+ * One shard piece of the codes exchange straight from the received bytes: element lo + i of each
+ * of `ranks` rows (a row every `stride` bytes; `bits` 4: two codes a byte, low nibble first; 8:
+ * one; 16: two bytes, little-endian), looked up in `table`. hvd_sum_rows adds the ranks in order
+ * from 0.0f into out[i] (what decode-then-add would give, in one pass instead of one per rank
+ * and without unpacking) and returns max |out|, +Inf where a sum is NaN/Inf (the re-encode's
+ * APS shift needs it); hvd_decode_row decodes one row (signed zeros kept). Blocks of
+ * SUM_BLOCK elements keep the partial sums in cache while the ranks' codes are added.
+ */
+#define SUM_BLOCK 1024
+#define ROW_CODE(row, j, BITS)                                                                \
+  (BITS == 4 ? ((row)[(j) >> 1] >> (((j) & 1) * 4)) & 15u                                     \
+   : BITS == 8 ? (row)[j] : (hvd_u32)(row)[2 * (j)] | ((hvd_u32)(row)[2 * (j) + 1] << 8))
+
+/* Ranks are added four at a time (one load and store of the partial sums per four), in order. */
+#define SUM_ROWS(NAME, BITS)                                                                  \
+  static float NAME(const uint8_t *rows, int64_t stride, int32_t ranks, int64_t lo, int64_t hi,   \
+                    float *out, const float *t) {                                             \
+    hvd_u32 m = 0u;                                                                           \
+    for (int64_t b = lo; b < hi; b += SUM_BLOCK) {                                            \
+      const int64_t n = (b + SUM_BLOCK < hi ? b + SUM_BLOCK : hi) - b;                        \
+      float *o = out + (b - lo);                                                              \
+      for (int64_t i = 0; i < n; ++i) o[i] = 0.0f;                                            \
+      int32_t r = 0;                                                                          \
+      for (; r + 4 <= ranks; r += 4) {                                                        \
+        const uint8_t *c0 = rows + r * stride, *c1 = c0 + stride, *c2 = c1 + stride, *c3 = c2 + stride; \
+        for (int64_t i = 0, j = b; i < n; ++i, ++j)                                           \
+          o[i] = (((o[i] + t[ROW_CODE(c0, j, BITS)]) + t[ROW_CODE(c1, j, BITS)]) + t[ROW_CODE(c2, j, BITS)]) \
+                 + t[ROW_CODE(c3, j, BITS)];                                                  \
+      }                                                                                       \
+      for (; r < ranks; ++r) {                                                                \
+        const uint8_t *c = rows + r * stride;                                                 \
+        for (int64_t i = 0, j = b; i < n; ++i, ++j) o[i] += t[ROW_CODE(c, j, BITS)];         \
+      }                                                                                       \
+      for (int64_t i = 0; i < n; ++i) {                                                       \
+        const hvd_u32 a = hvd_f32_bits(o[i]) & 0x7FFFFFFFu;                                   \
+        m = a > m ? a : m;                                                                    \
+      }                                                                                       \
+    }                                                                                         \
+    return m >= 0x7F800000u ? INFINITY : hvd_bits_f32(m);                                     \
+  }
+HVD_CLONES SUM_ROWS(sum_rows4, 4)
+HVD_CLONES SUM_ROWS(sum_rows8, 8)
+HVD_CLONES SUM_ROWS(sum_rows16, 16)
+
+float hvd_sum_rows(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, int64_t lo, int64_t hi,
+                   float *out, const float *table) {
+  return (bits == 4 ? sum_rows4 : bits == 8 ? sum_rows8 : sum_rows16)(rows, stride, ranks, lo, hi, out, table);
+}
+
+#define DECODE_ROW(NAME, BITS)                                                                \
+  static void NAME(const uint8_t *row, int64_t lo, int64_t hi, float *out, const float *table) { \
+    for (int64_t j = lo; j < hi; ++j) out[j - lo] = table[ROW_CODE(row, j, BITS)];           \
+  }
+HVD_CLONES DECODE_ROW(decode_row4, 4)
+HVD_CLONES DECODE_ROW(decode_row8, 8)
+HVD_CLONES DECODE_ROW(decode_row16, 16)
+
+void hvd_decode_row(const uint8_t *row, int32_t bits, int64_t lo, int64_t hi, float *out, const float *table) {
+  (bits == 4 ? decode_row4 : bits == 8 ? decode_row8 : decode_row16)(row, lo, hi, out, table);
+}
+
 #define PACK(NAME, CODE)                                                                      \
   void NAME(const CODE *codes, int64_t n, int32_t bits, uint8_t *out, int64_t lo, int64_t hi) { \
     for (int64_t j = lo; j < hi; ++j) {                                                        \

@@ -104,3 +104,31 @@ def test_shapes_are_kept(engine):
     assert hvd_aps.encode(x, "e4m3").shape == (2, 3, 4)
     assert hvd_aps.quantize(x, "e4m3").shape == (2, 3, 4)
     assert hvd_aps.encode(x[:, ::2], "e4m3").shape == (2, 2, 4)
+
+
+@pytest.mark.parametrize("ranks", [3, 5])  # the host engine adds four ranks at a time, then one by one
+@pytest.mark.parametrize("name", ["e4m3", "e2m1fn", "e3m2fn", "fp16"])  # 8, 4, 6 and 16 bits
+def test_decode_sum_rows_adds_ml_dtypes_values_in_rank_order(name, ranks, engine):
+    """Packed rows lying apart in one buffer (as an alltoall's received bytes do), sliced at odd
+    starts: the sums equal ml_dtypes' values times 2**-shift added in rank order from +0.0, the
+    max comes with them, and decode_row keeps signed zeros."""
+    fmt, shift, n = hvd_aps.FloatFormat.parse(name), 3, 1001
+    rng = np.random.default_rng(11)
+    values = [(rng.standard_normal(n) * rng.choice([0, 1e-3, 1, 3], n)).astype(np.float32) for _ in range(ranks)]
+    codes = [oracle_codes(v, fmt).astype(fmt.code_dtype) for v in values]
+    size = hvd_aps.packed_size(n, fmt)
+    buffer = np.zeros((ranks, size + 7), np.uint8)
+    for r in range(ranks):
+        buffer[r, 2:2 + size] = hvd_aps.pack(codes[r], fmt)
+    rows = buffer[:, 2:2 + size]
+    for start, stop in [(0, n), (1, n - 1), (7, 7), (3, 500)]:
+        terms = [np.ldexp(v.astype(twin_dtype(fmt)).astype(np.float32)[start:stop], -shift) for v in values]
+        want = np.zeros(stop - start, np.float32)
+        for t in terms:
+            want = want + t
+        got, peak = hvd_aps.codec.decode_sum_rows(rows, fmt, start, stop, shift)
+        assert same_bits(got, want).all() and peak == (float(np.abs(want).max()) if want.size else 0.0)
+        assert same_bits(hvd_aps.codec.decode_row(rows[1], fmt, start, stop, shift), terms[1]).all()
+    assert np.signbit(values[1][values[1] == 0]).any()  # -0 among the codes decode_row must keep
+    with pytest.raises(ValueError, match="need"):
+        hvd_aps.codec.decode_sum_rows(rows, fmt, 0, n + 20)
