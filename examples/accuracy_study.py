@@ -54,11 +54,11 @@ class HorovodAverager:
     """Gradients averaged by horovod.torch.DistributedOptimizer through the setting's compressor,
     or, for codes-<format>, by hvd_aps.torch.DistributedOptimizer."""
 
-    def __init__(self, setting, task):
+    def __init__(self, setting, task, options):
         import horovod.torch as hvd
         self.hvd, self.setting, self.task = hvd, setting, task
         self.codes = setting.startswith("codes-")
-        self.compression = from_name(setting, hvd.Compression)
+        self.compression = from_name(setting, hvd.Compression, **options)
         self.compressor = self.compression if isinstance(self.compression, hvd_aps.APSCompressor) else None
 
     def optimizer(self, model, lr):
@@ -91,14 +91,14 @@ class DDPAverager:
     """Gradients averaged by torch.distributed DistributedDataParallel with the setting's hook:
     hvd_aps.ddp.aps_hook for aps-/naive-<format>, torch's fp16_compress_hook for fp16."""
 
-    def __init__(self, setting, task):
-        self.setting, self.task = setting, task
+    def __init__(self, setting, task, options):
+        self.setting, self.task, self.options = setting, task, options
 
     def optimizer(self, model, lr):
         from torch.nn.parallel import DistributedDataParallel
         from pytorch_ddp_digits import register
         self.ddp = DistributedDataParallel(model)
-        self.compressor = register(self.ddp, self.setting)
+        self.compressor = register(self.ddp, self.setting, **self.options)
         return self.task.optimizer(model.parameters(), lr)
 
     def step(self, model, opt, x, y, loss_scale):
@@ -119,11 +119,11 @@ class EmulatedAverager:
     tensors under min_elements as an exact float32 mean, as the plain allreduce gives), -values
     and fp16 with one rounding and a float32 sum, none as the float32 mean."""
 
-    def __init__(self, setting, task, workers):
+    def __init__(self, setting, task, options, workers):
         self.setting, self.task, self.workers = setting, task, workers
         self.compressors = self.compressor = None
         if setting not in ("none", "fp16") and not setting.endswith("-values"):
-            self.compressors = [from_name(setting, None) for _ in range(workers)]
+            self.compressors = [from_name(setting, None, **options) for _ in range(workers)]
             self.compressor = self.compressors[0]
 
     def optimizer(self, model, lr):
@@ -275,6 +275,8 @@ def main():
     parser.add_argument("--lr", type=float, help="effective learning rate (after --loss-scale); default: the task's")
     parser.add_argument("--loss-scale", type=float,
                         help="multiplies the loss (the learning rate is divided by it); digits 2**-4, transformer 1")
+    parser.add_argument("--hybrid-threshold", type=float,
+                        help="the -hybrid settings' threshold (default: APSCompressor's)")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--out", default="results/accuracy")
     args = parser.parse_args()
@@ -286,6 +288,7 @@ def main():
     settings = args.settings.split(",") if args.settings else (QUICK_SETTINGS[task.name] if args.quick else SETTINGS)
     seeds = list(range(args.seeds))
     out = pathlib.Path(args.out)
+    options = {} if args.hybrid_threshold is None else {"hybrid_threshold": args.hybrid_threshold}
     torch.set_num_threads(1)
 
     if args.emulate:
@@ -293,12 +296,12 @@ def main():
             if task.global_batch % workers:
                 parser.error(f"{workers} workers do not divide the global batch of {task.global_batch}")
             print(f"{task.name}: {workers} emulated workers", flush=True)
-            runs = run_study(lambda s: EmulatedAverager(s, task, workers), task, settings, seeds, args, print)
+            runs = run_study(lambda s: EmulatedAverager(s, task, options, workers), task, settings, seeds, args, print)
             finish(out / f"{task.name}-emulated-{workers}", f"{task.name}, {workers} emulated", runs)
         return
 
     if args.ddp:
-        return ddp_main(task, settings, seeds, args)
+        return ddp_main(task, settings, seeds, args, options)
     import horovod.torch as hvd
     hvd.init()
     if hvd.size() < 2 or task.global_batch % hvd.size():
@@ -306,7 +309,7 @@ def main():
                          "(with one rank Horovod never compresses)")
     log = print if hvd.rank() == 0 else (lambda *_: None)
     log(f"{task.name}: {hvd.size()} Horovod ranks, settings {settings}, seeds {seeds}, {args.steps} steps")
-    runs = run_study(lambda s: HorovodAverager(s, task), task, settings, seeds, args, log)
+    runs = run_study(lambda s: HorovodAverager(s, task, options), task, settings, seeds, args, log)
     identical = all(bool(hvd.allreduce(r["params"], op=hvd.Max, name=f"id.{s}.{r['seed']}").eq(r["params"]).all())
                     and bool(hvd.allreduce(r["params"], op=hvd.Min, name=f"id2.{s}.{r['seed']}").eq(r["params"]).all())
                     for s, seeds_ in runs.items() for r in seeds_)
@@ -315,7 +318,7 @@ def main():
                {"parameters_identical_on_all_ranks": identical})
 
 
-def ddp_main(task, settings, seeds, args):
+def ddp_main(task, settings, seeds, args, options):
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -324,7 +327,7 @@ def ddp_main(task, settings, seeds, args):
     settings = [s for s in settings if not s.startswith("codes-") and not s.endswith("-values")]  # Horovod's paths
     log = print if rank == 0 else (lambda *_: None)
     log(f"{task.name}: {size} DDP ranks, settings {settings}, seeds {seeds}, {args.steps} steps")
-    runs = run_study(lambda s: DDPAverager(s, task), task, settings, seeds, args, log)
+    runs = run_study(lambda s: DDPAverager(s, task, options), task, settings, seeds, args, log)
     identical = True
     for seeds_ in runs.values():
         for r in seeds_:

@@ -21,14 +21,15 @@ from digits_torch import add_arguments, cnn, digits, train
 TORCH_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
 
-def register(ddp, name):
-    """The hook a --compression name stands for; returns the APSCompressor, if any."""
+def register(ddp, name, **options):
+    """The hook a --compression name stands for (options: further APSCompressor keywords);
+    returns the APSCompressor, if any."""
     if name in TORCH_HOOKS:
         ddp.register_comm_hook(None, TORCH_HOOKS[name])
         return None
     if name == "none":
         return None
-    compressor = hvd_aps.from_name(name, None)
+    compressor = hvd_aps.from_name(name, None, **options)
     ddp.register_comm_hook(hvd_aps.ddp.APSState(compressor), hvd_aps.ddp.aps_hook)
     return compressor
 

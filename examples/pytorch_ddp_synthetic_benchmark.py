@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmark_common import add_arguments, measure
 from pytorch_ddp_digits import register
-from synthetic_mlp import prepared, step_fn
+from synthetic_models import prepared, step_fn
 
 
 def allgather_object(obj):
@@ -28,12 +28,12 @@ def main():
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
-    model, opt, x, y, params, compute = prepared(args)
+    model, opt, x, y, params, phases = prepared(args)
     ddp = DDP(model)
     compressor = register(ddp, args.compression)
     if compressor is not None:
         compressor.collect_stats = False
-    measure(step_fn(ddp, opt, x, y), args, compute, params, allgather_object, dist.get_rank(), dist.get_world_size())
+    measure(step_fn(ddp, opt, x, y), args, phases, params, allgather_object, dist.get_rank(), dist.get_world_size())
     dist.barrier()  # a rank tearing Gloo down while another still talks can abort ("terminate called")
     dist.destroy_process_group()
 

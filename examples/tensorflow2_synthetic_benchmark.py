@@ -46,6 +46,8 @@ def main():
     add_arguments(parser)
     args = parser.parse_args()
 
+    if args.profile != "mlp":
+        parser.error("the TensorFlow benchmark has the mlp profile only")
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.random.set_seed(0)
@@ -60,7 +62,7 @@ def main():
     kind = "codes" if args.compression.startswith("codes-") else "horovod"
     for w, b in layers:
         w.assign(hvd.broadcast(w, 0))
-    measure(step_fn(layers, x, y, (kind, comp)), args, compute, params, hvd.allgather_object, hvd.rank(), hvd.size())
+    measure(step_fn(layers, x, y, (kind, comp)), args, {"step": compute}, params, hvd.allgather_object, hvd.rank(), hvd.size())
 
 
 if __name__ == "__main__":

@@ -60,9 +60,24 @@ def _load():
     return lib
 
 
+# Launchers' names for how many ranks share this machine: Horovod, torchrun, Open MPI, MPICH/Slurm
+_LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                    "SLURM_NTASKS_PER_NODE")
+
+
+def _thread_count():
+    """HVD_APS_THREADS, else this process's cores shared by the ranks on this machine: each of
+    2 ranks on 16 cores gets 8, not 16 (which would put two codec threads on every core)."""
+    if "HVD_APS_THREADS" in os.environ:
+        return max(1, int(os.environ["HVD_APS_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = next((int(os.environ[v]) for v in _LOCAL_SIZE_VARS if os.environ.get(v, "").isdigit()), 1)
+    return max(1, cores // max(1, local))
+
+
 _lib = _load()
 available = _lib is not None
-_threads = max(1, int(os.environ.get("HVD_APS_THREADS", os.cpu_count() or 1)))
+_threads = _thread_count()
 _pool = concurrent.futures.ThreadPoolExecutor(_threads, thread_name_prefix="hvd_aps") if _threads > 1 else None
 
 

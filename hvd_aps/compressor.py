@@ -339,8 +339,9 @@ def _measure(xp, x, sent, limit, shift, elements, bytes_carried, fmt):
                        norm_sq=float(xp.dot(x64, x64)) * scale if finite else 0.0, measured=x.size, fmt=fmt)
 
 
-def from_name(name, stock):
-    """A compressor from a command-line name, as the examples and the studies spell them.
+def from_name(name, stock, **options):
+    """A compressor from a command-line name, as the examples and the studies spell them
+    (`options`: further APSCompressor keywords, e.g. hybrid_threshold).
 
     "none" and "fp16": Horovod's own (`stock` is the framework's horovod Compression namespace);
     "aps-<format>": APSCompressor(format), codes on the wire through Horovod's own optimizer;
@@ -360,7 +361,7 @@ def from_name(name, stock):
         raise ValueError(f"unknown compression {name!r}: use none, fp16, aps-<format> or naive-<format>, "
                          "optionally ending in -values, -ef and/or -hybrid")
     return APSCompressor(parts[1], scaling=_NAMED_SCALINGS[parts[0]], wire="values" if suffixes["values"] else "codes",
-                         error_feedback=suffixes["ef"], hybrid=HYBRID_FORMAT if suffixes["hybrid"] else None)
+                         error_feedback=suffixes["ef"], hybrid=HYBRID_FORMAT if suffixes["hybrid"] else None, **options)
 
 
 _NAMED_SCALINGS = {"aps": "aps", "codes": "aps", "naive": "none"}

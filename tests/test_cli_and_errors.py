@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -61,3 +62,15 @@ def test_the_ddp_hook_needs_no_horovod():
     code = "import sys, hvd_aps.ddp; print('horovod' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_codec_threads_share_the_cores_between_the_ranks_on_a_machine(monkeypatch):
+    from hvd_aps import _host_engine
+    cores = len(os.sched_getaffinity(0))
+    for var in ("HVD_APS_THREADS",) + _host_engine._LOCAL_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert _host_engine._thread_count() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's
+    assert _host_engine._thread_count() == max(1, cores // 2)
+    monkeypatch.setenv("HVD_APS_THREADS", "3")
+    assert _host_engine._thread_count() == 3
