@@ -3,21 +3,27 @@
 Horovod cannot sum codes, so a bucket of gradients is reduced like a ring allreduce would, with
 two collectives that only move bytes:
 
-1. metadata: one Max-allreduce of every tensor's max |g| (and the compressor's signature), so all
-   ranks agree on each tensor's APS shift;
-2. begin: each tensor is scaled and encoded into one flat code buffer, cut into one shard per rank
-   and packed (formats under 8 bits: several codes a byte); `alltoall` sends shard r to rank r;
-3. reduce_shard: rank r decodes the N copies of its shard and sums them in float32, then
-   re-encodes the sum with a fresh APS exponent per tensor piece (the exponents travel with the
-   codes); `allgather` gives every rank every reduced shard;
-4. finish: decode, divide by N for an average, cut back into tensors.
+1. metadata: one Max-allreduce of every tensor's max |g| (and the compressor's signature; with
+   hybrid precision each tensor's sampled narrow-format error), so all ranks agree on each
+   tensor's format and APS shift (`agree`);
+2. the bucket, its tensors laid end to end, is cut into equal chunks (chunk_slices); per chunk:
+   begin: each tensor slice is scaled and encoded into one flat code buffer per format (a
+   *lane*: the narrow format, and the wide one with hybrid precision), cut into one shard per
+   rank and packed (formats under 8 bits: several codes a byte); `alltoall` sends shard r of
+   every lane to rank r;
+3. reduce_shard: rank r sums the N copies of its shard in float32 in one pass over the
+   received bytes, then re-encodes the sum with a fresh APS exponent per slice piece (the
+   exponents travel with the codes); `allgather` gives every rank every reduced shard;
+4. finish: decode straight from the gathered bytes into the results, divided by N for an
+   average.
 
 Each rank sends about 2 (N-1)/N x (bits/8) bytes per element, as a ring allreduce of 1-byte
 values would: 4x less than fp32, 8x for 4-bit formats. Every rank decodes the same gathered bytes
 with the same arithmetic, so the result is identical everywhere. Tensors whose agreed max is not
-finite are left out of the codes (`state.fallback`) and come back filled with NaN on every rank,
-so a NaN/Inf anywhere shows everywhere (a GradScaler skips the step) at no extra collective.
-hvd_aps.exchange drives these stages; the collectives between them are the caller's.
+finite are left out of the codes (`Agreement.fallback`) and come back filled with NaN on every
+rank, so a NaN/Inf anywhere shows everywhere (a GradScaler skips the step) at no extra collective.
+hvd_aps.exchange drives these stages, chunks pipelined; the collectives between them are the
+caller's.
 """
 import dataclasses
 import sys
@@ -58,7 +64,7 @@ def shard_starts(total, world):
 
 @dataclasses.dataclass
 class Plan:
-    """Where each tensor and each shard lies in a bucket's flat buffer: the same on every rank."""
+    """Where each slice and each shard lies in a lane's flat code buffer: the same on every rank."""
     sizes: list
     world: int
 
@@ -67,7 +73,7 @@ class Plan:
         self.shards = shard_starts(int(self.offsets[-1]), self.world)
 
     def pieces(self, shard):
-        """(tensor index, start, stop) of every tensor part inside shard `shard`, flat coordinates."""
+        """(slice index, start, stop) of every slice part inside shard `shard`, flat coordinates."""
         lo, hi = self.shards[shard], self.shards[shard + 1]
         return [(t, max(lo, a), min(hi, b)) for t, (a, b) in enumerate(zip(self.offsets[:-1], self.offsets[1:]))
                 if max(lo, a) < min(hi, b)]
@@ -263,7 +269,6 @@ class CodesExchange:
     def finish(self, gathered, state):
         """Every rank's reduced shard of a chunk -> its slices of the results (the sums, divided
         by N where the agreement says average)."""
-        xp = _arrays.array_module(gathered)
         lens = state.message_lens()
         gathered = gathered.reshape(self.world, sum(lens))
         for lane, at in zip(state.lanes, np.cumsum([0] + lens[:-1])):
