@@ -53,12 +53,18 @@ def measure(step, args, phases, params, allgather_object, rank, size):
                           "codec_gbps": statistics.median(r["codec_gbps"] for r in per_rank)}), flush=True)
 
 
+def compressor_options(args):
+    """APSCompressor keywords from the command line: stats off (they cost a pass), chunk_bytes."""
+    return {"stats": False, **({} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes})}
+
+
 def add_arguments(parser):
     parser.add_argument("--compression", default="none")
     parser.add_argument("--profile", choices=PROFILES, default="mlp",
                         help="tensor profile: mlp (4 x hidden^2), large (two 8M layers), resnet50 (161 tensors)")
     parser.add_argument("--hidden", type=int, default=2048, help="mlp: 4 x hidden^2 parameters (2048: 16.8M)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--chunk-bytes", type=int, help="APSCompressor's chunk_bytes (0: no pipelining; default its own)")
     parser.add_argument("--num-warmup-batches", type=int, default=2)
     parser.add_argument("--num-iters", type=int, default=8)
     parser.add_argument("--iface", default="", help="network interface whose tx counter to read")

@@ -106,6 +106,8 @@ def run_job(names, compression, args):
             cmd = ["ip", "netns", "exec", ns, sys.executable, str(EXAMPLES / script),
                    "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden), "--profile", args.profile,
                    "--num-iters", str(args.iters)]
+            if args.chunk_bytes is not None:
+                cmd += ["--chunk-bytes", str(args.chunk_bytes)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=args.timeout) for p in procs]
         for p, (_, err) in zip(procs, outs):
@@ -171,6 +173,7 @@ def main():
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS))
     parser.add_argument("--profile", default="mlp", help="the benchmarks' tensor profile: mlp, large or resnet50")
     parser.add_argument("--hidden", type=int, default=2048, help="mlp profile: 4 x hidden^2 parameters")
+    parser.add_argument("--chunk-bytes", type=int, help="the compressors' chunk_bytes (0: no pipelining)")
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--timeout", type=int, default=300, help="seconds per job")
     parser.add_argument("--quick", action="store_true", help="2 ranks at 1gbit, a 1M-parameter model, 3 steps")

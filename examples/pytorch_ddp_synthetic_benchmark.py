@@ -11,7 +11,7 @@ import argparse
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmark_common import add_arguments, measure
+from benchmark_common import add_arguments, compressor_options, measure
 from pytorch_ddp_digits import register
 from synthetic_models import prepared, step_fn
 
@@ -30,9 +30,7 @@ def main():
     dist.init_process_group("gloo")
     model, opt, x, y, params, phases = prepared(args)
     ddp = DDP(model)
-    compressor = register(ddp, args.compression)
-    if compressor is not None:
-        compressor.collect_stats = False
+    register(ddp, args.compression, **compressor_options(args))
     measure(step_fn(ddp, opt, x, y), args, phases, params, allgather_object, dist.get_rank(), dist.get_world_size())
     dist.barrier()  # a rank tearing Gloo down while another still talks can abort ("terminate called")
     dist.destroy_process_group()

@@ -17,15 +17,13 @@ import horovod.torch as hvd
 
 import hvd_aps
 import hvd_aps.torch
-from benchmark_common import add_arguments, measure
+from benchmark_common import add_arguments, compressor_options, measure
 from hvd_aps import from_name
 from synthetic_models import prepared, step_fn
 
 
-def wrap(opt, model, compression):
-    comp = from_name(compression, hvd.Compression)
-    if isinstance(comp, hvd_aps.APSCompressor):
-        comp.collect_stats = False
+def wrap(opt, model, compression, options):
+    comp = from_name(compression, hvd.Compression, **options)
     if compression.startswith("codes-"):
         return hvd_aps.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
@@ -38,7 +36,7 @@ def main():
 
     hvd.init()
     model, opt, x, y, params, phases = prepared(args)
-    opt = wrap(opt, model, args.compression)
+    opt = wrap(opt, model, args.compression, compressor_options(args))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     measure(step_fn(model, opt, x, y), args, phases, params, hvd.allgather_object, hvd.rank(), hvd.size())
 

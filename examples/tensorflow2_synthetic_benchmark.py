@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import hvd_aps
 import hvd_aps.tensorflow
-from benchmark_common import add_arguments, measure, timed
+from benchmark_common import add_arguments, compressor_options, measure, timed
 from hvd_aps import from_name
 
 
@@ -56,9 +56,7 @@ def main():
     params = 4 * (h * h + h)
     x, y = tf.random.normal([args.batch_size, h]), tf.random.normal([args.batch_size, h])
     compute = statistics.median(timed(step_fn(layers, x, y, None), 3))  # no communication yet
-    comp = from_name(args.compression, hvd.Compression)
-    if isinstance(comp, hvd_aps.APSCompressor):
-        comp.collect_stats = False
+    comp = from_name(args.compression, hvd.Compression, **compressor_options(args))
     kind = "codes" if args.compression.startswith("codes-") else "horovod"
     for w, b in layers:
         w.assign(hvd.broadcast(w, 0))
