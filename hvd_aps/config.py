@@ -40,6 +40,10 @@ class APSConfig:
     `fmt` would make on a sample of it exceeds hybrid_threshold on some rank (the estimates ride
     on the metadata Max-allreduce, so every rank picks alike). 4-bit formats make 0.27-0.35 on
     Gaussian gradients and 0.55-1 on heavy-tailed ones, whose small entries flush to zero.
+    chunk_bytes: a bucket's exchange runs in chunks of this many float32 gradient bytes, one
+    encoded while the one before travels and the one before that is decoded (0: the whole
+    bucket at once). Each chunk's shards carry their own re-encode exponents, so the numbers
+    depend on it: every rank must use the same (the signature covers it).
     """
 
     fmt: FloatFormat
