@@ -151,9 +151,9 @@ def sum_rows(rows, fmt, start, stop, shift, out=None):
     return out, float(max(peaks, default=0.0))
 
 
-def decode_row(row, fmt, start, stop, shift, out=None):
+def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1)):
     out = np.empty(stop - start, np.float32) if out is None else out
-    table, rp, op = decode_table(fmt, shift), row.ctypes.data, out.ctypes.data
+    table, rp, op = decode_table(fmt, shift) / divisor, row.ctypes.data, out.ctypes.data
     _run(lambda lo, hi: _lib.hvd_decode_row(rp, fmt.bits, start + lo, start + hi, op + 4 * lo, table.ctypes.data),
          stop - start)
     return out

@@ -173,14 +173,19 @@ def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None):
     return out, amax(out)
 
 
-def decode_row(row, fmt, start, stop, shift=0, out=None):
-    """decode() of codes start..stop of one packed stream `row`, without unpacking it first."""
+def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1):
+    """decode() of codes start..stop of one packed stream `row`, without unpacking it first,
+    divided by `divisor` in float32 (an average's N: one rounding, as decoding and then dividing
+    gives, without a second pass over the values)."""
     fmt, rows = _check_rows(row.reshape(1, -1), fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
     engine = _engine_for(rows)
     if engine is _host_engine and fmt.bits in _ROW_BITS:
-        return engine.decode_row(rows[0], fmt, start, stop, _check_shift(shift), out)
-    return decode(unpack(rows[0], fmt, stop)[start:], fmt, shift, out=out)
+        return engine.decode_row(rows[0], fmt, start, stop, _check_shift(shift), out, np.float32(divisor))
+    out = decode(unpack(rows[0], fmt, stop)[start:], fmt, shift, out=out)
+    if divisor != 1:
+        out /= np.float32(divisor)
+    return out
 
 
 def _check_rows(rows, fmt, start, stop):

@@ -285,9 +285,8 @@ class CodesExchange:
             for (t, p, q), shift in zip(pieces, shifts):
                 i, start, _ = lane.items[t]
                 out = a.outs[i][start + p - offsets[t]:start + q - offsets[t]]
-                codec.decode_row(gathered[r, :size], lane.fmt, p - lo, q - lo, int(shift), out=out)
-                if a.average:
-                    out /= np.float32(self.world)
+                codec.decode_row(gathered[r, :size], lane.fmt, p - lo, q - lo, int(shift), out=out,
+                                 divisor=self.world if a.average else 1)
 
     def done(self, agreement):
         """After the last chunk: the results, and the bytes this rank sent counted."""
