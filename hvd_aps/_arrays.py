@@ -19,6 +19,12 @@ def _cuda_array(x):
     return cupy.from_dlpack(x)
 
 
+def sample_stride(n, size):
+    """Stride of an evenly strided sample of about `size` of n elements (size 0: all of them).
+    Odd, so rows of a power-of-two width are all visited, not one column."""
+    return (n // size) | 1 if size else 1
+
+
 def as_array(x):
     """x as the codec sees it: a CuPy array for CUDA-resident data, a NumPy array otherwise."""
     gpu = _cuda_array(x)

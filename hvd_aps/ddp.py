@@ -18,7 +18,7 @@ from . import _arrays, exchange
 from .compressor import APSCompressor
 
 
-class TorchDistributedCollectives(exchange.Eager):
+class TorchDistributedCollectives(exchange.AsyncEager):
     """torch.distributed collectives on NumPy/CuPy arrays, in `group`, on `device` (the bucket's:
     NCCL needs CUDA tensors, Gloo takes CPU ones)."""
 
@@ -53,11 +53,6 @@ class TorchDistributedCollectives(exchange.Eager):
         work.wait()
         return _arrays.as_array(torch.cat(out) if isinstance(out, list) else out)
 
-    def alltoall(self, send, splits, name):
-        return self.wait(self.alltoall_start(send, splits, name))
-
-    def allgather(self, message, name):
-        return self.wait(self.allgather_start(message, name))
 
 
 class APSState:

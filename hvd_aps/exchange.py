@@ -66,6 +66,29 @@ class Eager(Collectives):
         return fn(*inputs)
 
 
+class AsyncEager(Eager):
+    """Eager collectives whose alltoall and allgather can start without waiting: subclasses
+    give alltoall_start, allgather_start and wait; the blocking forms are a start and a wait."""
+
+    @abc.abstractmethod
+    def alltoall_start(self, send, splits, name):
+        """-> a handle for wait()."""
+
+    @abc.abstractmethod
+    def allgather_start(self, message, name):
+        """-> a handle for wait()."""
+
+    @abc.abstractmethod
+    def wait(self, handle):
+        """The result of a started collective, as the blocking form returns it."""
+
+    def alltoall(self, send, splits, name):
+        return self.wait(self.alltoall_start(send, splits, name))
+
+    def allgather(self, message, name):
+        return self.wait(self.allgather_start(message, name))
+
+
 def run(stages, flats, coll, name, labels=None, outs=None, average=False):
     """One bucket's exchange -> the float32 sums across ranks (average=True: divided by N), one
     flat per input (NaN-filled where a rank held NaN/Inf). `stages`: a wire.CodesExchange;

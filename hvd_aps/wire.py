@@ -304,15 +304,15 @@ class CodesExchange:
                 self.comp.record(a.labels[i], a.stats.pop(i))
 
     def _sampled_error(self, x, amax):
-        """Hybrid precision: the mean over a strided sample of x's nonzero elements (at most
-        HYBRID_SAMPLE; an odd stride, so rows of a power-of-two width are all visited) of
+        """Hybrid precision: the mean over a strided sample of x's nonzero elements (about
+        HYBRID_SAMPLE, _arrays.sample_stride) of
         |q(x) - x| / |x|, q rounding onto the narrow format at the shift this rank's amax alone
         gives. Elementwise, not ||q(x) - x|| / ||x||: the norm hides the small entries a narrow
         format flushes, and an Adam step scales every entry to its own size."""
         if not np.isfinite(amax) or amax == 0:
             return 0.0
         xp = _arrays.array_module(x)
-        sample = x.ravel()[::(x.size // HYBRID_SAMPLE) | 1].astype(np.float32)
+        sample = x.ravel()[::_arrays.sample_stride(x.size, HYBRID_SAMPLE)].astype(np.float32)
         sample = sample[sample != 0]
         shift = scaling.shift_for(amax, self.world, self.fmt, _FLOAT32_MAX) if self.comp.config.scaling == "aps" else 0
         error = xp.abs(codec.quantize(sample, self.fmt, shift=shift) - sample) / xp.abs(sample)

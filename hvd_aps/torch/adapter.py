@@ -18,7 +18,7 @@ _METADATA = "hvd_aps.metadata"
 COMM_THREADS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hvd_aps_comm")
 
 
-class HorovodCollectives(exchange.Eager):
+class HorovodCollectives(exchange.AsyncEager):
     """horovod.torch collectives on NumPy/CuPy arrays."""
 
     def __init__(self, process_set=hvd.global_process_set):
@@ -40,11 +40,6 @@ class HorovodCollectives(exchange.Eager):
         out = hvd.synchronize(handle)  # alltoall: (received, received splits)
         return _arrays.as_array(out[0] if isinstance(out, tuple) else out)
 
-    def alltoall(self, send, splits, name):
-        return self.wait(self.alltoall_start(send, splits, name))
-
-    def allgather(self, message, name):
-        return self.wait(self.allgather_start(message, name))
 
 
 def is_dense_float(tensor):
