@@ -38,6 +38,32 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None):
     return out
 
 
+def encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index):
+    x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+    _launch("hvd_encode_row", max(1, _bytes_touched(x.size, fmt)), x, np.int64(x.size), np.int64(index), row, np.int64(pos),
+            *_fmt_args(fmt), np.int32(saturate), np.int32(shift), np.int32(rounding == "stochastic"), np.uint64(seed))
+    return row
+
+
+def _bytes_touched(n, fmt):
+    return -(-n * fmt.bits // 8) + 1  # the bytes n codes touch, wherever they start
+
+
+def sum_rows(rows, fmt, start, stop, shift, out=None):
+    out = cupy.empty(stop - start, cupy.float32) if out is None else out
+    peak = cupy.zeros(1, cupy.uint32)
+    _launch("hvd_sum_rows", max(1, stop - start), rows, np.int64(rows.strides[0]), np.int32(rows.shape[0]),
+            np.int64(start), np.int64(stop - start), out, *_fmt_args(fmt), np.int32(shift), peak)
+    return out, _amax_from_bits(peak)
+
+
+def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1)):
+    out = cupy.empty(stop - start, cupy.float32) if out is None else out
+    _launch("hvd_decode_row", max(1, stop - start), row, np.int64(start), np.int64(stop - start), out,
+            *_fmt_args(fmt), np.int32(shift), np.float32(divisor))
+    return out
+
+
 def _decode_into(codes, fmt, shift, out, accumulate):
     """out (+)= the float32 sum over codes' leading axis (one buffer per rank) of decode * 2^-shift."""
     codes = cupy.ascontiguousarray(codes, dtype=fmt.code_dtype)
@@ -80,5 +106,10 @@ def amax(x):
     x = cupy.ascontiguousarray(x, dtype=cupy.float32).ravel()
     result = cupy.zeros(1, cupy.uint32)
     _launch("hvd_amax_bits", x.size, x, np.int64(x.size), result)
+    return _amax_from_bits(result)
+
+
+def _amax_from_bits(result):
+    """The host's float from a kernel's max of |x| bits: +inf for any NaN/Inf."""
     bits = int(result.get()[0])
     return float("inf") if bits >= 0x7F800000 else float(np.array(bits, np.uint32).view(np.float32))

@@ -11,6 +11,7 @@ import pathlib
 import numpy as np
 
 _MIN_CHUNK = 1 << 18  # below this, thread hand-off costs more than it saves
+_BYTE_GROUP = 8  # codes of any width: 8 of them fill whole bytes
 
 
 class _Fmt(ctypes.Structure):
@@ -35,6 +36,8 @@ def _load():
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.hvd_encode.argtypes = [ptr, ptr, i64, i64, _Fmt, i32, i32, ctypes.c_uint64]
     lib.hvd_encode.restype = None
+    lib.hvd_encode_row.argtypes = [ptr, i64, i64, ptr, i64, _Fmt, i32, i32, ctypes.c_uint64]
+    lib.hvd_encode_row.restype = None
     lib.hvd_decode_table.argtypes = [ptr, _Fmt, i32]
     lib.hvd_decode_table.restype = None
     for name in ("hvd_gather_u8_f32", "hvd_gather_u16_f32", "hvd_gather_u8_f16", "hvd_gather_u16_f16",
@@ -81,16 +84,20 @@ _threads = _thread_count()
 _pool = concurrent.futures.ThreadPoolExecutor(_threads, thread_name_prefix="hvd_aps") if _threads > 1 else None
 
 
-def _chunks(n):
+def _chunks(n, pos):
+    """One range per thread; where element lo + pos of a packed stream starts a byte group
+    (a multiple of _BYTE_GROUP), so threads writing packed codes never share a byte."""
     if _pool is None or n < 2 * _MIN_CHUNK:
         return [(0, n)]
     step = -(-n // _threads)
-    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+    step += -step % _BYTE_GROUP
+    bounds = [0, *range(step - pos % _BYTE_GROUP, n, step), n]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _run(fn, n):
+def _run(fn, n, pos=0):
     """Call fn(lo, hi) over the chunks of range(n), in parallel where it pays."""
-    parts = _chunks(n)
+    parts = _chunks(n, pos)
     if len(parts) == 1:
         return [fn(0, n)]
     return list(_pool.map(lambda p: fn(*p), parts))
@@ -112,6 +119,17 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None):
 
     _run(work, x.size)
     return out
+
+
+def encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index):
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    cfmt, stochastic, xp, rp = _c_fmt(fmt, saturate), int(rounding == "stochastic"), x.ctypes.data, row.ctypes.data
+
+    def work(lo, hi):
+        _lib.hvd_encode_row(xp + 4 * lo, hi - lo, index + lo, rp, pos + lo, cfmt, shift, stochastic, seed)
+
+    _run(work, x.size, pos)
+    return row
 
 
 def decode_table(fmt, shift):

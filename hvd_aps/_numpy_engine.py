@@ -43,8 +43,9 @@ def _special_codes(a, sign, fmt):
     return np.where(is_inf, (sign << top) | np.uint32(max_code), (sign ^ np.uint32(1)) << top)
 
 
-def encode(x, fmt, shift, rounding, seed, saturate, out=None):
-    """Codes of x * 2**shift (x float32, any shape): uint32, or written into `out`."""
+def encode(x, fmt, shift, rounding, seed, saturate, out=None, index=0):
+    """Codes of x * 2**shift (x float32, any shape): uint32, or written into `out`. index: the
+    stochastic hash's index of x's first element."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     sign, a = u >> np.uint32(31), u & np.uint32(0x7FFFFFFF)
     e32 = (a >> np.uint32(23)).astype(np.int64)
@@ -61,7 +62,7 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None):
     q = sig >> drop
     rem = sig - (q << drop)
     if rounding == "stochastic":
-        rnd = random32(seed, 0, u.size).reshape(u.shape).astype(np.int64)
+        rnd = random32(seed, index, u.size).reshape(u.shape).astype(np.int64)
         threshold = np.where(drop <= 32, rem << np.maximum(32 - drop, 0), rem >> np.maximum(drop - 32, 0))
         up = rnd < threshold
     else:
@@ -124,10 +125,41 @@ def amax(x):
     return float(a) if np.isfinite(a) else float("inf")
 
 
+def encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index):
+    """encode(), its codes written into the packed stream `row` at code positions pos.. (the
+    other bits of the bytes they touch kept), through the stream's bits one by one."""
+    codes = encode(x, fmt, shift, rounding, seed, saturate, index=index).astype(fmt.code_dtype).ravel()
+    first, end = pos * fmt.bits // 8, -(-(pos + codes.size) * fmt.bits // 8)
+    stream, at = np.unpackbits(row[first:end], bitorder="little"), pos * fmt.bits - 8 * first
+    stream[at:at + codes.size * fmt.bits] = _bit_planes(codes, fmt.bits)
+    row[first:end] = np.packbits(stream, bitorder="little")
+    return row
+
+
+def sum_rows(rows, fmt, start, stop, shift, out=None):
+    """Codes start..stop of every packed row decoded and added in row order from +0.0."""
+    out = np.empty(stop - start, np.float32) if out is None else out
+    out.fill(0)
+    table = decode_table(fmt, shift)
+    for row in rows:
+        out += table[unpack(row, fmt.bits, stop, np.dtype(fmt.code_dtype))[start:]]
+    return out, amax(out)
+
+
+def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1)):
+    table = decode_table(fmt, shift) / divisor
+    return np.take(table, unpack(row, fmt.bits, stop, np.dtype(fmt.code_dtype))[start:], out=out)
+
+
+def _bit_planes(codes, bits):
+    """The low `bits` bits of every code, little-endian, as one flat array of 0/1."""
+    planes = np.unpackbits(codes.view(np.uint8).reshape(codes.size, codes.itemsize), axis=1, bitorder="little")
+    return planes[:, :bits].ravel()
+
+
 def pack(codes, bits):
     """Dense little-endian bit stream of the codes' low `bits` bits (see ops/fpcodec.h)."""
-    planes = np.unpackbits(codes.view(np.uint8).reshape(codes.size, codes.itemsize), axis=1, bitorder="little")
-    return np.packbits(planes[:, :bits].ravel(), bitorder="little")
+    return np.packbits(_bit_planes(codes, bits), bitorder="little")
 
 
 def unpack(packed, bits, n, dtype):

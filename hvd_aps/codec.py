@@ -151,7 +151,26 @@ def decode_sum(codes, fmt, shift=0, out=None):
     return _engine_for(codes).decode_accumulate(codes, fmt, _check_shift(shift), out)
 
 
-_ROW_BITS = (4, 8, 16)  # widths the host engine reads straight from packed rows
+def encode_into(x, fmt, row, start, rounding="nearest", seed=None, saturate=False, shift=0, index=0):
+    """encode() and pack() in one pass: the codes of x written straight into the packed stream
+    `row` (a flat uint8 array, as pack() writes) at code positions start .. start + x.size; the
+    bits of every other code in the bytes they touch are kept, so pieces of a stream can be
+    written one by one. index: the flat index of x[0] for stochastic rounding's hash, so a tensor
+    encoded piece by piece with one seed gets the codes one encode() of it gives. Returns row."""
+    fmt = FloatFormat.parse(fmt)
+    seed = _check_seed(rounding, seed)
+    x, shift = _as_float32(x).ravel(), _check_shift(shift)
+    row = as_array(row)
+    if row.ndim != 1 or not row.flags.c_contiguous:  # a copy would take the codes and drop them
+        raise TypeError(f"row must be a flat contiguous uint8 array, got {row.dtype}{row.shape}")
+    _check_rows(row.reshape(1, -1), fmt, start, start + x.size)
+    if not isinstance(index, (int, np.integer)) or index < 0:
+        raise ValueError(f"index must be a non-negative int, got {index!r}")
+    if array_module(row) is not array_module(x):
+        raise ValueError("x and row must be on the same device")
+    if x.size:
+        _engine_for(x).encode_into(x, fmt, shift, rounding, seed, saturate, row, int(start), int(index))
+    return row
 
 
 def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None):
@@ -159,33 +178,31 @@ def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None):
     as pack() writes it; rows may lie apart, as slices of a larger buffer do) decoded, times
     2**-shift, and summed over the rows in rank order from +0.0 in float32 -> (sums, max |sums|,
     +inf where a sum is NaN/Inf). One pass over the codes: no unpacked copy, no pass per rank,
-    and the max the re-encode's APS shift needs comes with it (host engine, 4-, 8- and 16-bit
-    formats; the rest unpack first)."""
+    and the max the re-encode's APS shift needs comes with it."""
     fmt, rows = _check_rows(rows, fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
-    engine = _engine_for(rows)
-    if engine is _host_engine and fmt.bits in _ROW_BITS:
-        return engine.sum_rows(rows, fmt, start, stop, _check_shift(shift), out)
-    codes = array_module(rows).stack([unpack(row, fmt, stop)[start:] for row in rows])
-    out = out if out is not None else array_module(rows).empty(stop - start, np.float32)
-    out.fill(0)
-    engine.decode_accumulate(codes, fmt, _check_shift(shift), out)
-    return out, amax(out)
+    return _engine_for(rows).sum_rows(rows, fmt, start, stop, _check_shift(shift), out)
 
 
 def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1):
     """decode() of codes start..stop of one packed stream `row`, without unpacking it first,
     divided by `divisor` in float32 (an average's N: one rounding, as decoding and then dividing
     gives, without a second pass over the values)."""
-    fmt, rows = _check_rows(row.reshape(1, -1), fmt, start, stop)
+    fmt, rows = _check_rows(as_array(row).reshape(1, -1), fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
-    engine = _engine_for(rows)
-    if engine is _host_engine and fmt.bits in _ROW_BITS:
-        return engine.decode_row(rows[0], fmt, start, stop, _check_shift(shift), out, np.float32(divisor))
-    out = decode(unpack(rows[0], fmt, stop)[start:], fmt, shift, out=out)
-    if divisor != 1:
-        out /= np.float32(divisor)
-    return out
+    return _engine_for(rows).decode_row(rows[0], fmt, start, stop, _check_shift(shift), out, np.float32(divisor))
+
+
+def codes_at(row, fmt, positions):
+    """The codes at `positions` (an integer array) of a packed stream, as uint32: a strided
+    sample of a stream without unpacking the rest of it. Three bytes hold any code of <= 16 bits
+    wherever it starts."""
+    fmt, xp = FloatFormat.parse(fmt), array_module(row)
+    bit = xp.asarray(positions, dtype=np.int64) * fmt.bits
+    word = xp.zeros(bit.shape, np.uint32)
+    for k in range(3):  # bytes past the stream's end only hold bits the mask drops
+        word |= row[xp.minimum((bit >> 3) + k, row.size - 1)].astype(np.uint32) << np.uint32(8 * k)
+    return (word >> (bit & 7).astype(np.uint32)) & np.uint32((1 << fmt.bits) - 1)
 
 
 def _check_rows(rows, fmt, start, stop):

@@ -276,16 +276,17 @@ class APSCompressor:
         return xp.ldexp(wire_values.astype(xp.float32), xp.int32(-int(shift))).astype(xp.float32)
 
     # Stats --------------------------------------------------------------------------------------
-    def measure_codes(self, x, codes, shift, fmt):
-        """TensorStats of float32 values x the codes exchange encoded into `codes` of `fmt`
-        (codes None: they held NaN/Inf); None when stats are off."""
+    def measure_codes(self, x, row, pos, shift, fmt):
+        """TensorStats of float32 values x the codes exchange encoded into codes pos .. pos +
+        x.size of the packed stream `row` in `fmt` (row None: they held NaN/Inf); None when stats
+        are off. Only the sampled codes are read."""
         if not self.collect_stats:
             return None
         xp = _arrays.array_module(x)
-        if codes is None:
+        if row is None:
             return TensorStats(elements=x.size, bytes_in=4 * x.size, finite=False, fmt=str(fmt))
         step = _arrays.sample_stride(x.size, self.stats_sample)
-        sent = codec.decode(xp.ascontiguousarray(codes[::step]), fmt, shift)
+        sent = codec.decode(codec.codes_at(row, fmt, xp.arange(pos, pos + x.size, step)), fmt, shift)
         return _measure(xp, x.ravel()[::step], sent, np.float32(np.ldexp(fmt.max, -shift)), shift, x.size,
                         codec.packed_size(x.size, fmt), str(fmt))
 

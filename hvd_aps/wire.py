@@ -78,6 +78,18 @@ class Plan:
         return [(t, max(lo, a), min(hi, b)) for t, (a, b) in enumerate(zip(self.offsets[:-1], self.offsets[1:]))
                 if max(lo, a) < min(hi, b)]
 
+    def spans(self, k):
+        """(shard, start, stop) of slice k's part in every shard it reaches, flat coordinates."""
+        a, b = int(self.offsets[k]), int(self.offsets[k + 1])
+        out = []
+        for r in range(int(np.searchsorted(self.shards, a, side="right")) - 1, self.world):
+            lo, hi = int(self.shards[r]), int(self.shards[r + 1])
+            if lo >= b:
+                break
+            if max(lo, a) < min(hi, b):
+                out.append((r, max(lo, a), min(hi, b)))
+        return out
+
     def shard_len(self, shard):
         return int(self.shards[shard + 1] - self.shards[shard])
 
@@ -87,6 +99,14 @@ class Plan:
         all_gather needs. Padding costs each rank at most a byte or two and 2 bytes per tensor."""
         return max(codec.packed_size(self.shard_len(r), fmt) + _SHIFT.itemsize * len(self.pieces(r))
                    for r in range(self.world))
+
+
+def _fresh_row(row, count, fmt):
+    """`row`, about to take `count` packed codes, with the unused high bits of its last byte
+    cleared (a reused buffer would send last step's bits there)."""
+    if count * fmt.bits % 8:
+        row[-1] = 0
+    return row
 
 
 def chunk_slices(sizes, chunk_elements):
@@ -195,37 +215,45 @@ class CodesExchange:
         flats = a.corrected or flats  # the driver calls metadata() first
         if chunk == 0:
             for i in a.fallback:
-                self._record(a, i, flats[i].ravel(), None, 0, self.fmt, whole=True)
+                self._record(a, i, flats[i].ravel(), None, 0, 0, self.fmt, whole=True)
                 if self.comp.config.error_feedback:
                     self.comp.residual(a.key, i, flats[i].ravel()).fill(0)
         fmts = [self.fmt] + ([self.comp.config.hybrid] if self.comp.config.hybrid else [])
         items = a.chunks[chunk]
         state = ChunkState(a, chunk, [Lane(f, [it for it in items if a.wide[it[0]] == n], None) for n, f in enumerate(fmts)])
-        xp = _arrays.array_module(flats[0]) if flats else np
-        parts, flat = [], None
-        for n, lane in enumerate(state.lanes):
+        for lane in state.lanes:
             lane.plan = Plan([stop - start for _, start, stop in lane.items], self.world)
-            flat = self._encode_lane(lane, n, flats, state, xp)
-            parts.append([codec.pack(flat[lane.plan.shards[r]:lane.plan.shards[r + 1]], lane.fmt)
-                          for r in range(self.world)])
-        splits = [sum(int(lane_parts[r].size) for lane_parts in parts) for r in range(self.world)]
+        # the message: shard r of every lane, for r = 0 .. N-1; each lane's codes are encoded
+        # straight into their places in it
+        sizes = [lane.shard_bytes(r) for r in range(self.world) for lane in state.lanes]
+        xp = _arrays.array_module(flats[0]) if flats else np
+        message = self._buffer((a.key, "send", chunk), sum(sizes), np.uint8, xp)
+        at = np.cumsum([0] + sizes)
+        lanes = len(state.lanes)
+        for n, lane in enumerate(state.lanes):
+            rows = [_fresh_row(message[at[r * lanes + n]:at[r * lanes + n + 1]], lane.plan.shard_len(r), lane.fmt)
+                    for r in range(self.world)]
+            self._encode_lane(lane, flats, a, rows)
+        splits = [int(at[(r + 1) * lanes] - at[r * lanes]) for r in range(self.world)]
         with a.lock:
             a.bytes_sent += sum(splits) - splits[self.rank]
-        if len(parts) == 1 and self.fmt.bits == 8:  # the flat code buffer is the message: no copy
-            return flat, splits, state
-        return xp.concatenate([lane_parts[r] for r in range(self.world) for lane_parts in parts]), splits, state
+        return message, splits, state
 
-    def _encode_lane(self, lane, n, flats, state, xp):
-        """Encode a lane's slices into its flat code buffer, which it returns."""
-        a = state.agreement
-        flat = self._buffer((a.key, "codes", n, state.index), int(lane.plan.offsets[-1]), lane.fmt.code_dtype, xp)
+    def _encode_lane(self, lane, flats, a, rows):
+        """Encode a lane's slices straight into `rows`, the lane's packed shard in each rank's part
+        of the message: one piece per shard a slice reaches, one seed per slice."""
+        plan, feedback = lane.plan, self.comp.config.error_feedback
         for k, (i, start, stop) in enumerate(lane.items):
-            codes, x = flat[lane.plan.offsets[k]:lane.plan.offsets[k + 1]], flats[i].ravel()[start:stop]
-            self._encode(x, int(a.shifts[i]), codes, lane.fmt)
-            self._record(a, i, x, codes, int(a.shifts[i]), lane.fmt, whole=stop == a.sizes[i])
-            residual = self.comp.residual(a.key, i, flats[i].ravel())[start:stop] if self.comp.config.error_feedback else None
-            self._keep_residual(residual, x, codes, int(a.shifts[i]), lane.fmt)
-        return flat
+            x, shift, seed = flats[i].ravel()[start:stop], int(a.shifts[i]), self.comp.next_seed(self.rank)
+            residual = self.comp.residual(a.key, i, flats[i].ravel())[start:stop] if feedback else None
+            for r, p, q in plan.spans(k):
+                at, pos = p - int(plan.offsets[k]), p - int(plan.shards[r])
+                piece = x[at:at + q - p]
+                self._encode(piece, rows[r], pos, shift, lane.fmt, seed, index=at)
+                self._record(a, i, piece, rows[r], pos, shift, lane.fmt,
+                             whole=stop == a.sizes[i] and q == plan.offsets[k + 1])
+                self._keep_residual(None if residual is None else residual[at:at + q - p], piece, rows[r], pos, shift,
+                                    lane.fmt)
 
     def reduce_shard(self, received, state):
         """The N packed copies of this rank's shard of a chunk -> its reduced, re-encoded shard
@@ -233,25 +261,25 @@ class CodesExchange:
         xp = _arrays.array_module(received)
         stride = sum(lane.shard_bytes(self.rank) for lane in state.lanes)  # what each rank sent here
         received = received.reshape(self.world, stride)
-        segments, at = [], 0
-        for n, (lane, length) in enumerate(zip(state.lanes, state.message_lens())):
+        lens = state.message_lens()
+        message = self._buffer((state.agreement.key, "reduced", state.index), sum(lens), np.uint8, xp)
+        at = 0
+        for n, (lane, length, start) in enumerate(zip(state.lanes, lens, np.cumsum([0] + lens[:-1]))):
             size = lane.shard_bytes(self.rank)
-            segment = self._reduce_lane(received[:, at:at + size], lane, n, state, xp)
-            segments += [segment, xp.zeros(length - segment.size, np.uint8)]  # equal sizes on every rank
+            self._reduce_lane(received[:, at:at + size], lane, n, state, message[start:start + length], xp)
             at += size
-        message = xp.concatenate(segments)
         with state.agreement.lock:
             state.agreement.bytes_sent += int(message.size) * (self.world - 1)
         return message
 
-    def _reduce_lane(self, received, lane, n, state, xp):
-        """One lane's N packed copies (rows) of this rank's shard -> its packed re-encoded sums
-        and an exponent per piece. Each piece is summed straight from the received bytes."""
+    def _reduce_lane(self, received, lane, n, state, segment, xp):
+        """One lane's N packed copies (rows) of this rank's shard -> into `segment` (padded to
+        every rank's length alike): the re-encoded sums, packed, then an exponent per piece. Each
+        piece is summed straight from the received bytes and encoded straight into the segment."""
         a, fmt, count = state.agreement, lane.fmt, lane.plan.shard_len(self.rank)
-        lo = int(lane.plan.shards[self.rank])
+        lo, size = int(lane.plan.shards[self.rank]), lane.shard_bytes(self.rank)
         total = self._buffer((a.key, "sum", n, state.index), count, np.float32, xp)
-        fresh_codes = self._buffer((a.key, "fresh", n, state.index), count, fmt.code_dtype, xp)
-        fresh_shifts = []
+        codes, fresh_shifts = _fresh_row(segment[:size], count, fmt), []
         owner = f"{a.key}:owner{state.index}"  # a slice has one piece per shard
         for t, p, q in lane.plan.pieces(self.rank):
             part, tensor = total[p - lo:q - lo], lane.items[t][0]
@@ -261,10 +289,12 @@ class CodesExchange:
                 part += residual
                 peak = codec.amax(part)
             fresh = scaling.shift_for(peak, 1, fmt) if self.comp.config.scaling == "aps" else 0
-            self._encode(part, fresh, fresh_codes[p - lo:q - lo], fmt)
-            self._keep_residual(residual, part, fresh_codes[p - lo:q - lo], fresh, fmt)
+            self._encode(part, codes, p - lo, fresh, fmt, self.comp.next_seed(self.rank))
+            self._keep_residual(residual, part, codes, p - lo, fresh, fmt)
             fresh_shifts.append(fresh)
-        return xp.concatenate([codec.pack(fresh_codes, fmt), xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))])
+        end = size + _SHIFT.itemsize * len(fresh_shifts)
+        segment[size:end] = xp.asarray(np.array(fresh_shifts, _SHIFT).view(np.uint8))
+        segment[end:] = 0  # the padding
 
     def finish(self, gathered, state):
         """Every rank's reduced shard of a chunk -> its slices of the results (the sums, divided
@@ -293,9 +323,10 @@ class CodesExchange:
         self.comp.record_sent(agreement.bytes_sent)
         return agreement.outs
 
-    def _record(self, a, i, x, codes, shift, fmt, whole):
-        """Stats of tensor i's slice x, recorded once its last slice is in (`whole`)."""
-        stats = self.comp.measure_codes(x, codes, shift, fmt)
+    def _record(self, a, i, x, row, pos, shift, fmt, whole):
+        """Stats of tensor i's piece x (its codes at pos.. of packed `row`; None: it went out as
+        NaN), recorded once its last piece is in (`whole`)."""
+        stats = self.comp.measure_codes(x, row, pos, shift, fmt)
         if stats is None:
             return
         with a.lock:
@@ -333,20 +364,21 @@ class CodesExchange:
         return out
 
     @staticmethod
-    def _keep_residual(residual, x, codes, shift, fmt):
-        """Error feedback: what the codes lost of x (x - decode(codes)) into `residual`, for the
-        next exchange; zero where x went out as NaN (codes None). residual None: no feedback."""
+    def _keep_residual(residual, x, row, pos, shift, fmt):
+        """Error feedback: what the codes at pos.. of packed `row` lost of x (x - their values)
+        into `residual`, for the next exchange; zero where x went out as NaN (row None).
+        residual None: no feedback."""
         if residual is None:
             return
-        if codes is None:
+        if row is None:
             residual.fill(0)
             return
-        codec.decode(codes, fmt, shift, out=residual)
+        codec.decode_row(row, fmt, pos, pos + x.size, shift, out=residual)
         _arrays.array_module(x).subtract(x, residual, out=residual)
 
-    def _encode(self, x, shift, out, fmt):
+    def _encode(self, x, row, pos, shift, fmt, seed, index=0):
         cfg = self.comp.config
-        return codec.encode(x, fmt, cfg.rounding, self.comp.next_seed(self.rank), cfg.saturate, shift, out=out)
+        codec.encode_into(x, fmt, row, pos, cfg.rounding, seed, cfg.saturate, shift, index)
 
     def _result_buffer(self, name, n, xp):
         """Last step's result array for `name` where nothing outside holds it any more (the

@@ -66,14 +66,17 @@ ACCUMULATE(hvd_accumulate_u16, uint16_t)
  * SUM_BLOCK elements keep the partial sums in cache while the ranks' codes are added.
  */
 #define SUM_BLOCK 1024
+/* Code j of a row; BITS 0: a width other than 4, 8 and 16, read bit by bit (`bits` at run time). */
 #define ROW_CODE(row, j, BITS)                                                                \
   (BITS == 4 ? ((row)[(j) >> 1] >> (((j) & 1) * 4)) & 15u                                     \
-   : BITS == 8 ? (row)[j] : (hvd_u32)(row)[2 * (j)] | ((hvd_u32)(row)[2 * (j) + 1] << 8))
+   : BITS == 8 ? (row)[j]                                                                     \
+   : BITS == 16 ? (hvd_u32)(row)[2 * (j)] | ((hvd_u32)(row)[2 * (j) + 1] << 8)                \
+   : hvd_unpack_code(row, j, bits))
 
 /* Ranks are added four at a time (one load and store of the partial sums per four), in order. */
 #define SUM_ROWS(NAME, BITS)                                                                  \
-  static float NAME(const uint8_t *rows, int64_t stride, int32_t ranks, int64_t lo, int64_t hi,   \
-                    float *out, const float *t) {                                             \
+  static float NAME(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, int64_t lo,      \
+                    int64_t hi, float *out, const float *t) {                                 \
     hvd_u32 m = 0u;                                                                           \
     for (int64_t b = lo; b < hi; b += SUM_BLOCK) {                                            \
       const int64_t n = (b + SUM_BLOCK < hi ? b + SUM_BLOCK : hi) - b;                        \
@@ -100,22 +103,26 @@ ACCUMULATE(hvd_accumulate_u16, uint16_t)
 HVD_CLONES SUM_ROWS(sum_rows4, 4)
 HVD_CLONES SUM_ROWS(sum_rows8, 8)
 HVD_CLONES SUM_ROWS(sum_rows16, 16)
+SUM_ROWS(sum_rows_any, 0)
 
 float hvd_sum_rows(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, int64_t lo, int64_t hi,
                    float *out, const float *table) {
-  return (bits == 4 ? sum_rows4 : bits == 8 ? sum_rows8 : sum_rows16)(rows, stride, ranks, lo, hi, out, table);
+  return (bits == 4 ? sum_rows4 : bits == 8 ? sum_rows8 : bits == 16 ? sum_rows16 : sum_rows_any)(
+      rows, stride, ranks, bits, lo, hi, out, table);
 }
 
 #define DECODE_ROW(NAME, BITS)                                                                \
-  static void NAME(const uint8_t *row, int64_t lo, int64_t hi, float *out, const float *table) { \
+  static void NAME(const uint8_t *row, int32_t bits, int64_t lo, int64_t hi, float *out, const float *table) { \
     for (int64_t j = lo; j < hi; ++j) out[j - lo] = table[ROW_CODE(row, j, BITS)];           \
   }
 HVD_CLONES DECODE_ROW(decode_row4, 4)
 HVD_CLONES DECODE_ROW(decode_row8, 8)
 HVD_CLONES DECODE_ROW(decode_row16, 16)
+DECODE_ROW(decode_row_any, 0)
 
 void hvd_decode_row(const uint8_t *row, int32_t bits, int64_t lo, int64_t hi, float *out, const float *table) {
-  (bits == 4 ? decode_row4 : bits == 8 ? decode_row8 : decode_row16)(row, lo, hi, out, table);
+  (bits == 4 ? decode_row4 : bits == 8 ? decode_row8 : bits == 16 ? decode_row16 : decode_row_any)(row, bits, lo, hi, out,
+                                                                                             table);
 }
 
 #define PACK(NAME, CODE)                                                                      \
@@ -135,6 +142,50 @@ HVD_CLONES void hvd_pack_nibbles(const uint8_t *codes, int64_t n, uint8_t *out, 
   const int64_t full = hi < n / 2 ? hi : n / 2;
   for (int64_t j = lo; j < full; ++j) out[j] = (uint8_t)((codes[2 * j] & 15u) | (codes[2 * j + 1] << 4));
   if (full < hi) out[full] = codes[2 * full] & 15u; /* odd n: the last byte's high half is 0 */
+}
+
+/*
+ * Encode and pack in one pass: the codes of x[0..n) (stochastic rounding's hash indices
+ * offset + i, so a tensor encoded piece by piece gets the codes of one encode) written straight
+ * into a packed stream at code positions pos .. pos + n. Bits of `row` outside those positions
+ * keep their value: the neighbouring pieces' codes. 8-bit codes are the stream already; other
+ * widths are encoded a block at a time into a buffer that stays in L1 and packed from there
+ * (whole bytes: blocks start where a group of 8 codes does), the few codes before the first
+ * group and after the last one code by code.
+ */
+#define ROW_BLOCK 2048 /* a multiple of 8 */
+
+static void put_codes_one_by_one(const float *x, int64_t n, int64_t offset, uint8_t *row, int64_t pos, hvd_fmt_t f,
+                                 int32_t shift, int32_t stochastic, uint64_t seed) {
+  const int32_t bits = 1 + f.exp_bits + f.man_bits;
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t code[1];
+    hvd_encode(x + i, code, 1, offset + i, f, shift, stochastic, seed);
+    hvd_put_code(row, pos + i, bits, bits > 8 ? code[0] : ((uint8_t *)code)[0]);
+  }
+}
+
+void hvd_encode_row(const float *x, int64_t n, int64_t offset, uint8_t *row, int64_t pos, hvd_fmt_t f, int32_t shift,
+                    int32_t stochastic, uint64_t seed) {
+  const int32_t bits = 1 + f.exp_bits + f.man_bits;
+  if (bits == 8) {
+    hvd_encode(x, row + pos, n, offset, f, shift, stochastic, seed);
+    return;
+  }
+  int64_t head = (8 - pos % 8) % 8;
+  head = head < n ? head : n;
+  put_codes_one_by_one(x, head, offset, row, pos, f, shift, stochastic, seed);
+  uint16_t block[ROW_BLOCK]; /* uint8 codes use the first half of its bytes */
+  int64_t i = head;
+  while (n - i >= 8) {
+    const int64_t m = (n - i < ROW_BLOCK ? n - i : ROW_BLOCK) & ~(int64_t)7, byte = (pos + i) / 8 * bits;
+    hvd_encode(x + i, block, m, offset + i, f, shift, stochastic, seed);
+    if (bits == 4) hvd_pack_nibbles((const uint8_t *)block, m, row + byte, 0, m / 2);
+    else if (bits < 8) hvd_pack_u8((const uint8_t *)block, m, bits, row + byte, 0, m * bits / 8);
+    else hvd_pack_u16(block, m, bits, row + byte, 0, m * bits / 8);
+    i += m;
+  }
+  put_codes_one_by_one(x + i, n - i, offset + i, row, pos + i, f, shift, stochastic, seed);
 }
 
 HVD_CLONES void hvd_unpack_nibbles(const uint8_t *packed, uint8_t *out, int64_t lo, int64_t hi) {

@@ -134,14 +134,9 @@ extern "C" __global__ void hvd_unpack_u16(const unsigned char *packed, int bits,
   hvd_unpack_kernel(packed, bits, out, n);
 }
 
-/* result[0] = max over i of the bits of |x[i]|: comparing IEEE bits as integers orders magnitudes,
- * and every NaN compares above Inf, which the caller reads as "non-finite". result starts at 0. */
-extern "C" __global__ void hvd_amax_bits(const float *x, long long n, unsigned int *result) {
+/* *result = max(*result, m over the block's threads): a warp reduction, then one atomic per block. */
+__device__ __forceinline__ void hvd_block_max(unsigned int m, unsigned int *result) {
   __shared__ unsigned int partial[32];
-  unsigned int m = 0u;
-  const long long stride = (long long)blockDim.x * gridDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-    m = max(m, hvd_f32_bits(x[i]) & 0x7FFFFFFFu);
   for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_down_sync(0xFFFFFFFFu, m, offset));
   if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = m;
   __syncthreads();
@@ -149,5 +144,86 @@ extern "C" __global__ void hvd_amax_bits(const float *x, long long n, unsigned i
     m = threadIdx.x < (blockDim.x + 31) / 32 ? partial[threadIdx.x] : 0u;
     for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_down_sync(0xFFFFFFFFu, m, offset));
     if (threadIdx.x == 0) atomicMax(result, m);
+  }
+}
+
+/* result[0] = max over i of the bits of |x[i]|: comparing IEEE bits as integers orders magnitudes,
+ * and every NaN compares above Inf, which the caller reads as "non-finite". result starts at 0. */
+extern "C" __global__ void hvd_amax_bits(const float *x, long long n, unsigned int *result) {
+  unsigned int m = 0u;
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    m = max(m, hvd_f32_bits(x[i]) & 0x7FFFFFFFu);
+  hvd_block_max(m, result);
+}
+
+/*
+ * Encode and pack in one pass (host.c's hvd_encode_row): the codes of x[0..n) (stochastic hash
+ * indices offset + i) written into a packed stream at code positions pos .. pos + n, the other
+ * bits of the bytes they touch kept. One thread per output byte, so no two threads share one: a
+ * code straddling two bytes is encoded by both threads, alike.
+ */
+extern "C" __global__ void hvd_encode_row(const float *x, long long n, long long offset, unsigned char *row,
+                                          long long pos, int e, int m, int policy, int saturate, int shift,
+                                          int stochastic, unsigned long long seed) {
+  const hvd_encoder_t p = hvd_encoder(hvd_make_fmt(e, m, policy, saturate));
+  const int bits = 1 + e + m;
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  const long long end = ((pos + n) * bits + 7) / 8;
+  for (long long j = pos * bits / 8 + (long long)blockIdx.x * blockDim.x + threadIdx.x; j < end; j += stride) {
+    unsigned int byte = row[j];
+    const long long first = max(hvd_pack_first(j, bits), pos), last = hvd_pack_last(j, bits, pos + n);
+    for (long long i = first; i <= last; ++i) {
+      const unsigned int r = stochastic ? hvd_random32(seed, (unsigned long long)(offset + i - pos)) : 0u;
+      const unsigned int code = hvd_encode_one(x[i - pos], p, shift, stochastic, r);
+      byte = (byte & ~hvd_pack_piece((1u << bits) - 1u, i, bits, j)) | hvd_pack_piece(code, i, bits, j);
+    }
+    row[j] = (unsigned char)byte;
+  }
+}
+
+/* The value of code c, from the block's table for formats of <= 8 bits. */
+__device__ __forceinline__ float hvd_value(const float *table, int small, unsigned int c, hvd_fmt_t f, int shift) {
+  return small ? table[c] : hvd_decode_one(c, f, shift);
+}
+
+/*
+ * host.c's hvd_sum_rows: out[i] = the sum over `ranks` packed rows (`stride` bytes apart), in
+ * rank order from +0.0, of code lo + i decoded; *peak = max(*peak, the bits of every |out[i]|),
+ * read as hvd_amax_bits' result is. Unpacking is fused into the sum: no unpacked copy.
+ */
+extern "C" __global__ void hvd_sum_rows(const unsigned char *rows, long long stride, int ranks, long long lo,
+                                        long long n, float *out, int e, int m, int policy, int shift,
+                                        unsigned int *peak) {
+  __shared__ float table[256];
+  const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
+  const int bits = 1 + e + m, small = bits <= 8;
+  if (small) hvd_fill_table(table, 1 << bits, f, shift);
+  unsigned int top = 0u;
+  const long long step = (long long)blockDim.x * gridDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+    float acc = 0.0f;
+    for (int r = 0; r < ranks; ++r) acc += hvd_value(table, small, hvd_unpack_code(rows + r * stride, lo + i, bits), f, shift);
+    out[i] = acc;
+    top = max(top, hvd_f32_bits(acc) & 0x7FFFFFFFu);
+  }
+  hvd_block_max(top, peak);
+}
+
+/* host.c's hvd_decode_row: out[i] = code lo + i of a packed row, decoded and divided by `divisor`
+ * in float32 (the average's N; 1 leaves every value, -0 and NaN included, as it is). */
+extern "C" __global__ void hvd_decode_row(const unsigned char *row, long long lo, long long n, float *out, int e,
+                                          int m, int policy, int shift, float divisor) {
+  __shared__ float table[256];
+  const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
+  const int bits = 1 + e + m, small = bits <= 8;
+  if (small) {
+    for (int c = threadIdx.x; c < 1 << bits; c += blockDim.x) table[c] = hvd_decode_one((unsigned int)c, f, shift) / divisor;
+    __syncthreads();
+  }
+  const long long step = (long long)blockDim.x * gridDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+    const unsigned int c = hvd_unpack_code(row, lo + i, bits);
+    out[i] = small ? table[c] : hvd_decode_one(c, f, shift) / divisor;
   }
 }

@@ -134,3 +134,31 @@ def test_decode_sum_rows_adds_ml_dtypes_values_in_rank_order(name, ranks, engine
     assert np.signbit(values[1][values[1] == 0]).any()  # -0 among the codes decode_row must keep
     with pytest.raises(ValueError, match="need"):
         hvd_aps.codec.decode_sum_rows(rows, fmt, 0, n + 20)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("name", ["e4m3", "e2m1fn", "e3m2fn", "fp16"])  # 8, 4, 6 and 16 bits
+def test_encode_into_writes_pieces_of_one_packed_stream(name, rounding, engine):
+    """Pieces of a tensor encoded straight into their places of one packed stream, in shuffled
+    order, with cuts at odd positions and each piece long enough for the host engine's threads:
+    the stream equals ml_dtypes' codes (nearest) or one encode() with the same seed (stochastic)
+    packed, so no piece touched its neighbours' bits; codes_at reads a sample back."""
+    fmt, n, rng = hvd_aps.FloatFormat.parse(name), 1_200_003, np.random.default_rng(12)
+    x = (rng.standard_normal(n) * rng.choice([1e-3, 1, 30], n)).astype(np.float32)
+    codes = (oracle_codes(x, fmt) if rounding == "nearest" else hvd_aps.encode(x, fmt, rounding, seed=5)).astype(fmt.code_dtype)
+    bounds = [0, 1, 9, 555_555, 555_562, 1_199_990, n]
+    row = np.full(hvd_aps.packed_size(n, fmt), 0xA5, np.uint8)  # bits no piece may leave as they are
+    for k in rng.permutation(len(bounds) - 1):
+        a, b = bounds[k], bounds[k + 1]
+        assert hvd_aps.codec.encode_into(x[a:b], fmt, row, a, rounding, seed=5, index=a) is row
+    want = hvd_aps.pack(codes, fmt)
+    tail = n * fmt.bits % 8  # bits of the last byte past the last code: left as they were
+    keep = np.full(row.size, 0xFF, np.uint8)
+    keep[-1] = (1 << tail) - 1 if tail else 0xFF
+    assert np.array_equal(row & keep, want & keep)
+    positions = np.arange(3, n, 9973)
+    assert np.array_equal(hvd_aps.codec.codes_at(row, fmt, positions), codes[positions])
+    with pytest.raises(ValueError, match="need"):
+        hvd_aps.codec.encode_into(x[:10], fmt, row, n - 5)
+    with pytest.raises(TypeError, match="contiguous"):
+        hvd_aps.codec.encode_into(x[:10], fmt, np.zeros(64, np.uint8)[::2], 0)

@@ -115,8 +115,9 @@ def test_stats_measure_the_encode_error_on_both_wires():
     assert comp.stats["w"].relative_error == pytest.approx(want, rel=1e-9) and want > 0.05
 
     codes_comp = hvd_aps.APSCompressor("e3m0")
-    codes_comp.record("c", codes_comp.measure_codes(x.ravel(), hvd_aps.encode(x.ravel(), "e3m0", shift=shift), shift,
-                                                    codes_comp.fmt))
+    row = np.zeros(hvd_aps.codec.packed_size(x.size + 3, "e3m0"), np.uint8)  # the codes start mid-byte
+    hvd_aps.codec.encode_into(x.ravel(), "e3m0", row, 3, shift=shift)
+    codes_comp.record("c", codes_comp.measure_codes(x.ravel(), row, 3, shift, codes_comp.fmt))
     assert codes_comp.stats["c"].relative_error == pytest.approx(want, rel=1e-9)
     total = codes_comp.totals() + comp.totals()
     assert total.relative_error == pytest.approx(want, rel=1e-9)  # sums of squares add up
@@ -132,10 +133,10 @@ def test_sampled_stats_estimate_the_whole_tensor():
     every element's figures (a heavy-tailed tensor, so flushed and saturated counts are not 0)."""
     x = np.random.default_rng(4).laplace(0, 1e-3, 1 << 22).astype(np.float32)
     fmt, shift = hvd_aps.FloatFormat.parse("e3m0"), 11  # e3m0's max 16 at 2**11: |x| > 0.0078 saturates
-    codes = hvd_aps.encode(x, fmt, shift=shift, saturate=True)
+    row = hvd_aps.pack(hvd_aps.encode(x, fmt, shift=shift, saturate=True), fmt)
     exact, sampled = hvd_aps.APSCompressor(fmt, stats_sample=0), hvd_aps.APSCompressor(fmt)
     for comp in (exact, sampled):
-        comp.record("x", comp.measure_codes(x, codes, shift, fmt))
+        comp.record("x", comp.measure_codes(x, row, 0, shift, fmt))
     e, s = exact.stats["x"], sampled.stats["x"]
     assert e.measured == x.size and 0.9 * 65536 <= s.measured <= 65536 and s.elements == x.size
     assert s.relative_error == pytest.approx(e.relative_error, rel=0.05) and e.relative_error > 0.1

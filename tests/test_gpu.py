@@ -69,6 +69,30 @@ def test_pack_unpack_and_amax(name):
     assert hvd_aps.amax(cupy.asarray(inputs(100))) == float("inf")
 
 
+@pytest.mark.parametrize("name", ["e2m1fn", "e3m2fn", "e4m3", "e5m10"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_packed_row_stages_match_the_cpu(name, rounding):
+    """encode_into (pieces at odd code positions), decode_sum_rows (rows lying apart) and
+    decode_row on the GPU give the CPU engine's bytes and bits."""
+    fmt, n, ranks = hvd_aps.FloatFormat.parse(name), 100_003, 3
+    rng = np.random.default_rng(3)
+    xs = [(rng.standard_normal(n) * rng.choice([0, 1e-3, 1, 3], n)).astype(np.float32) for _ in range(ranks)]
+    size = hvd_aps.packed_size(n, fmt)
+    rows = {"cpu": np.zeros((ranks, size + 5), np.uint8), "gpu": cupy.zeros((ranks, size + 5), cupy.uint8)}
+    for r, x in enumerate(xs):
+        for a, b in [(0, 5), (5, 50_001), (50_001, n)]:
+            options = dict(seed=r, shift=4, index=a)
+            cpu(hvd_aps.codec.encode_into, x[a:b], fmt, rows["cpu"][r, 2:2 + size], a, rounding, **options)
+            hvd_aps.codec.encode_into(cupy.asarray(x[a:b]), fmt, rows["gpu"][r, 2:2 + size], a, rounding, **options)
+    assert (cupy.asnumpy(rows["gpu"]) == rows["cpu"]).all()
+    want, want_peak = cpu(hvd_aps.codec.decode_sum_rows, rows["cpu"][:, 2:2 + size], fmt, 7, n - 3, shift=4)
+    got, peak = hvd_aps.codec.decode_sum_rows(rows["gpu"][:, 2:2 + size], fmt, 7, n - 3, shift=4)
+    assert (cupy.asnumpy(got).view(np.uint32) == want.view(np.uint32)).all() and peak == want_peak
+    want = cpu(hvd_aps.codec.decode_row, rows["cpu"][1, 2:2 + size], fmt, 7, n - 3, shift=4, divisor=3)
+    got = hvd_aps.codec.decode_row(rows["gpu"][1, 2:2 + size], fmt, 7, n - 3, shift=4, divisor=3)
+    assert (cupy.asnumpy(got).view(np.uint32) == want.view(np.uint32)).all()
+
+
 def test_torch_and_tensorflow_inputs_stay_on_the_device():
     torch = pytest.importorskip("torch")
     x = inputs(10_000)

@@ -1,11 +1,14 @@
-"""ops/kernels.cu must compile for the GPUs hvd_aps targets (CI has nvcc but no GPU)."""
+"""ops/kernels.cu must compile for the GPUs hvd_aps targets (CI has nvcc but no GPU), and define
+every kernel the CuPy engine launches."""
 import pathlib
+import re
 import shutil
 import subprocess
 
 import pytest
 
 OPS = pathlib.Path(__file__).parent.parent / "ops"
+ENGINE = pathlib.Path(__file__).parent.parent / "hvd_aps" / "_cupy_engine.py"
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -16,4 +19,9 @@ def test_kernels_compile(arch, tmp_path):
     run = subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "--cubin", "-Werror", "all-warnings",
                           "-o", str(tmp_path / "k.cubin"), str(OPS / "kernels.cu")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert (tmp_path / "k.cubin").stat().st_size > 10_000
+    cubin = (tmp_path / "k.cubin").read_bytes()
+    assert len(cubin) > 10_000
+    launched = set(re.findall(r'"(hvd_[a-z0-9_]+)"', ENGINE.read_text()))
+    assert {"hvd_encode_row", "hvd_sum_rows", "hvd_decode_row"} <= launched
+    missing = [name for name in launched if name.encode() + b"\0" not in cubin]  # extern "C": names as written
+    assert not missing, f"the CuPy engine launches kernels kernels.cu does not define: {missing}"
