@@ -57,7 +57,7 @@ def sum_rows(rows, fmt, start, stop, shift, out=None):
     return out, _amax_from_bits(peak)
 
 
-def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1)):
+def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1), stream=False):
     out = cupy.empty(stop - start, cupy.float32) if out is None else out
     _launch("hvd_decode_row", max(1, stop - start), row, np.int64(start), np.int64(stop - start), out,
             *_fmt_args(fmt), np.int32(shift), np.float32(divisor))

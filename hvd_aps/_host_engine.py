@@ -56,7 +56,7 @@ def _load():
     lib.hvd_unpack_nibbles.restype = None
     lib.hvd_sum_rows.argtypes = [ptr, i64, i32, i32, i64, i64, ptr, ptr]
     lib.hvd_sum_rows.restype = ctypes.c_float
-    lib.hvd_decode_row.argtypes = [ptr, i32, i64, i64, ptr, ptr]
+    lib.hvd_decode_row.argtypes = [ptr, i32, i64, i64, ptr, ptr, i32]
     lib.hvd_decode_row.restype = None
     lib.hvd_amax.argtypes = [ptr, i64]
     lib.hvd_amax.restype = ctypes.c_float
@@ -169,11 +169,11 @@ def sum_rows(rows, fmt, start, stop, shift, out=None):
     return out, float(max(peaks, default=0.0))
 
 
-def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1)):
+def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1), stream=False):
     out = np.empty(stop - start, np.float32) if out is None else out
     table, rp, op = decode_table(fmt, shift) / divisor, row.ctypes.data, out.ctypes.data
-    _run(lambda lo, hi: _lib.hvd_decode_row(rp, fmt.bits, start + lo, start + hi, op + 4 * lo, table.ctypes.data),
-         stop - start)
+    _run(lambda lo, hi: _lib.hvd_decode_row(rp, fmt.bits, start + lo, start + hi, op + 4 * lo, table.ctypes.data,
+                                            int(stream)), stop - start)
     return out
 
 

@@ -146,7 +146,7 @@ def sum_rows(rows, fmt, start, stop, shift, out=None):
     return out, amax(out)
 
 
-def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1)):
+def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1), stream=False):
     table = decode_table(fmt, shift) / divisor
     return np.take(table, unpack(row, fmt.bits, stop, np.dtype(fmt.code_dtype))[start:], out=out)
 

@@ -184,13 +184,15 @@ def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None):
     return _engine_for(rows).sum_rows(rows, fmt, start, stop, _check_shift(shift), out)
 
 
-def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1):
+def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1, stream=False):
     """decode() of codes start..stop of one packed stream `row`, without unpacking it first,
     divided by `divisor` in float32 (an average's N: one rounding, as decoding and then dividing
-    gives, without a second pass over the values)."""
+    gives, without a second pass over the values). stream=True: the host engine writes past the
+    caches (results far larger than them, which leave them before anyone reads them anyway)."""
     fmt, rows = _check_rows(as_array(row).reshape(1, -1), fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
-    return _engine_for(rows).decode_row(rows[0], fmt, start, stop, _check_shift(shift), out, np.float32(divisor))
+    return _engine_for(rows).decode_row(rows[0], fmt, start, stop, _check_shift(shift), out, np.float32(divisor),
+                                        bool(stream))
 
 
 def codes_at(row, fmt, positions):

@@ -36,6 +36,9 @@ from . import _arrays, codec, scaling
 _SHIFT = np.dtype("<i2")  # re-encode exponents on the wire
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # shards are summed in float32: no x N headroom needed
 HYBRID_SAMPLE = 4096  # elements per tensor the hybrid policy's error estimate looks at
+# Buckets whose results are larger than this are decoded past the caches (codec.decode_row's
+# stream): they would leave a typical last-level cache before the optimizer reads them anyway.
+STREAM_BYTES = 32 << 20
 
 
 def buckets(sizes, bucket_bytes, min_elements):
@@ -144,6 +147,7 @@ class Agreement:
     chunks: list        # chunk_slices(sizes, ...)
     outs: list          # where the results go, one float32 flat per tensor
     average: bool
+    stream: bool            # decode the results past the caches (STREAM_BYTES)
     corrected: list = None  # error feedback: gradient + residual, what begin() encodes
     stats: dict = dataclasses.field(default_factory=dict)  # per tensor, summed over its slices
     bytes_sent: int = 0
@@ -206,7 +210,7 @@ class CodesExchange:
             outs[i].fill(np.nan)
         return Agreement(key, list(sizes), labels, shifts, wide, fallback,
                          chunk_slices([n if finite[i] else 0 for i, n in enumerate(sizes)], self.chunk_elements),
-                         outs, average, self._corrected_by_key.pop(key, None))
+                         outs, average, 4 * sum(sizes) >= STREAM_BYTES, self._corrected_by_key.pop(key, None))
 
     def begin(self, flats, agreement, chunk=0):
         """Encode chunk `chunk` of the bucket -> (bytes to alltoall, bytes per destination rank,
@@ -316,7 +320,7 @@ class CodesExchange:
                 i, start, _ = lane.items[t]
                 out = a.outs[i][start + p - offsets[t]:start + q - offsets[t]]
                 codec.decode_row(gathered[r, :size], lane.fmt, p - lo, q - lo, int(shift), out=out,
-                                 divisor=self.world if a.average else 1)
+                                 divisor=self.world if a.average else 1, stream=a.stream)
 
     def done(self, agreement):
         """After the last chunk: the results, and the bytes this rank sent counted."""

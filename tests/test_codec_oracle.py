@@ -129,8 +129,10 @@ def test_decode_sum_rows_adds_ml_dtypes_values_in_rank_order(name, ranks, engine
         got, peak = hvd_aps.codec.decode_sum_rows(rows, fmt, start, stop, shift)
         assert same_bits(got, want).all() and peak == (float(np.abs(want).max()) if want.size else 0.0)
         assert same_bits(hvd_aps.codec.decode_row(rows[1], fmt, start, stop, shift), terms[1]).all()
-        assert same_bits(hvd_aps.codec.decode_row(rows[1], fmt, start, stop, shift, divisor=ranks),
-                         terms[1] / np.float32(ranks)).all()
+        for stream in (False, True):  # through the cache, and past it (non-temporal stores) from an odd address
+            out = np.empty(stop - start + 1, np.float32)[1:]
+            hvd_aps.codec.decode_row(rows[1], fmt, start, stop, shift, out=out, divisor=ranks, stream=stream)
+            assert same_bits(out, terms[1] / np.float32(ranks)).all()
     assert np.signbit(values[1][values[1] == 0]).any()  # -0 among the codes decode_row must keep
     with pytest.raises(ValueError, match="need"):
         hvd_aps.codec.decode_sum_rows(rows, fmt, 0, n + 20)
