@@ -7,7 +7,11 @@ CPU: GB/s of float32 converted (a round trip is encode + decode), against ml_dty
 torch's float8 casts; then the codes exchange's reduce step, decode-and-sum of N=4 ranks'
 packed code buffers, two ways in the same run: unpacking each rank's buffer and adding one rank
 at a time (unpack + codec.decode_sum, the way the exchange summed before), and in one pass
-straight from the packed bytes (codec.decode_sum_rows, what it does now), with their ratio. GPU: GB/s of bytes read + written by encode, decode and decode-accumulate
+straight from the packed bytes (codec.decode_sum_rows, what it does now), with their ratio; then
+the other fused stages against what they replaced, interleaved likewise: 4-bit encode then pack
+against encode_into (codes written straight into the packed stream), and the final decode
+through the caches against past them (decode_row's stream, non-temporal stores). GPU: GB/s of
+bytes read + written by encode, decode and decode-accumulate
 (4 ranks' code buffers into one float32 sum), against a device-to-device copy (its bytes read +
 written) and torch's `.to(torch.float8_e4m3fn)`. Figures are medians of --repeats timed runs
 after a warm-up run.
@@ -123,6 +127,10 @@ def main():
         per_rank, one_pass = decode_sum_seconds(x, fmt, args.repeats)
         print("  ".join(f"{c:>16}" for c in [fmt, f"{gbs(per_rank):.2f}", f"{gbs(one_pass):.2f}",
                                               f"{per_rank / one_pass:.2f}x"]))
+    print(f"\nfused stages, {args.mib} MiB of float32 in (encode) or out (decode)")
+    print("  ".join(f"{h:>22}" for h in ["stage", "before GB/s", "fused GB/s", "x before"]))
+    for label, (before, fused) in fused_stage_seconds(x, args.repeats).items():
+        print("  ".join(f"{c:>22}" for c in [label, f"{gbs(before):.2f}", f"{gbs(fused):.2f}", f"{before / fused:.2f}x"]))
 
 
 RANKS = 4
@@ -143,8 +151,33 @@ def decode_sum_seconds(x, fmt, repeats):
         return codec.decode_sum_rows(rows, fmt, 0, x.size, 2, out=summed)[0]
 
     assert per_rank().tobytes() == one_pass().tobytes()
-    pairs = [(median_seconds(per_rank, 1), median_seconds(one_pass, 1)) for _ in range(repeats)]  # interleaved
-    return statistics.median(p for p, _ in pairs), statistics.median(o for _, o in pairs)
+    return paired_seconds(per_rank, one_pass, repeats)
+
+
+def fused_stage_seconds(x, repeats):
+    """{stage: (seconds before, seconds fused)}, each pair checked equal byte for byte first."""
+    out = {}
+    for fmt in ("e3m0", "e2m1fn"):
+        codes, row = np.empty(x.size, np.uint8), np.empty(codec.packed_size(x.size, fmt), np.uint8)
+        before = lambda: codec.pack(hvd_aps.encode(x, fmt, shift=2, out=codes), fmt)
+        fused = lambda: codec.encode_into(x, fmt, row, 0, shift=2)
+        assert before().tobytes() == fused().tobytes()
+        out[f"{fmt} encode + pack"] = paired_seconds(before, fused, repeats)
+    for fmt in ("e4m3", "e3m0"):
+        row, values = codec.pack(hvd_aps.encode(x, fmt, shift=2), fmt), np.empty(x.size, np.float32)
+
+        def decode(stream):
+            return codec.decode_row(row, fmt, 0, x.size, 2, out=values, divisor=4, stream=stream)
+
+        assert decode(False).copy().tobytes() == decode(True).tobytes()
+        out[f"{fmt} decode past caches"] = paired_seconds(lambda: decode(False), lambda: decode(True), repeats)
+    return out
+
+
+def paired_seconds(before, after, repeats):
+    """Medians of two ways to do one thing, timed alternately so both see the same machine."""
+    pairs = [(median_seconds(before, 1), median_seconds(after, 1)) for _ in range(repeats)]
+    return statistics.median(b for b, _ in pairs), statistics.median(a for _, a in pairs)
 
 
 if __name__ == "__main__":

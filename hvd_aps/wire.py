@@ -7,15 +7,17 @@ two collectives that only move bytes:
    hybrid precision each tensor's sampled narrow-format error), so all ranks agree on each
    tensor's format and APS shift (`agree`);
 2. the bucket, its tensors laid end to end, is cut into equal chunks (chunk_slices); per chunk:
-   begin: each tensor slice is scaled and encoded into one flat code buffer per format (a
+   begin: the chunk's tensor slices are laid out in one flat code layout per format (a
    *lane*: the narrow format, and the wide one with hybrid precision), cut into one shard per
-   rank and packed (formats under 8 bits: several codes a byte); `alltoall` sends shard r of
+   rank; each slice is scaled and encoded straight into its places in the message, packed as
+   it is written (formats under 8 bits: several codes a byte); `alltoall` sends shard r of
    every lane to rank r;
 3. reduce_shard: rank r sums the N copies of its shard in float32 in one pass over the
-   received bytes, then re-encodes the sum with a fresh APS exponent per slice piece (the
-   exponents travel with the codes); `allgather` gives every rank every reduced shard;
+   received bytes, then re-encodes the sum with a fresh APS exponent per slice piece straight
+   into the message (the exponents travel with the codes); `allgather` gives every rank every
+   reduced shard;
 4. finish: decode straight from the gathered bytes into the results, divided by N for an
-   average.
+   average (large buckets' results written past the caches, STREAM_BYTES).
 
 Each rank sends about 2 (N-1)/N x (bits/8) bytes per element, as a ring allreduce of 1-byte
 values would: 4x less than fp32, 8x for 4-bit formats. Every rank decodes the same gathered bytes
