@@ -128,9 +128,10 @@ def main():
         print("  ".join(f"{c:>16}" for c in [fmt, f"{gbs(per_rank):.2f}", f"{gbs(one_pass):.2f}",
                                               f"{per_rank / one_pass:.2f}x"]))
     print(f"\nfused stages, {args.mib} MiB of float32 in (encode) or out (decode)")
-    print("  ".join(f"{h:>22}" for h in ["stage", "before GB/s", "fused GB/s", "x before"]))
+    print("  ".join(f"{h:>24}" for h in ["stage", "before GB/s", "fused GB/s", "x before"]))
     for label, (before, fused) in fused_stage_seconds(x, args.repeats).items():
-        print("  ".join(f"{c:>22}" for c in [label, f"{gbs(before):.2f}", f"{gbs(fused):.2f}", f"{before / fused:.2f}x"]))
+        cells = [label, f"{gbs(before):.2f}", f"{gbs(fused):.2f}", f"{before / fused:.2f}x"]
+        print("  ".join(f"{c:>24}" for c in cells))
 
 
 RANKS = 4
