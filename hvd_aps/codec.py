@@ -9,6 +9,17 @@ man_bits=0, where "even" is the exponent's last bit), gradual underflow, signed 
 Inf and overflow exactly as ml_dtypes' `astype` treats them for every format it has. The APS
 `shift` multiplies the input by 2**shift inside the conversion (and decode multiplies by
 2**-shift), so scaling never rounds on its own.
+
+The engine contract (_host_engine, _numpy_engine, _cupy_engine), on inputs this module has
+already checked (fmt a FloatFormat, shift and seed ints, `out` None or an array that fits; the
+format and scale come right after the data, unlike the public functions' keyword order):
+    encode(x, fmt, shift, rounding, seed, saturate, out) -> codes
+    encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index) -> row
+    decode(codes, fmt, shift, dtype, out) -> values
+    decode_accumulate(codes, fmt, shift, out) -> sums over the leading axis, added to out
+    sum_rows(rows, fmt, start, stop, shift, out) -> (sums, max |sums|)
+    decode_row(row, fmt, start, stop, shift, out, divisor, stream) -> values
+    pack(codes, bits), unpack(packed, bits, n, dtype), amax(x)
 """
 import functools
 import os
