@@ -8,6 +8,8 @@ import importlib.resources
 import cupy
 import numpy as np
 
+from .codec import packed_size
+
 _THREADS = 256
 _MAX_BLOCKS = 1 << 16  # grid-stride loops cover the rest
 
@@ -40,13 +42,10 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None):
 
 def encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index):
     x = cupy.ascontiguousarray(x, dtype=cupy.float32)
-    _launch("hvd_encode_row", max(1, _bytes_touched(x.size, fmt)), x, np.int64(x.size), np.int64(index), row, np.int64(pos),
+    touched = packed_size(x.size, fmt) + 1  # the bytes x.size codes reach, wherever they start
+    _launch("hvd_encode_row", touched, x, np.int64(x.size), np.int64(index), row, np.int64(pos),
             *_fmt_args(fmt), np.int32(saturate), np.int32(shift), np.int32(rounding == "stochastic"), np.uint64(seed))
     return row
-
-
-def _bytes_touched(n, fmt):
-    return -(-n * fmt.bits // 8) + 1  # the bytes n codes touch, wherever they start
 
 
 def sum_rows(rows, fmt, start, stop, shift, out=None):

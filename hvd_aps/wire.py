@@ -149,11 +149,15 @@ class Agreement:
     chunks: list        # chunk_slices(sizes, ...)
     outs: list          # where the results go, one float32 flat per tensor
     average: bool
-    stream: bool            # decode the results past the caches (STREAM_BYTES)
     corrected: list = None  # error feedback: gradient + residual, what begin() encodes
     stats: dict = dataclasses.field(default_factory=dict)  # per tensor, summed over its slices
     bytes_sent: int = 0
     lock: object = dataclasses.field(default_factory=threading.Lock)  # graph stages may run at once
+
+    @property
+    def stream(self):
+        """Decode the results past the caches (STREAM_BYTES)."""
+        return 4 * sum(self.sizes) >= STREAM_BYTES
 
 
 @dataclasses.dataclass
@@ -212,7 +216,7 @@ class CodesExchange:
             outs[i].fill(np.nan)
         return Agreement(key, list(sizes), labels, shifts, wide, fallback,
                          chunk_slices([n if finite[i] else 0 for i, n in enumerate(sizes)], self.chunk_elements),
-                         outs, average, 4 * sum(sizes) >= STREAM_BYTES, self._corrected_by_key.pop(key, None))
+                         outs, average, self._corrected_by_key.pop(key, None))
 
     def begin(self, flats, agreement, chunk=0):
         """Encode chunk `chunk` of the bucket -> (bytes to alltoall, bytes per destination rank,

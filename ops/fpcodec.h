@@ -206,11 +206,15 @@ HVD_HD hvd_i64 hvd_pack_last(hvd_i64 j, hvd_i32 bits, hvd_i64 n) {
   return last < n - 1 ? last : n - 1;
 }
 
+/* Byte j of a stream with code i's part of it replaced by `code`'s, the other codes' bits kept. */
+HVD_HD hvd_u32 hvd_place_piece(hvd_u32 byte, hvd_u32 code, hvd_i64 i, hvd_i32 bits, hvd_i64 j) {
+  return (byte & ~hvd_pack_piece((1u << bits) - 1u, i, bits, j)) | hvd_pack_piece(code, i, bits, j);
+}
+
 /* Code i written into the stream, the bits of every other code in the bytes it touches kept. */
 HVD_HD void hvd_put_code(unsigned char *packed, hvd_i64 i, hvd_i32 bits, hvd_u32 code) {
   for (hvd_i64 j = i * bits / 8; j <= (i * bits + bits - 1) / 8; ++j)
-    packed[j] = (unsigned char)((packed[j] & ~hvd_pack_piece((1u << bits) - 1u, i, bits, j)) |
-                                hvd_pack_piece(code, i, bits, j));
+    packed[j] = (unsigned char)hvd_place_piece(packed[j], code, i, bits, j);
 }
 
 /* Code i read back from the stream. */

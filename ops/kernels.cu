@@ -58,9 +58,17 @@ extern "C" __global__ void hvd_encode_u16(const float *x, unsigned short *out, l
   hvd_encode_kernel(x, out, n, e, m, policy, saturate, shift, stochastic, seed, vector_ok);
 }
 
-/* The value table of a format of <= 8 bits, built by each block in shared memory. */
-__device__ __forceinline__ void hvd_fill_table(float *table, int count, hvd_fmt_t f, int shift) {
-  for (int c = threadIdx.x; c < count; c += blockDim.x) table[c] = hvd_decode_one((unsigned int)c, f, shift);
+/* value / divisor in float32; divisor 1 divides nothing (the device's division would
+ * canonicalise a NaN the host keeps). */
+__device__ __forceinline__ float hvd_divided(float value, float divisor) {
+  return divisor == 1.0f ? value : value / divisor;
+}
+
+/* The value table of a format of <= 8 bits, divided by `divisor`, built by each block in shared
+ * memory. */
+__device__ __forceinline__ void hvd_fill_table(float *table, int count, hvd_fmt_t f, int shift, float divisor) {
+  for (int c = threadIdx.x; c < count; c += blockDim.x)
+    table[c] = hvd_divided(hvd_decode_one((unsigned int)c, f, shift), divisor);
   __syncthreads();
 }
 
@@ -73,7 +81,7 @@ __device__ void hvd_decode_kernel(const Code *codes, float *out, long long n, in
   __shared__ float table[256];
   const hvd_fmt_t f = hvd_make_fmt(exp_bits, man_bits, policy, 0);
   const int small = 1 + exp_bits + man_bits <= 8;
-  if (small) hvd_fill_table(table, 1 << (1 + exp_bits + man_bits), f, shift);
+  if (small) hvd_fill_table(table, 1 << (1 + exp_bits + man_bits), f, shift, 1.0f);
   const long long stride = (long long)blockDim.x * gridDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
     const unsigned int c0 = codes[i];
@@ -176,7 +184,7 @@ extern "C" __global__ void hvd_encode_row(const float *x, long long n, long long
     for (long long i = first; i <= last; ++i) {
       const unsigned int r = stochastic ? hvd_random32(seed, (unsigned long long)(offset + i - pos)) : 0u;
       const unsigned int code = hvd_encode_one(x[i - pos], p, shift, stochastic, r);
-      byte = (byte & ~hvd_pack_piece((1u << bits) - 1u, i, bits, j)) | hvd_pack_piece(code, i, bits, j);
+      byte = hvd_place_piece(byte, code, i, bits, j);
     }
     row[j] = (unsigned char)byte;
   }
@@ -198,7 +206,7 @@ extern "C" __global__ void hvd_sum_rows(const unsigned char *rows, long long str
   __shared__ float table[256];
   const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
   const int bits = 1 + e + m, small = bits <= 8;
-  if (small) hvd_fill_table(table, 1 << bits, f, shift);
+  if (small) hvd_fill_table(table, 1 << bits, f, shift, 1.0f);
   unsigned int top = 0u;
   const long long step = (long long)blockDim.x * gridDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
@@ -211,19 +219,16 @@ extern "C" __global__ void hvd_sum_rows(const unsigned char *rows, long long str
 }
 
 /* host.c's hvd_decode_row: out[i] = code lo + i of a packed row, decoded and divided by `divisor`
- * in float32 (the average's N; 1 leaves every value, -0 and NaN included, as it is). */
+ * in float32 (the average's N), as the table is. */
 extern "C" __global__ void hvd_decode_row(const unsigned char *row, long long lo, long long n, float *out, int e,
                                           int m, int policy, int shift, float divisor) {
   __shared__ float table[256];
   const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
   const int bits = 1 + e + m, small = bits <= 8;
-  if (small) {
-    for (int c = threadIdx.x; c < 1 << bits; c += blockDim.x) table[c] = hvd_decode_one((unsigned int)c, f, shift) / divisor;
-    __syncthreads();
-  }
+  if (small) hvd_fill_table(table, 1 << bits, f, shift, divisor);
   const long long step = (long long)blockDim.x * gridDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
     const unsigned int c = hvd_unpack_code(row, lo + i, bits);
-    out[i] = small ? table[c] : hvd_decode_one(c, f, shift) / divisor;
+    out[i] = small ? table[c] : hvd_divided(hvd_decode_one(c, f, shift), divisor);
   }
 }
