@@ -4,9 +4,11 @@ Real ranks (Horovod, every setting and seed in one job; rank 0 writes the result
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/accuracy_study.py [--task transformer] [--quick]
 
-torch.distributed DDP ranks (hvd_aps.ddp.aps_hook; none/fp16 are DDP's allreduce and torch's hook):
+torch.distributed DDP ranks (hvd_aps.ddp.aps_hook; none/fp16 are DDP's allreduce and torch's hook),
+or FSDP2 ranks (hvd_aps.fsdp; none is FSDP's own reduce-scatter):
 
     torchrun --nproc-per-node 2 examples/accuracy_study.py --ddp [--quick]
+    torchrun --nproc-per-node 2 examples/accuracy_study.py --fsdp --task transformer --settings none,aps-e4m3
 
 Many emulated workers in one process (CPD's "emulate-node"): the codes settings run the very
 stages real ranks run (hvd_aps.emulate.codes_allreduce, one compressor per worker), the -values
@@ -37,10 +39,10 @@ import torch
 
 import hvd_aps
 from hvd_aps import emulate
-from hvd_aps import from_name
+import recipes
 from study_tasks import TASKS
 
-# aps-*: the card's line (horovod.torch.DistributedOptimizer + APSCompressor), codes on the wire;
+# aps-*: APSCompressor on horovod.torch.DistributedOptimizer, codes on the wire;
 # *-values: the same rounding carried as float16 values; codes-*: hvd_aps.torch.DistributedOptimizer;
 # -ef: with error feedback; -hybrid: hybrid precision (tensors the format would lose go in e4m3)
 SETTINGS = ["none", "fp16", "naive-e4m3", "naive-e5m2", "aps-e4m3", "aps-e5m2", "aps-e3m0", "aps-e2m1fn",
@@ -58,7 +60,7 @@ class HorovodAverager:
         import horovod.torch as hvd
         self.hvd, self.setting, self.task = hvd, setting, task
         self.codes = setting.startswith("codes-")
-        self.compression = from_name(setting, hvd.Compression, **options)
+        self.compression = recipes.compression(setting, hvd.Compression, **options)
         self.compressor = self.compression if isinstance(self.compression, hvd_aps.APSCompressor) else None
 
     def optimizer(self, model, lr):
@@ -113,6 +115,24 @@ class DDPAverager:
         return n_params * (2 if self.setting == "fp16" else 4)
 
 
+class FSDPAverager(DDPAverager):
+    """Gradients reduce-scattered by FSDP2 (each transformer block a unit, then the root): FSDP's
+    own reduce-scatter for none, hvd_aps.fsdp's codes reduce-scatter for an APS setting."""
+
+    def optimizer(self, model, lr):
+        from torch.distributed.fsdp import fully_shard
+        import hvd_aps.fsdp
+        for module in list(model.modules()):
+            if type(module).__name__ == "Block":
+                fully_shard(module)
+        self.ddp = fully_shard(model)  # the module step() runs
+        self.compressor = None
+        if self.setting != "none":
+            self.compressor = recipes.compression(self.setting, None, **self.options)
+            hvd_aps.fsdp.apply(model, self.compressor)
+        return self.task.optimizer(model.parameters(), lr)
+
+
 class EmulatedAverager:
     """N workers in one process: per-worker gradients from torch.func.vmap, averaged the way the
     setting's ranks would: codes settings through the codes exchange's own stages (one bucket;
@@ -123,7 +143,7 @@ class EmulatedAverager:
         self.setting, self.task, self.workers = setting, task, workers
         self.compressors = self.compressor = None
         if setting not in ("none", "fp16") and not setting.endswith("-values"):
-            self.compressors = [from_name(setting, None, **options) for _ in range(workers)]
+            self.compressors = [recipes.compression(setting, None, **options) for _ in range(workers)]
             self.compressor = self.compressors[0]
 
     def optimizer(self, model, lr):
@@ -174,7 +194,7 @@ def train(averager, task, seed, args, log):
     averager.steps, averager.sizes = steps, [p.numel() for p in model.parameters()]
     gen = torch.Generator().manual_seed(seed)
     curve = {"step": [], "test_accuracy": [], "train_loss": [], "encode_error": [], "flushed": []}
-    seen = hvd_aps.compressor.TensorStats()
+    seen = hvd_aps.TensorStats()
     for step in range(1, steps + 1):
         x, y = task.batch(train_set, gen)  # the same global batch on every rank
         averager.step(model, opt, x, y, args.loss_scale)
@@ -186,7 +206,8 @@ def train(averager, task, seed, args, log):
                 curve[key].append(value)
             log(f"  {averager.setting:>19} seed {seed} step {step:4d}: test accuracy {acc:.4f} "
                 f"train loss {train_loss:.4f} encode error {error:.3f}")
-    params = torch.cat([p.detach().ravel() for p in model.parameters()])
+    params = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().ravel()
+                        for p in model.parameters()])  # FSDP2: every rank's shards gathered
     return curve, params, averager.bytes_per_step(params.numel())
 
 
@@ -268,6 +289,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="the quick settings, 2 seeds, a third of the steps (CI size)")
     parser.add_argument("--emulate", help="comma-separated emulated worker counts, e.g. 8,32,256")
     parser.add_argument("--ddp", action="store_true", help="torch.distributed DDP ranks (run under torchrun)")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 ranks (run under torchrun)")
     parser.add_argument("--settings", help=f"comma-separated, default all: {','.join(SETTINGS)}")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, help="default: the task's (digits 400, transformer 300)")
@@ -299,8 +321,8 @@ def main():
             finish(out / f"{task.name}-emulated-{workers}", f"{task.name} {workers} emulated", runs)
         return
 
-    if args.ddp:
-        return ddp_main(task, settings, seeds, args, options)
+    if args.ddp or args.fsdp:
+        return ddp_main(task, settings, seeds, args, options, FSDPAverager if args.fsdp else DDPAverager)
     import horovod.torch as hvd
     hvd.init()
     if hvd.size() < 2 or task.global_batch % hvd.size():
@@ -317,7 +339,7 @@ def main():
                {"parameters_identical_on_all_ranks": identical})
 
 
-def ddp_main(task, settings, seeds, args, options):
+def ddp_main(task, settings, seeds, args, options, averager):
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -325,8 +347,11 @@ def ddp_main(task, settings, seeds, args, options):
         raise SystemExit(f"run under torchrun with >= 2 ranks that divide {task.global_batch}")
     settings = [s for s in settings if not s.startswith("codes-") and not s.endswith("-values")]  # Horovod's paths
     log = print if rank == 0 else (lambda *_: None)
-    log(f"{task.name}: {size} DDP ranks, settings {settings}, seeds {seeds}, {args.steps} steps")
-    runs = run_study(lambda s: DDPAverager(s, task, options), task, settings, seeds, args, log)
+    kind = "FSDP2" if averager is FSDPAverager else "DDP"
+    if kind == "FSDP2":
+        settings = [s for s in settings if s != "fp16"]  # FSDP has no 16-bit hook; a MixedPrecisionPolicy is its own study
+    log(f"{task.name}: {size} {kind} ranks, settings {settings}, seeds {seeds}, {args.steps} steps")
+    runs = run_study(lambda s: averager(s, task, options), task, settings, seeds, args, log)
     identical = True
     for seeds_ in runs.values():
         for r in seeds_:
@@ -335,7 +360,7 @@ def ddp_main(task, settings, seeds, args, options):
             dist.all_reduce(low, op=dist.ReduceOp.MIN)
             identical = identical and bool(high.eq(r["params"]).all() and low.eq(r["params"]).all())
     if rank == 0:
-        finish(pathlib.Path(args.out) / f"{task.name}-ddp-{size}", f"{task.name} {size} DDP", runs,
+        finish(pathlib.Path(args.out) / f"{task.name}-{kind.lower()}-{size}", f"{task.name} {size} {kind}", runs,
                {"parameters_identical_on_all_ranks": identical})
     dist.barrier()  # no rank tears Gloo down while another still talks
     dist.destroy_process_group()

@@ -96,6 +96,36 @@ def gpu_main(repeats):
         row = [f"{mib} MiB", f"{copy:.0f}", f"{enc:.0f}", f"{enc / copy:.2f}", f"{dec:.0f}", f"{dec / copy:.2f}",
                f"{acc:.0f}", f"{acc / copy:.2f}", f"{cast:.0f}", f"{enc / cast:.2f}x"]
         print("  ".join(f"{c:>13}" for c in row), flush=True)
+    gpu_stages(repeats)
+
+
+def gpu_stages(repeats):
+    """The exchange's packed-row stages on the device at 64 MiB and 1 GiB of float32: encode
+    straight into a packed stream (8- and 4-bit), decode-and-sum of N = 2, 4, 8 packed rows,
+    decode of a row; GB/s of bytes read + written, and as a fraction of the copy."""
+    import cupy
+    print("\npacked-row stages (GB/s of bytes read + written, x copy)")
+    print("  ".join(f"{h:>16}" for h in ("size", "stage", "GB/s", "x copy")))
+    for mib in (64, 1024):
+        n = mib << 18
+        x = cupy.random.standard_normal(n, dtype=cupy.float32)
+        out = cupy.empty_like(x)
+        copy = 8 * n / gpu_seconds(lambda: cupy.copyto(out, x), repeats) / 1e9
+        for name in ("e4m3", "e2m1fn"):
+            fmt = hvd_aps.FloatFormat.parse(name)
+            size = codec.packed_size(n, fmt)
+            row = cupy.zeros(size, cupy.uint8)
+            rates = {f"encode_into {name}": (4 * n + size) / gpu_seconds(
+                lambda: codec.encode_into(x, fmt, row, 0, shift=2), repeats)}
+            for ranks in (2, 4, 8):
+                rows = cupy.stack([row] * ranks)
+                rates[f"sum {ranks} rows {name}"] = (ranks * size + 4 * n) / gpu_seconds(
+                    lambda: codec.decode_sum_rows(rows, fmt, 0, n, 2, out=out), repeats)
+            rates[f"decode_row {name}"] = (size + 4 * n) / gpu_seconds(
+                lambda: codec.decode_row(row, fmt, 0, n, 2, out=out, divisor=4), repeats)
+            for stage, rate in rates.items():
+                print("  ".join(f"{c:>16}" for c in (f"{mib} MiB", stage, f"{rate / 1e9:.0f}", f"{rate / 1e9 / copy:.2f}")),
+                      flush=True)
 
 
 def main():

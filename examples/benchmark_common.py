@@ -31,18 +31,28 @@ def codec_gbps(params):
     return 4 * params / statistics.median(timed(lambda: hvd_aps.quantize(flat, "e4m3"), 3)) / 1e9
 
 
-PROFILES = ("mlp", "large", "resnet50")  # see synthetic_models.py
+PROFILES = ("mlp", "large", "resnet50", "resnet18", "transformer")  # see synthetic_models.py
 
 
-def measure(step, args, phases, params, allgather_object, rank, size):
-    """Warm up, time args.num_iters steps, read the tx counter; rank 0 prints one JSON line.
-    phases: compute-only seconds of the step's forward, backward and optimizer (or of the
-    whole step, {"step": s}, where they cannot be told apart)."""
+MAX_TUNING_STEPS = 40  # warm-up steps at most while a compressor's schedule is still being chosen
+
+
+def measure(step, args, phases, params, allgather_object, rank, size, compressor=None):
+    """Warm up (at least --num-warmup-batches steps, and until `compressor`'s run-time schedule has
+    settled on every bucket), time args.num_iters steps, read the tx counter; rank 0 prints one
+    JSON line (with the schedule chosen). phases: compute-only seconds of the step's forward,
+    backward and optimizer (or of the whole step, {"step": s}, where they cannot be told apart)."""
     timed(step, args.num_warmup_batches)
-    before = tx_bytes(args.iface)
+    for _ in range(MAX_TUNING_STEPS):
+        settled = compressor is None or all(row["chosen"] for row in compressor.schedule_report())
+        if all(allgather_object(settled)):  # every rank steps alike
+            break
+        step()
+    before, codes_before = tx_bytes(args.iface), compressor.bytes_sent if compressor is not None else 0
     times = timed(step, args.num_iters)
     sent = (tx_bytes(args.iface) - before) / args.num_iters
-    per_rank = allgather_object({"step": statistics.median(times), "tx_bytes_per_step": sent,
+    codes = ((compressor.bytes_sent - codes_before) / args.num_iters) if compressor is not None else None
+    per_rank = allgather_object({"step": statistics.median(times), "tx_bytes_per_step": sent, "codes": codes,
                                  "phases": phases, "codec_gbps": codec_gbps(params)})
     if rank == 0:
         print(json.dumps({"compression": args.compression, "profile": args.profile, "ranks": size, "params": params,
@@ -50,21 +60,35 @@ def measure(step, args, phases, params, allgather_object, rank, size):
                           "tx_bytes_per_step": statistics.mean(r["tx_bytes_per_step"] for r in per_rank),
                           "compute": statistics.median(sum(r["phases"].values()) for r in per_rank),
                           **{k: statistics.median(r["phases"][k] for r in per_rank) for k in phases},
-                          "codec_gbps": statistics.median(r["codec_gbps"] for r in per_rank)}), flush=True)
+                          "codec_gbps": statistics.median(r["codec_gbps"] for r in per_rank),
+                          "codes_bytes_per_step": statistics.mean(r["codes"] for r in per_rank) if codes is not None else None,
+                          "schedule": compressor.schedule_report() if compressor is not None else None}), flush=True)
+
+
+HIERARCHICAL = {"auto": None, "on": True, "off": False}
 
 
 def compressor_options(args):
-    """APSCompressor keywords from the command line: stats off (they cost a pass), chunk_bytes."""
-    return {"stats": False, **({} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes})}
+    """APSCompressor keywords from the command line: stats off (they cost a pass), chunk_bytes,
+    hierarchical."""
+    options = {"stats": False, "hierarchical": HIERARCHICAL[args.hierarchical]}
+    return {**options, **({} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes})}
 
 
 def add_arguments(parser):
     parser.add_argument("--compression", default="none")
     parser.add_argument("--profile", choices=PROFILES, default="mlp",
-                        help="tensor profile: mlp (4 x hidden^2), large (two 8M layers), resnet50 (161 tensors)")
-    parser.add_argument("--hidden", type=int, default=2048, help="mlp: 4 x hidden^2 parameters (2048: 16.8M)")
+                        help="mlp (4 x hidden^2), large (two 8M layers), resnet50 (161 tensors, no real compute), "
+                             "resnet18 and transformer (real compute); see synthetic_models.py")
+    parser.add_argument("--hidden", type=int, default=2048,
+                        help="mlp: 4 x hidden^2 parameters (2048: 16.8M); transformer: the width")
+    parser.add_argument("--blocks", type=int, default=6, help="transformer: blocks")
+    parser.add_argument("--image-size", type=int, default=112, help="resnet18: square images of this side")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--chunk-bytes", type=int, help="APSCompressor's chunk_bytes (0: no pipelining; default its own)")
+    parser.add_argument("--chunk-bytes", type=lambda v: v if v == "auto" else int(v),
+                        help="APSCompressor's chunk_bytes (0: no pipelining; default auto: tuned at run time)")
+    parser.add_argument("--hierarchical", choices=sorted(HIERARCHICAL), default="auto",
+                        help="APSCompressor's hierarchical: auto (two levels where hosts hold several ranks), on, off")
     parser.add_argument("--num-warmup-batches", type=int, default=2)
     parser.add_argument("--num-iters", type=int, default=8)
     parser.add_argument("--iface", default="", help="network interface whose tx counter to read")

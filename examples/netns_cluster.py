@@ -1,11 +1,15 @@
-"""A bandwidth-limited Horovod "cluster" on one machine: one network namespace per host, veth links
-into a bridge in a switch namespace, each link capped with `tc tbf`, one rank per host with Gloo.
-Runs examples/pytorch_synthetic_benchmark.py for each compression (a "tf:" prefix runs
-examples/tensorflow2_synthetic_benchmark.py instead, "ddp:" examples/pytorch_ddp_synthetic_benchmark.py
-with torch.distributed ranks whose MASTER_ADDR is host 0) and prints measured step times and bytes
-sent beside a performance model. Needs root (ip netns, tc); removes everything it made.
+"""A bandwidth-limited cluster on one machine: one network namespace per host, veth links into a
+bridge in a switch namespace, each link capped with `tc tbf`, --ranks-per-host ranks in every host
+namespace (ranks of one host talk over its own stack; only traffic between hosts crosses the
+capped link). Runs examples/pytorch_synthetic_benchmark.py for each compression (a "tf:" prefix
+runs examples/tensorflow2_synthetic_benchmark.py, "ddp:" pytorch_ddp_synthetic_benchmark.py with
+torch.distributed ranks, "fsdp:" pytorch_fsdp_synthetic_benchmark.py), --repeats times each in
+alternating order, and prints the median step and the bytes leaving a host per step beside
+uncompressed and 16-bit peers of the same framework, the performance model and the floor. Needs
+root (ip netns, tc); removes everything it made.
 
-    sudo .venv/bin/python examples/netns_cluster.py [--ranks 2,4] [--rates 1gbit,10gbit,none] [--quick]
+    sudo .venv/bin/python examples/netns_cluster.py [--hosts 2,4] [--ranks-per-host 1] \\
+        [--rates 1gbit,10gbit,none] [--profile mlp] [--repeats 3] [--quick]
 
 All traffic stays inside the namespaces this script creates (10.77.0.0/24).
 """
@@ -16,19 +20,21 @@ import os
 import pathlib
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 
 import hvd_aps
 
 EXAMPLES = pathlib.Path(__file__).parent
-# aps-*: the card's line (codes through Horovod's own optimizer); aps-*-values: float16 values;
-# codes-*: hvd_aps.torch.DistributedOptimizer
-COMPRESSIONS = ["none", "fp16", "aps-e4m3-values", "aps-e4m3", "aps-e3m0", "codes-e4m3", "codes-e3m0"]
+# none, fp16: the framework's own; aps-*: APSCompressor on horovod.torch.DistributedOptimizer;
+# codes-*: hvd_aps.torch.DistributedOptimizer (examples/recipes.py)
+COMPRESSIONS = ["none", "fp16", "aps-e4m3", "aps-e3m0", "codes-e4m3", "ddp:none", "ddp:fp16", "ddp:aps-e4m3"]
 SWITCH, SUBNET, SERVER_IP = "hvdaps-sw", "10.77.0", "10.77.0.254"
 DDP_PORT = 29500
 BENCHMARKS = {"": "pytorch_synthetic_benchmark.py", "tf": "tensorflow2_synthetic_benchmark.py",
-              "ddp": "pytorch_ddp_synthetic_benchmark.py"}
+              "ddp": "pytorch_ddp_synthetic_benchmark.py", "fsdp": "pytorch_fsdp_synthetic_benchmark.py"}
+UNCOMPRESSED = ("none", "fp16")  # each framework's peers: its own allreduce in fp32 and in 16 bits
 
 
 def sh(*cmd, ns=None, check=True):
@@ -60,7 +66,8 @@ def cluster(hosts, rate):
                 for dev, where in (("hvd0", ns), (f"hvdaps{i}s", SWITCH)):
                     sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "1mb",
                        "latency", "100ms", ns=where)
-            # Horovod's process-set Gloo contexts resolve the machine's hostname: map it to this host
+            # Gloo contexts (Horovod's process sets, torch.distributed) resolve the machine's
+            # hostname: map it to this host's address
             etc = pathlib.Path("/etc/netns") / ns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{SUBNET}.{i + 1} {socket.gethostname()}\n")
@@ -73,90 +80,129 @@ def cluster(hosts, rate):
                 (pathlib.Path("/etc/netns") / ns).rmdir()
 
 
-def serve_rendezvous(hosts):
-    """Run inside the switch namespace: Horovod's own rendezvous server for one rank per host."""
+def serve_rendezvous(hosts, per_host):
+    """Run inside the switch namespace: Horovod's own rendezvous server, per_host ranks a host."""
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.http.http_server import RendezvousServer
     server = RendezvousServer(False)
     port = server.start()
-    server.init(get_host_assignments(parse_hosts(",".join(f"host{i}:1" for i in range(hosts))), hosts))
+    server.init(get_host_assignments(parse_hosts(",".join(f"host{i}:{per_host}" for i in range(hosts))),
+                                     hosts * per_host))
     print(port, flush=True)
     sys.stdin.read()  # until the driver closes the pipe
 
 
+def rank_env(host, local, hosts, per_host, port):
+    """What horovodrun and torchrun would give rank (host, local): Horovod's rendezvous and
+    topology, torch.distributed's RANK / LOCAL_RANK / GROUP_RANK."""
+    rank = host * per_host + local
+    return dict(os.environ, HOROVOD_HOSTNAME=f"host{host}", HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(hosts * per_host),
+                HOROVOD_LOCAL_RANK=str(local), HOROVOD_LOCAL_SIZE=str(per_host), HOROVOD_CROSS_RANK=str(host),
+                HOROVOD_CROSS_SIZE=str(hosts), HOROVOD_GLOO_RENDEZVOUS_ADDR=SERVER_IP,
+                HOROVOD_GLOO_RENDEZVOUS_PORT=port, HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
+                HOROVOD_GLOO_IFACE="hvd0", OMP_NUM_THREADS="1", HVD_APS_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
+                # torch.distributed's Gloo finds its address through the hostname (/etc/netns/<ns>/hosts);
+                # GLOO_SOCKET_IFNAME=hvd0 crashed it (SIGSEGV) inside the namespaces
+                MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(DDP_PORT), RANK=str(rank),
+                WORLD_SIZE=str(hosts * per_host), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_host),
+                GROUP_RANK=str(host))
+
+
 def run_job(names, compression, args):
-    server = subprocess.Popen(["ip", "netns", "exec", SWITCH, sys.executable, __file__, "--serve", str(len(names))],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    per_host = args.ranks_per_host
+    server = subprocess.Popen(["ip", "netns", "exec", SWITCH, sys.executable, __file__, "--serve",
+                               f"{len(names)},{per_host}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs = []
     try:
         port = server.stdout.readline().strip()
-        procs = []
-        for rank, ns in enumerate(names):
-            env = dict(os.environ, HOROVOD_HOSTNAME=f"host{rank}", HOROVOD_RANK=str(rank),
-                       HOROVOD_SIZE=str(len(names)), HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1",
-                       HOROVOD_CROSS_RANK=str(rank), HOROVOD_CROSS_SIZE=str(len(names)),
-                       HOROVOD_GLOO_RENDEZVOUS_ADDR=SERVER_IP, HOROVOD_GLOO_RENDEZVOUS_PORT=port,
-                       HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE="hvd0",
-                       OMP_NUM_THREADS="1", HVD_APS_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
-            framework, _, name = compression.rpartition(":")
-            script = BENCHMARKS[framework]
-            # torch.distributed's Gloo finds its address through the hostname (/etc/netns/<ns>/hosts);
-            # GLOO_SOCKET_IFNAME=hvd0 crashed it (SIGSEGV) inside the namespaces
-            env.update(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(DDP_PORT), RANK=str(rank), WORLD_SIZE=str(len(names)),
-                       LOCAL_RANK="0")
-            cmd = ["ip", "netns", "exec", ns, sys.executable, str(EXAMPLES / script),
-                   "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden), "--profile", args.profile,
-                   "--num-iters", str(args.iters)]
-            if args.chunk_bytes is not None:
-                cmd += ["--chunk-bytes", str(args.chunk_bytes)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        framework, _, name = compression.rpartition(":")
+        for host, ns in enumerate(names):
+            for local in range(per_host):
+                cmd = ["ip", "netns", "exec", ns, sys.executable, str(EXAMPLES / BENCHMARKS[framework]),
+                       "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden), "--profile",
+                       args.profile, "--num-iters", str(args.iters), "--batch-size", str(args.batch_size),
+                       "--hierarchical", args.hierarchical]
+                if args.chunk_bytes is not None:
+                    cmd += ["--chunk-bytes", str(args.chunk_bytes)]
+                cmd += args.benchmark_args.split()
+                procs.append(subprocess.Popen(cmd, env=rank_env(host, local, len(names), per_host, port),
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=args.timeout) for p in procs]
-        for p, (_, err) in zip(procs, outs):
+        for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
             if p.returncode:
-                raise RuntimeError(f"{compression}: rank {procs.index(p)} failed ({p.returncode}):\n"
-                                   f"{outs[procs.index(p)][0][-1000:]}\n{err[-4000:]}")
+                raise RuntimeError(f"{compression}: rank {rank} failed ({p.returncode}):\n{out[-1000:]}\n{err[-4000:]}")
         return json.loads(outs[0][0].strip().splitlines()[-1])
     finally:
-        for p in locals().get("procs", []):
+        for p in procs:
             p.kill()
         server.stdin.close()
         server.wait(timeout=30)
 
 
+def repeated(names, compressions, args):
+    """Every compression --repeats times, in alternating order (a, b, c, a, b, c, ...), so slow
+    drifts of a shared machine fall on all alike: per compression the runs' results, and the
+    median step of them."""
+    runs = {c: [] for c in compressions}
+    for _ in range(args.repeats):
+        for c in compressions:
+            runs[c].append(run_job(names, c, args))
+    return {c: dict(rs[-1], step_median=statistics.median(r["step_median"] for r in rs),
+                    step_runs=[r["step_median"] for r in rs],
+                    tx_bytes_per_step=statistics.median(r["tx_bytes_per_step"] for r in rs)) for c, rs in runs.items()}
+
+
 def wire_bytes_per_element(compression):
     """What one gradient element costs on the wire: 4 (fp32), 2 (fp16, float16 values), bits/8 (codes)."""
-    kind, _, fmt = compression.rpartition(":")[2].partition("-")
-    if kind in ("none", "fp16", "bf16"):
-        return 4 if kind == "none" else 2
-    if fmt.endswith("-values"):
-        return 2
-    return hvd_aps.FloatFormat.parse(fmt.split("-")[0]).bits / 8
+    name = compression.rpartition(":")[2]
+    if name in UNCOMPRESSED or name == "bf16":
+        return 4 if name == "none" else 2
+    config = hvd_aps.recipe("aps-" + name[len("codes-"):] if name.startswith("codes-") else name)
+    return 2 if config.wire == "values" else config.fmt.bits / 8
 
 
-def model_seconds(result, compression, ranks, link_bytes_per_s):
-    """Predicted step with nothing overlapped: compute + ring traffic at the link rate + codec
-    passes at measured speed."""
-    params, ring = result["params"], 2 * (ranks - 1) / ranks
+def ring_factor(compression, hosts, per_host):
+    """Bytes leaving a host per step, in units of one rank's gradient at that many bytes per
+    element: a ring allreduce (the frameworks' own, ranks in host order) 2 (N - 1) / N, whatever
+    the ranks per host (only the ring's links between hosts cross); the flat codes exchange, whose
+    alltoall and allgather go between every pair of ranks, 2 L (N - L) / N; the two-level exchange
+    2 (H - 1) / H from the host as a whole."""
+    n = hosts * per_host
+    if compression.rpartition(":")[2] in UNCOMPRESSED:
+        return 2 * (n - 1) / n
+    if per_host > 1 and hosts > 1:  # two levels (the benchmarks' --hierarchical auto)
+        return 2 * (hosts - 1) / hosts
+    return 2 * per_host * (n - per_host) / n
+
+
+def model_seconds(result, compression, hosts, per_host, link_bytes_per_s):
+    """Predicted step with nothing overlapped: compute + the bytes leaving a host at the link rate
+    + codec passes at measured speed."""
+    params = result["params"]
+    wire = ring_factor(compression, hosts, per_host) * params * wire_bytes_per_element(compression) / link_bytes_per_s
     codec = 4 * params / (result["codec_gbps"] * 1e9)  # one encode+decode of every gradient
-    wire = ring * params * wire_bytes_per_element(compression) / link_bytes_per_s
-    kind, _, fmt = compression.rpartition(":")[2].partition("-")
-    if kind in ("none", "fp16", "bf16"):
+    if compression.rpartition(":")[2] in UNCOMPRESSED:
         return result["compute"] + wire
-    return result["compute"] + wire + (codec if fmt.endswith("-values") else (1 + 1 / ranks) * codec)
+    return result["compute"] + wire + (1 + 1 / (hosts * per_host)) * codec / per_host
 
 
-def floor_seconds(result, compression, ranks, link_bytes_per_s):
+def floor_seconds(result, compression, hosts, per_host, link_bytes_per_s):
     """The fastest the step can be: what cannot overlap the exchange (forward, optimizer step)
-    plus the larger of backward and the traffic's wire time (uncapped: compute alone). TF rows
-    measure the step as a whole and count it all as overlappable."""
-    wire = (2 * (ranks - 1) / ranks * result["params"] * wire_bytes_per_element(compression) / link_bytes_per_s
-            if link_bytes_per_s else 0.0)
+    plus the larger of backward and the wire time of the bytes leaving a host (uncapped: compute
+    alone). TF rows measure the step as a whole and count it all as overlappable."""
+    wire = (ring_factor(compression, hosts, per_host) * result["params"] * wire_bytes_per_element(compression)
+            / link_bytes_per_s if link_bytes_per_s else 0.0)
     fixed = result.get("forward", 0.0) + result.get("optimizer", 0.0)
     return fixed + max(result["compute"] - fixed, wire)
 
 
-def baseline(compression):
+def peers(compression, results):
+    """(this framework's uncompressed run, its fastest uncompressed run: fp32 or 16-bit)."""
     framework = compression.rpartition(":")[0]
-    return f"{framework}:none" if framework else "none"
+    own = [results.get(f"{framework}:{p}" if framework else p) for p in UNCOMPRESSED]
+    own = [r for r in own if r is not None]
+    return (own[0] if own and own[0]["compression"] == "none" else None,
+            min(own, key=lambda r: r["step_median"]) if own else None)
 
 
 def rate_bytes(rate):
@@ -166,52 +212,66 @@ def rate_bytes(rate):
     return float(number) * {"gbit": 1e9, "mbit": 1e6}[unit] / 8
 
 
+def table(results, hosts, per_host, rate, args):
+    """Rows of the printed table (and the JSON rows)."""
+    link = rate_bytes(rate)
+    params = next(iter(results.values()))["params"]
+    print(f"\n{hosts} hosts x {per_host} ranks, link {rate or 'uncapped'}, {args.profile} profile, {params} parameters "
+          f"(median of {args.repeats} alternating runs of {args.iters} steps; bytes: a host's tx counter per step)")
+    print(f"{'compression':>18} {'step s':>8} {'x none':>7} {'x best':>7} {'model s':>8} {'floor s':>8} "
+          f"{'x floor':>7} {'MB/step':>8} {'x none':>7}  schedule")
+    rows = []
+    for c, r in results.items():
+        none, best = peers(c, results)
+        model = model_seconds(r, c, hosts, per_host, link) if link else None
+        floor = floor_seconds(r, c, hosts, per_host, link)
+        row = dict(r, compression=c, rate=rate or "uncapped", hosts=hosts, ranks_per_host=per_host, model_step=model,
+                   floor_step=floor, step_ratio=r["step_median"] / none["step_median"] if none else None,
+                   best_ratio=r["step_median"] / best["step_median"] if best else None,
+                   bytes_ratio=r["tx_bytes_per_step"] / none["tx_bytes_per_step"] if none else None)
+        rows.append(row)
+        chosen = sorted({s["chosen"] for s in r.get("schedule") or []})
+        print(f"{c:>18} {r['step_median']:8.3f} {row['step_ratio'] or 0:7.2f} {row['best_ratio'] or 0:7.2f} "
+              f"{model if model else float('nan'):8.3f} {floor:8.3f} {r['step_median'] / floor:7.2f} "
+              f"{r['tx_bytes_per_step'] / 1e6:8.2f} {row['bytes_ratio'] or 0:7.3f}  {', '.join(chosen)}", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--hosts", default="2,4", help="host counts to run")
+    parser.add_argument("--ranks-per-host", type=int, default=1)
     parser.add_argument("--rates", default="1gbit,10gbit,none", help="tc tbf rates; none = uncapped")
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS))
-    parser.add_argument("--profile", default="mlp", help="the benchmarks' tensor profile: mlp, large or resnet50")
-    parser.add_argument("--hidden", type=int, default=2048, help="mlp profile: 4 x hidden^2 parameters")
-    parser.add_argument("--chunk-bytes", type=int, help="the compressors' chunk_bytes (0: no pipelining)")
+    parser.add_argument("--profile", default="mlp", help="the benchmarks' profile (examples/synthetic_models.py)")
+    parser.add_argument("--hidden", type=int, default=2048, help="mlp: 4 x hidden^2 parameters; transformer: width")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--chunk-bytes", help="the compressors' chunk_bytes (default: auto, tuned at run time)")
+    parser.add_argument("--hierarchical", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--benchmark-args", default="", help="further arguments for every benchmark script "
+                        "(e.g. '--no-reshard' for fsdp: rows, '--image-size 64')")
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per job")
-    parser.add_argument("--quick", action="store_true", help="2 ranks at 1gbit, a 1M-parameter model, 3 steps")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs of every compression")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per job")
+    parser.add_argument("--quick", action="store_true", help="2 hosts at 1gbit, a 1M-parameter model, 3 steps")
     parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        return serve_rendezvous(args.serve)
+        return serve_rendezvous(*(int(v) for v in args.serve.split(",")))
     if os.geteuid() != 0:
         raise SystemExit("needs root: network namespaces and tc")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # still remove the namespaces
     if args.quick:
-        args.ranks, args.rates, args.hidden, args.iters = "2", "1gbit", 512, 3
+        args.hosts, args.rates, args.hidden, args.iters = "2", "1gbit", 512, 3
     rows = []
-    for ranks in (int(r) for r in args.ranks.split(",")):
+    for hosts in (int(h) for h in args.hosts.split(",")):
         for rate in (None if r == "none" else r for r in args.rates.split(",")):
-            with cluster(ranks, rate) as names:
-                results = {c: run_job(names, c, args) for c in args.compressions.split(",")}
-            measured_link = rate_bytes(rate)
-            params = next(iter(results.values()))["params"]
-            print(f"\n{ranks} ranks, link {rate or 'uncapped'}, {args.profile} profile, {params} parameters "
-                  f"(median of {args.iters} steps; bytes = each rank's tx counter per step)")
-            print(f"{'compression':>18} {'step s':>8} {'x none':>7} {'model s':>8} {'floor s':>8} {'x floor':>7} "
-                  f"{'MB/step':>8} {'x none':>7}")
-            for c, r in results.items():
-                base = results.get(baseline(c))  # each framework against its own uncompressed run
-                model = model_seconds(r, c, ranks, measured_link) if measured_link else None
-                floor = floor_seconds(r, c, ranks, measured_link)
-                row = dict(r, compression=c, rate=rate or "uncapped", model_step=model, floor_step=floor,
-                           step_ratio=r["step_median"] / base["step_median"] if base else None,
-                           bytes_ratio=r["tx_bytes_per_step"] / base["tx_bytes_per_step"] if base else None)
-                rows.append(row)
-                model_text = f"{model:8.3f}" if model else f"{'-':>8}"  # uncapped: no link rate to model
-                print(f"{c:>18} {r['step_median']:8.3f} {row['step_ratio'] or 0:7.2f} {model_text} {floor:8.3f} "
-                      f"{r['step_median'] / floor:7.2f} {r['tx_bytes_per_step'] / 1e6:8.2f} {row['bytes_ratio'] or 0:7.3f}",
-                      flush=True)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+            with cluster(hosts, rate) as names:
+                results = repeated(names, args.compressions.split(","), args)
+            rows += table(results, hosts, args.ranks_per_host, rate, args)
+            if args.json:  # after every table: a long run that stops early keeps what it measured
+                pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

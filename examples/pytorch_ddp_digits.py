@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_aps
 import hvd_aps.ddp
 from digits_torch import add_arguments, cnn, digits, train
+import recipes
 
 TORCH_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
@@ -29,7 +30,7 @@ def register(ddp, name, **options):
         return None
     if name == "none":
         return None
-    compressor = hvd_aps.from_name(name, None, **options)
+    compressor = recipes.compression(name, None, **options)
     ddp.register_comm_hook(hvd_aps.ddp.APSState(compressor), hvd_aps.ddp.aps_hook)
     return compressor
 

@@ -1,10 +1,10 @@
-"""Synthetic benchmark for torch.distributed DistributedDataParallel, twin of
-pytorch_synthetic_benchmark.py: the same MLP, DDP over Gloo with a communication hook.
+"""Benchmark for torch.distributed DistributedDataParallel, twin of pytorch_synthetic_benchmark.py:
+the same profiles, DDP over Gloo with a communication hook.
 
     torchrun --nproc-per-node 2 examples/pytorch_ddp_synthetic_benchmark.py --compression aps-e4m3
 
 --compression: none (DDP's allreduce) | fp16 | bf16 (torch's fp16_compress_hook / bf16_compress_hook)
-| aps-<fmt> (hvd_aps.ddp.aps_hook). Rank 0 prints one JSON line, as the Horovod benchmarks do.
+| an hvd_aps recipe (hvd_aps.ddp.aps_hook). Rank 0 prints one JSON line, as the Horovod benchmark does.
 """
 import argparse
 
@@ -30,8 +30,9 @@ def main():
     dist.init_process_group("gloo")
     model, opt, x, y, params, phases = prepared(args)
     ddp = DDP(model)
-    register(ddp, args.compression, **compressor_options(args))
-    measure(step_fn(ddp, opt, x, y), args, phases, params, allgather_object, dist.get_rank(), dist.get_world_size())
+    comp = register(ddp, args.compression, **compressor_options(args))
+    measure(step_fn(ddp, opt, x, y), args, phases, params, allgather_object, dist.get_rank(), dist.get_world_size(),
+            comp)
     dist.barrier()  # a rank tearing Gloo down while another still talks can abort ("terminate called")
     dist.destroy_process_group()
 

@@ -16,7 +16,7 @@ import torch
 import hvd_aps
 import hvd_aps.torch
 from digits_torch import add_arguments, cnn, digits, train
-from hvd_aps import from_name
+import recipes
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
     (x, y), (x_test, y_test) = digits(hvd.rank(), hvd.size())
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
-    compression = from_name(args.compression, hvd.Compression)
+    compression = recipes.compression(args.compression, hvd.Compression)
     if args.compression.startswith("codes-"):
         opt = hvd_aps.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                                  compression=compression)

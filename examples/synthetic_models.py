@@ -1,18 +1,29 @@
-"""The synthetic benchmarks' PyTorch models, one per tensor profile (--profile), one training step
-on them, and the compute-only times of its phases.
+"""The benchmarks' PyTorch models, one per profile (--profile), one training step on them, and the
+compute-only times of its phases.
 
-mlp: four Linear(hidden, hidden) layers (--hidden 2048: 16.8M parameters in 4 large tensors);
-large: two 8M-parameter Linear layers (2048 -> 4096 -> 2048, 16.8M parameters), few and large;
-resnet50: ResNet-50's 161 parameter tensors (25.6M parameters: 53 convolutions, 53 BatchNorm
-weight and bias pairs, the classifier), most of them small, so per-tensor costs show. Its
-compute is an elementwise product of every parameter with a fixed tensor of its shape (what a
-step costs is then the exchange's, not ResNet's convolutions).
+Real compute (what a step costs includes the model's own work, and gradients become ready while
+backward still runs, so the exchange competes with it for the cores):
+  resnet18: ResNet-18 written in torch.nn (convolutions, BatchNorm, 11.7M parameters in 62
+    tensors), on --image-size square images (default 112), batch --batch-size;
+  transformer: --blocks of the accuracy study's pre-norm causal transformer blocks, width
+    --hidden (512: 3.1M parameters a block), sequences of 128, batch --batch-size.
+Communication-bound (little compute):
+  mlp: four Linear(hidden, hidden) layers (--hidden 2048: 16.8M parameters in 4 large tensors);
+  large: two 8M-parameter Linear layers (2048 -> 4096 -> 2048), few and large;
+  resnet50: ResNet-50's 161 parameter tensors (25.6M parameters), most of them small, so
+    per-tensor costs show; its compute is an elementwise product of every parameter with a fixed
+    tensor of its shape, so every gradient is ready at once.
+No weights or data are downloaded: inputs are random, seeded alike on every rank.
 """
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+
+from study_tasks import Block  # the accuracy study's pre-norm causal transformer block
+
+SEQUENCE, HEADS = 128, 8  # the transformer profile's tokens per sequence, attention heads
 
 RESNET50_STAGES = [(64, 3), (128, 4), (256, 6), (512, 3)]  # bottleneck width, blocks
 EXPANSION = 4
@@ -45,14 +56,66 @@ class Shaped(torch.nn.Module):
         return x[:, :1] * sum((p * getattr(self, f"c{i}")).sum() for i, p in enumerate(self.ps))
 
 
-def model(profile, hidden):
-    """(model, input width, output width)."""
+class BasicBlock(torch.nn.Module):
+    """ResNet's two 3x3 convolutions with BatchNorm and a shortcut (a 1x1 projection where the
+    shape changes)."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(cout)
+        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(cout)
+        self.shortcut = torch.nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                                torch.nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet18(torch.nn.Module):
+    def __init__(self, classes=1000):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(64),
+                                        torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = torch.nn.Sequential(*layers)
+        self.fc = torch.nn.Linear(512, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+class Transformer(torch.nn.Module):
+    def __init__(self, width, blocks):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[Block(width, HEADS, SEQUENCE) for _ in range(blocks)])
+        self.ln = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.ln(self.blocks(x))
+
+
+def model(profile, args):
+    """(model, input shape after the batch, output shape after the batch)."""
+    hidden = args.hidden
     if profile == "mlp":
         return torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(hidden, hidden), torch.nn.ReLU())]), \
-            hidden, hidden
+            (hidden,), (hidden,)
     if profile == "large":
-        return torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 2048)), 2048, 2048
-    return Shaped(resnet50_shapes()), 1, 1
+        return torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 2048)), \
+            (2048,), (2048,)
+    if profile == "resnet18":
+        return ResNet18(), (3, args.image_size, args.image_size), (1000,)
+    if profile == "transformer":
+        return Transformer(hidden, args.blocks), (SEQUENCE, hidden), (SEQUENCE, hidden)
+    return Shaped(resnet50_shapes()), (1,), (1,)
 
 
 def step_fn(model, opt, x, y):
@@ -85,7 +148,7 @@ def prepared(args):
     every rank, one thread per rank."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    net, width_in, width_out = model(args.profile, args.hidden)
-    x, y = torch.randn(args.batch_size, width_in), torch.randn(args.batch_size, width_out)
+    net, shape_in, shape_out = model(args.profile, args)
+    x, y = torch.randn(args.batch_size, *shape_in), torch.randn(args.batch_size, *shape_out)
     opt = torch.optim.SGD(net.parameters(), lr=1e-6)
     return net, opt, x, y, sum(p.numel() for p in net.parameters()), phases(net, opt, x, y)

@@ -14,7 +14,7 @@ from sklearn.datasets import load_digits
 
 import hvd_aps
 import hvd_aps.keras
-from hvd_aps import from_name
+import recipes
 
 
 def digits(rank, size, test_fraction=0.2, seed=0):
@@ -45,7 +45,7 @@ def main():
     hvd.init()
     keras.utils.set_random_seed(args.seed)
     (x, y), (x_test, y_test) = digits(hvd.rank(), hvd.size())
-    compression = from_name(args.compression, hvd.Compression)
+    compression = recipes.compression(args.compression, hvd.Compression)
     model = cnn()
     opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.SGD(args.lr * hvd.size(), momentum=0.9),
                                              compression=compression)

@@ -3,8 +3,8 @@ the same MLP (4 x hidden^2 parameters), hvd.DistributedGradientTape inside tf.fu
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow2_synthetic_benchmark.py --compression aps-e4m3
 
---compression: none | fp16 | aps-<fmt> (the card's TF twin: APSCompressor in Horovod's own tape,
-codes on the wire) | aps-<fmt>-values (float16 values) | codes-<fmt> (hvd_aps.tensorflow's tape).
+--compression (examples/recipes.py): none | fp16 | an hvd_aps recipe such as aps-e4m3 (APSCompressor
+in Horovod's own tape, codes on the wire) or aps-e4m3-values | codes-<rest> (hvd_aps.tensorflow's tape).
 Rank 0 prints one JSON line, as the PyTorch benchmark does.
 """
 import argparse
@@ -16,7 +16,7 @@ import tensorflow as tf
 import hvd_aps
 import hvd_aps.tensorflow
 from benchmark_common import add_arguments, compressor_options, measure, timed
-from hvd_aps import from_name
+import recipes
 
 
 def step_fn(layers, x, y, compression, lr=1e-6):
@@ -48,7 +48,7 @@ def main():
 
     if args.profile != "mlp":
         parser.error("the TensorFlow benchmark has the mlp profile only")
-    hvd.init()
+    hvd.init(process_sets="dynamic")
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.random.set_seed(0)
     h = args.hidden
@@ -56,11 +56,12 @@ def main():
     params = 4 * (h * h + h)
     x, y = tf.random.normal([args.batch_size, h]), tf.random.normal([args.batch_size, h])
     compute = statistics.median(timed(step_fn(layers, x, y, None), 3))  # no communication yet
-    comp = from_name(args.compression, hvd.Compression, **compressor_options(args))
-    kind = "codes" if args.compression.startswith("codes-") else "horovod"
+    comp = recipes.compression(args.compression, hvd.Compression, **compressor_options(args))
+    kind = "codes" if recipes.uses_codes_optimizer(args.compression) else "horovod"
     for w, b in layers:
         w.assign(hvd.broadcast(w, 0))
-    measure(step_fn(layers, x, y, (kind, comp)), args, {"step": compute}, params, hvd.allgather_object, hvd.rank(), hvd.size())
+    measure(step_fn(layers, x, y, (kind, comp)), args, {"step": compute}, params, hvd.allgather_object, hvd.rank(),
+            hvd.size())
 
 
 if __name__ == "__main__":

@@ -42,3 +42,18 @@ def array_module(a):
 def to_numpy(a):
     """A NumPy copy of a CuPy array; NumPy arrays as they are."""
     return a.get() if array_module(a) is not np else np.asarray(a)
+
+
+def joined(arrays):
+    """One flat view over 1-D arrays that lie end to end in one allocation (a DDP bucket's
+    gradients do), else None: what a copy into one buffer would give, without the copy."""
+    if not arrays or any(a.ndim != 1 or not a.flags.c_contiguous or a.dtype != arrays[0].dtype for a in arrays):
+        return None
+    xp, size = array_module(arrays[0]), arrays[0].dtype.itemsize
+    starts = [a.data.ptr if xp is not np else a.__array_interface__["data"][0] for a in arrays]
+    if any(start + a.size * size != after for start, a, after in zip(starts, arrays, starts[1:])):
+        return None
+    total = sum(a.size for a in arrays)
+    if xp is not np:
+        return xp.ndarray((total,), arrays[0].dtype, memptr=arrays[0].data)
+    return np.lib.stride_tricks.as_strided(arrays[0], shape=(total,), strides=(size,))

@@ -40,27 +40,35 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None):
     return out
 
 
-def encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index):
+def encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, pos, index):
     x = cupy.ascontiguousarray(x, dtype=cupy.float32)
     touched = packed_size(x.size, fmt) + 1  # the bytes x.size codes reach, wherever they start
     _launch("hvd_encode_row", touched, x, np.int64(x.size), np.int64(index), row, np.int64(pos),
-            *_fmt_args(fmt), np.int32(saturate), np.int32(shift), np.int32(rounding == "stochastic"), np.uint64(seed))
+            *_fmt_args(fmt), np.int32(saturate), cupy.asarray(shifts, cupy.int32), np.int64(block),
+            np.int32(rounding == "stochastic"), np.uint64(seed))
     return row
 
 
-def sum_rows(rows, fmt, start, stop, shift, out=None):
+def sum_rows(rows, fmt, start, stop, shift, block, out=None):
     out = cupy.empty(stop - start, cupy.float32) if out is None else out
-    peak = cupy.zeros(1, cupy.uint32)
+    peaks = cupy.zeros(max(1, -(-(stop - start) // block)), cupy.uint32)
     _launch("hvd_sum_rows", max(1, stop - start), rows, np.int64(rows.strides[0]), np.int32(rows.shape[0]),
-            np.int64(start), np.int64(stop - start), out, *_fmt_args(fmt), np.int32(shift), peak)
-    return out, _amax_from_bits(peak)
+            np.int64(start), np.int64(stop - start), out, *_fmt_args(fmt), np.int32(shift), np.int64(block), peaks)
+    return out, _amax_from_bits(peaks)
 
 
-def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1), stream=False):
+def decode_row(row, fmt, start, stop, shifts, block, out=None, divisor=np.float32(1), stream=False):
     out = cupy.empty(stop - start, cupy.float32) if out is None else out
     _launch("hvd_decode_row", max(1, stop - start), row, np.int64(start), np.int64(stop - start), out,
-            *_fmt_args(fmt), np.int32(shift), np.float32(divisor))
+            *_fmt_args(fmt), cupy.asarray(shifts, cupy.int32), np.int64(block), np.float32(divisor))
     return out
+
+
+def amax_blocks(x, block):
+    x = cupy.ascontiguousarray(x, dtype=cupy.float32).ravel()
+    peaks = cupy.zeros(-(-x.size // block), cupy.uint32)
+    _launch("hvd_amax_blocks", x.size, x, np.int64(x.size), np.int64(block), peaks)
+    return _amax_from_bits(peaks)
 
 
 def _decode_into(codes, fmt, shift, out, accumulate):
@@ -105,10 +113,10 @@ def amax(x):
     x = cupy.ascontiguousarray(x, dtype=cupy.float32).ravel()
     result = cupy.zeros(1, cupy.uint32)
     _launch("hvd_amax_bits", x.size, x, np.int64(x.size), result)
-    return _amax_from_bits(result)
+    return float(_amax_from_bits(result)[0])
 
 
 def _amax_from_bits(result):
-    """The host's float from a kernel's max of |x| bits: +inf for any NaN/Inf."""
-    bits = int(result.get()[0])
-    return float("inf") if bits >= 0x7F800000 else float(np.array(bits, np.uint32).view(np.float32))
+    """The host's float32 maxima from a kernel's max of |x| bits: +inf for any NaN/Inf."""
+    bits = result.get()
+    return np.where(bits >= 0x7F800000, np.float32(np.inf), bits.view(np.float32)).astype(np.float32)

@@ -36,8 +36,6 @@ def _load():
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.hvd_encode.argtypes = [ptr, ptr, i64, i64, _Fmt, i32, i32, ctypes.c_uint64]
     lib.hvd_encode.restype = None
-    lib.hvd_encode_row.argtypes = [ptr, i64, i64, ptr, i64, _Fmt, i32, i32, ctypes.c_uint64]
-    lib.hvd_encode_row.restype = None
     lib.hvd_decode_table.argtypes = [ptr, _Fmt, i32]
     lib.hvd_decode_table.restype = None
     for name in ("hvd_gather_u8_f32", "hvd_gather_u16_f32", "hvd_gather_u8_f16", "hvd_gather_u16_f16",
@@ -56,10 +54,14 @@ def _load():
     lib.hvd_unpack_nibbles.restype = None
     lib.hvd_sum_rows.argtypes = [ptr, i64, i32, i32, i64, i64, ptr, ptr]
     lib.hvd_sum_rows.restype = ctypes.c_float
-    lib.hvd_decode_row.argtypes = [ptr, i32, i64, i64, ptr, ptr, i32]
-    lib.hvd_decode_row.restype = None
     lib.hvd_amax.argtypes = [ptr, i64]
     lib.hvd_amax.restype = ctypes.c_float
+    lib.hvd_encode_row_blocks.argtypes = [ptr, i64, i64, i64, ptr, i64, _Fmt, ptr, i64, i32, ctypes.c_uint64]
+    lib.hvd_sum_rows_blocks.argtypes = [ptr, i64, i32, i32, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.hvd_decode_row_blocks.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, ptr, i32]
+    lib.hvd_amax_blocks.argtypes = [ptr, i64, i64, ptr]
+    for name in ("hvd_encode_row_blocks", "hvd_sum_rows_blocks", "hvd_decode_row_blocks", "hvd_amax_blocks"):
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -84,20 +86,21 @@ _threads = _thread_count()
 _pool = concurrent.futures.ThreadPoolExecutor(_threads, thread_name_prefix="hvd_aps") if _threads > 1 else None
 
 
-def _chunks(n, pos):
-    """One range per thread; where element lo + pos of a packed stream starts a byte group
-    (a multiple of _BYTE_GROUP), so threads writing packed codes never share a byte."""
+def _chunks(n, pos, unit):
+    """One range per thread, each starting where element lo + pos is a multiple of `unit`:
+    a byte group (_BYTE_GROUP) of a packed stream, so threads writing packed codes never share a
+    byte, or a block whose maximum one thread must compute whole."""
     if _pool is None or n < 2 * _MIN_CHUNK:
         return [(0, n)]
     step = -(-n // _threads)
-    step += -step % _BYTE_GROUP
-    bounds = [0, *range(step - pos % _BYTE_GROUP, n, step), n]
-    return list(zip(bounds[:-1], bounds[1:]))
+    step += -step % unit
+    bounds = [0, *range(step - pos % unit, n, step), n]
+    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if lo < hi]
 
 
-def _run(fn, n, pos=0):
+def _run(fn, n, pos=0, unit=_BYTE_GROUP):
     """Call fn(lo, hi) over the chunks of range(n), in parallel where it pays."""
-    parts = _chunks(n, pos)
+    parts = _chunks(n, pos, unit)
     if len(parts) == 1:
         return [fn(0, n)]
     return list(_pool.map(lambda p: fn(*p), parts))
@@ -121,12 +124,14 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None):
     return out
 
 
-def encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index):
+def encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, pos, index):
     x = np.ascontiguousarray(x, dtype=np.float32)
     cfmt, stochastic, xp, rp = _c_fmt(fmt, saturate), int(rounding == "stochastic"), x.ctypes.data, row.ctypes.data
+    sp = shifts.ctypes.data
 
     def work(lo, hi):
-        _lib.hvd_encode_row(xp + 4 * lo, hi - lo, index + lo, rp, pos + lo, cfmt, shift, stochastic, seed)
+        _lib.hvd_encode_row_blocks(xp + 4 * lo, hi - lo, lo, index + lo, rp, pos + lo, cfmt, sp, block, stochastic,
+                                   seed)
 
     _run(work, x.size, pos)
     return row
@@ -161,19 +166,31 @@ def decode_accumulate(codes, fmt, shift, out=None):
     return out
 
 
-def sum_rows(rows, fmt, start, stop, shift, out=None):
+def sum_rows(rows, fmt, start, stop, shift, block, out=None):
     out = np.empty(stop - start, np.float32) if out is None else out
     table, n = decode_table(fmt, shift), stop - start
     rp, stride, ranks, op, tp = rows.ctypes.data, rows.strides[0], rows.shape[0], out.ctypes.data, table.ctypes.data
-    peaks = _run(lambda lo, hi: _lib.hvd_sum_rows(rp, stride, ranks, fmt.bits, start + lo, start + hi, op + 4 * lo, tp), n)
-    return out, float(max(peaks, default=0.0))
+    if n <= block:  # one block: threads take any ranges, their maxima combined here
+        peaks = _run(lambda lo, hi: _lib.hvd_sum_rows(rp, stride, ranks, fmt.bits, start + lo, start + hi,
+                                                      op + 4 * lo, tp), n)
+        return out, np.array([max(peaks, default=0.0)], np.float32)
+    peaks = np.empty(-(-n // block), np.float32)
+    pp = peaks.ctypes.data
+    _run(lambda lo, hi: _lib.hvd_sum_rows_blocks(rp, stride, ranks, fmt.bits, start + lo, start + hi, lo, block,
+                                                 op + 4 * lo, tp, pp), n, unit=block)
+    return out, peaks
 
 
-def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1), stream=False):
+def decode_row(row, fmt, start, stop, shifts, block, out=None, divisor=np.float32(1), stream=False):
+    """One table per distinct exponent among the blocks' (a handful: they follow the gradients'
+    magnitudes), each divided by `divisor` as the values are."""
     out = np.empty(stop - start, np.float32) if out is None else out
-    table, rp, op = decode_table(fmt, shift) / divisor, row.ctypes.data, out.ctypes.data
-    _run(lambda lo, hi: _lib.hvd_decode_row(rp, fmt.bits, start + lo, start + hi, op + 4 * lo, table.ctypes.data,
-                                            int(stream)), stop - start)
+    distinct, which = np.unique(shifts, return_inverse=True)
+    tables = np.stack([decode_table(fmt, int(s)) / divisor for s in distinct])
+    which = np.ascontiguousarray(which, dtype=np.int32)
+    rp, op, tp, wp = row.ctypes.data, out.ctypes.data, tables.ctypes.data, which.ctypes.data
+    _run(lambda lo, hi: _lib.hvd_decode_row_blocks(rp, fmt.bits, start + lo, start + hi, lo, block, op + 4 * lo, tp,
+                                                   wp, int(stream)), stop - start)
     return out
 
 
@@ -203,3 +220,11 @@ def amax(x):
     x = np.ascontiguousarray(x, dtype=np.float32)
     xp = x.ctypes.data
     return max(_run(lambda lo, hi: _lib.hvd_amax(xp + 4 * lo, hi - lo), x.size), default=0.0)
+
+
+def amax_blocks(x, block):
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    peaks = np.empty(-(-x.size // block), np.float32)
+    xp, pp = x.ctypes.data, peaks.ctypes.data
+    _run(lambda lo, hi: _lib.hvd_amax_blocks(xp + 4 * lo, hi - lo, block, pp + 4 * (lo // block)), x.size, unit=block)
+    return peaks

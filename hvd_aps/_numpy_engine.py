@@ -125,10 +125,18 @@ def amax(x):
     return float(a) if np.isfinite(a) else float("inf")
 
 
-def encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index):
-    """encode(), its codes written into the packed stream `row` at code positions pos.. (the
-    other bits of the bytes they touch kept), through the stream's bits one by one."""
-    codes = encode(x, fmt, shift, rounding, seed, saturate, index=index).astype(fmt.code_dtype).ravel()
+def _per_element(shifts, block, n):
+    """Each of n elements' exponent, from one per block of `block` elements."""
+    return np.repeat(np.asarray(shifts, np.int64), block)[:n]
+
+
+def encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, pos, index):
+    """encode(), block k of x at exponent shifts[k], its codes written into the packed stream
+    `row` at code positions pos.. (the other bits of the bytes they touch kept), through the
+    stream's bits one by one."""
+    x = np.ravel(x)
+    codes = encode(x, fmt, _per_element(shifts, block, x.size), rounding, seed, saturate, index=index)
+    codes = codes.astype(fmt.code_dtype)
     first, end = pos * fmt.bits // 8, -(-(pos + codes.size) * fmt.bits // 8)
     stream, at = np.unpackbits(row[first:end], bitorder="little"), pos * fmt.bits - 8 * first
     stream[at:at + codes.size * fmt.bits] = _bit_planes(codes, fmt.bits)
@@ -136,19 +144,33 @@ def encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index):
     return row
 
 
-def sum_rows(rows, fmt, start, stop, shift, out=None):
-    """Codes start..stop of every packed row decoded and added in row order from +0.0."""
+def sum_rows(rows, fmt, start, stop, shift, block, out=None):
+    """Codes start..stop of every packed row decoded and added in row order from +0.0, and the
+    max |sum| of every block of `block` of them."""
     out = np.empty(stop - start, np.float32) if out is None else out
     out.fill(0)
     table = decode_table(fmt, shift)
     for row in rows:
         out += table[unpack(row, fmt.bits, stop, np.dtype(fmt.code_dtype))[start:]]
-    return out, amax(out)
+    return out, amax_blocks(out, block) if out.size else np.zeros(1, np.float32)
 
 
-def decode_row(row, fmt, start, stop, shift, out=None, divisor=np.float32(1), stream=False):
-    table = decode_table(fmt, shift) / divisor
-    return np.take(table, unpack(row, fmt.bits, stop, np.dtype(fmt.code_dtype))[start:], out=out)
+def decode_row(row, fmt, start, stop, shifts, block, out=None, divisor=np.float32(1), stream=False):
+    """Codes start..stop of a packed row, block k decoded at exponent shifts[k], divided by divisor."""
+    codes = unpack(row, fmt.bits, stop, np.dtype(fmt.code_dtype))[start:]
+    exponents = _per_element(shifts, block, codes.size)
+    out = np.empty(codes.size, np.float32) if out is None else out
+    for shift in np.unique(exponents):
+        chosen = exponents == shift
+        out[chosen] = (decode_table(fmt, int(shift)) / divisor)[codes[chosen]]
+    return out
+
+
+def amax_blocks(x, block):
+    """amax() of every block of `block` elements of x, as float32."""
+    with np.errstate(invalid="ignore"):
+        peaks = np.max(np.pad(np.abs(x), (0, -x.size % block)).reshape(-1, block), axis=1, initial=0)
+    return np.where(np.isfinite(peaks), peaks, np.inf).astype(np.float32)
 
 
 def _bit_planes(codes, bits):

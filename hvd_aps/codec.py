@@ -10,16 +10,22 @@ Inf and overflow exactly as ml_dtypes' `astype` treats them for every format it 
 `shift` multiplies the input by 2**shift inside the conversion (and decode multiplies by
 2**-shift), so scaling never rounds on its own.
 
+Blocked runs: encode_into, decode_sum_rows and decode_row take `block`, cutting their codes into
+blocks of that many (the last may be shorter), each with its own exponent (`shift` then holds one
+per block) or its own max: the codes exchange re-encodes every block of a tensor at its own
+exponent, so its numbers do not depend on how buckets are cut into chunks and shards.
+
 The engine contract (_host_engine, _numpy_engine, _cupy_engine), on inputs this module has
-already checked (fmt a FloatFormat, shift and seed ints, `out` None or an array that fits; the
-format and scale come right after the data, unlike the public functions' keyword order):
+already checked (fmt a FloatFormat, shift and seed ints, shifts an int32 NumPy array of one
+exponent per block, `out` None or an array that fits; the format and scale come right after the
+data, unlike the public functions' keyword order):
     encode(x, fmt, shift, rounding, seed, saturate, out) -> codes
-    encode_into(x, fmt, shift, rounding, seed, saturate, row, pos, index) -> row
+    encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, pos, index) -> row
     decode(codes, fmt, shift, dtype, out) -> values
     decode_accumulate(codes, fmt, shift, out) -> sums over the leading axis, added to out
-    sum_rows(rows, fmt, start, stop, shift, out) -> (sums, max |sums|)
-    decode_row(row, fmt, start, stop, shift, out, divisor, stream) -> values
-    pack(codes, bits), unpack(packed, bits, n, dtype), amax(x)
+    sum_rows(rows, fmt, start, stop, shift, block, out) -> (sums, float32 max |sums| per block)
+    decode_row(row, fmt, start, stop, shifts, block, out, divisor, stream) -> values
+    pack(codes, bits), unpack(packed, bits, n, dtype), amax(x), amax_blocks(x, block) -> float32 maxima
 """
 import functools
 import os
@@ -30,7 +36,7 @@ import numpy as np
 
 from . import _host_engine, _numpy_engine
 from ._arrays import array_module, as_array
-from .config import ROUNDINGS as _ROUNDINGS
+from .config import Rounding
 from .formats import FloatFormat
 
 _INPUT_KINDS = "fiub"  # float, signed, unsigned, bool: numbers NumPy converts exactly or by rounding
@@ -86,8 +92,8 @@ def _check_shift(shift):
 
 
 def _check_seed(rounding, seed):
-    if rounding not in _ROUNDINGS:
-        raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+    if rounding not in [r.value for r in Rounding]:
+        raise ValueError(f"rounding must be one of {[r.value for r in Rounding]}, got {rounding!r}")
     if rounding == "nearest":
         return 0
     if seed is None:
@@ -162,15 +168,38 @@ def decode_sum(codes, fmt, shift=0, out=None):
     return _engine_for(codes).decode_accumulate(codes, fmt, _check_shift(shift), out)
 
 
-def encode_into(x, fmt, row, start, rounding="nearest", seed=None, saturate=False, shift=0, index=0):
+def _check_blocks(shift, block, n):
+    """(one int32 exponent per block, block length) from a shift and a block length: a single
+    int shift without a block (one block of all n codes), or one shift per block."""
+    if block is None:
+        return np.array([_check_shift(shift)], np.int32), max(1, n)
+    block = _check_block(block)
+    shifts = np.asarray(shift)
+    if shifts.dtype.kind not in "iu" or shifts.shape != (-(-n // block),):
+        raise ValueError(f"{n} codes in blocks of {block} need {-(-n // block)} integer shifts, got "
+                         f"{shifts.dtype}{shifts.shape}")
+    if shifts.size and not (-1000 <= shifts.min() and shifts.max() <= 1000):
+        raise ValueError("shifts must lie in -1000..1000")
+    return np.ascontiguousarray(shifts, np.int32), int(block)
+
+
+def _check_block(block):
+    if not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    return int(block)
+
+
+def encode_into(x, fmt, row, start, rounding="nearest", seed=None, saturate=False, shift=0, index=0, block=None):
     """encode() and pack() in one pass: the codes of x written straight into the packed stream
     `row` (a flat uint8 array, as pack() writes) at code positions start .. start + x.size; the
     bits of every other code in the bytes they touch are kept, so pieces of a stream can be
     written one by one. index: the flat index of x[0] for stochastic rounding's hash, so a tensor
-    encoded piece by piece with one seed gets the codes one encode() of it gives. Returns row."""
+    encoded piece by piece with one seed gets the codes one encode() of it gives. block: x in
+    blocks of this many elements, block k scaled by 2**shift[k]. Returns row."""
     fmt = FloatFormat.parse(fmt)
     seed = _check_seed(rounding, seed)
-    x, shift = _as_float32(x).ravel(), _check_shift(shift)
+    x = _as_float32(x).ravel()
+    shifts, block = _check_blocks(shift, block, x.size)
     row = as_array(row)
     if row.ndim != 1 or not row.flags.c_contiguous:  # a copy would take the codes and drop them
         raise TypeError(f"row must be a flat contiguous uint8 array, got {row.dtype}{row.shape}")
@@ -180,29 +209,36 @@ def encode_into(x, fmt, row, start, rounding="nearest", seed=None, saturate=Fals
     if array_module(row) is not array_module(x):
         raise ValueError("x and row must be on the same device")
     if x.size:
-        _engine_for(x).encode_into(x, fmt, shift, rounding, seed, saturate, row, int(start), int(index))
+        _engine_for(x).encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, int(start), int(index))
     return row
 
 
-def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None):
+def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None, block=None):
     """Codes start..stop of every row of `rows` (a (ranks, bytes) uint8 array, each row a stream
     as pack() writes it; rows may lie apart, as slices of a larger buffer do) decoded, times
     2**-shift, and summed over the rows in rank order from +0.0 in float32 -> (sums, max |sums|,
-    +inf where a sum is NaN/Inf). One pass over the codes: no unpacked copy, no pass per rank,
-    and the max the re-encode's APS shift needs comes with it."""
+    +inf where a sum is NaN/Inf; with `block`, a float32 array of the max of every block of
+    that many sums). One pass over the codes: no unpacked copy, no pass per rank, and the max the
+    re-encode's APS shift needs comes with it."""
     fmt, rows = _check_rows(rows, fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
-    return _engine_for(rows).sum_rows(rows, fmt, start, stop, _check_shift(shift), out)
+    size = max(1, stop - start) if block is None else _check_block(block)
+    sums, peaks = _engine_for(rows).sum_rows(rows, fmt, start, stop, _check_shift(shift), size, out)
+    if block is None:
+        return sums, float(peaks[0]) if stop > start else 0.0
+    return sums, peaks
 
 
-def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1, stream=False):
+def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1, stream=False, block=None):
     """decode() of codes start..stop of one packed stream `row`, without unpacking it first,
     divided by `divisor` in float32 (an average's N: one rounding, as decoding and then dividing
-    gives, without a second pass over the values). stream=True: the host engine writes past the
-    caches (results far larger than them, which leave them before anyone reads them anyway)."""
+    gives, without a second pass over the values). block: codes in blocks of this many, block k
+    decoded at 2**-shift[k]. stream=True: the host engine writes past the caches (results far
+    larger than them, which leave them before anyone reads them anyway)."""
     fmt, rows = _check_rows(as_array(row).reshape(1, -1), fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
-    return _engine_for(rows).decode_row(rows[0], fmt, start, stop, _check_shift(shift), out, np.float32(divisor),
+    shifts, block = _check_blocks(shift, block, stop - start)
+    return _engine_for(rows).decode_row(rows[0], fmt, start, stop, shifts, block, out, np.float32(divisor),
                                         bool(stream))
 
 
@@ -244,6 +280,13 @@ def amax(x):
     """max |x| as a Python float, or +inf when x holds any NaN or Inf."""
     x = _as_float32(x).ravel()
     return _engine_for(x).amax(x)
+
+
+def amax_blocks(x, block):
+    """amax() of every block of `block` elements of x (the last may be shorter), as a float32
+    NumPy array."""
+    x = _as_float32(x).ravel()
+    return np.asarray(_engine_for(x).amax_blocks(x, _check_block(block)), np.float32)
 
 
 def packed_size(n, fmt):

@@ -1,93 +1,188 @@
-"""What an APSCompressor is configured with: one frozen value, validated in one place.
+"""What an APSCompressor is configured with: one frozen value, validated in one place, and the
+named recipes the examples and studies use.
 
-Configuration is kept apart from state (seeds, stats, buffers), as torchao's float8 config is:
-every rank must build an equal APSConfig, and the exchange checks that through `signature`.
+Configuration is kept apart from state (residuals, step counts, the schedule, stats, buffers), as
+torchao's float8 config is: every rank must build an equal APSConfig, and the exchange checks
+that through `signature`.
 """
 import dataclasses
+import enum
 import hashlib
+from typing import Optional, Union
 
 from .formats import FloatFormat
 
-ROUNDINGS = ("nearest", "stochastic")
-SCALINGS = ("aps", "none")  # "none": the naive cast, for comparison
-WIRES = ("codes", "values")
+
+class _Choice(str, enum.Enum):
+    """A string choice: compares equal to its value, prints as it, on every Python."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Rounding(_Choice):
+    NEAREST = "nearest"        # to nearest, ties to the even code
+    STOCHASTIC = "stochastic"  # up with probability equal to the discarded fraction
+
+
+class Scaling(_Choice):
+    APS = "aps"    # Auto-Precision Scaling
+    NONE = "none"  # the naive cast, for comparison
+
+
+class Wire(_Choice):
+    CODES = "codes"    # the format's codes themselves, through an alltoall/allgather exchange
+    VALUES = "values"  # values on the format's grid, carried by the framework's allreduce in float16
+
+
+class Policy(_Choice):
+    CODES = "codes"  # every bucket sends codes
+    AUTO = "auto"    # a bucket whose codes take longer than the framework's own allreduce sends that instead
+
+
+class Fallback(_Choice):
+    """What policy="auto" sends where codes do not pay."""
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+AUTO = "auto"  # chunk_bytes tuned at run time
 DEFAULT_BUCKET_BYTES = 16 << 20  # float32 gradient bytes fused into one codes exchange
-DEFAULT_MIN_ELEMENTS = 4096      # smaller tensors take Horovod's plain allreduce on the codes path
-DEFAULT_CHUNK_BYTES = 4 << 20  # float32 gradient bytes per pipelined chunk of a bucket
+DEFAULT_MIN_ELEMENTS = 4096      # smaller tensors take the framework's plain allreduce on the codes path
 DEFAULT_HYBRID_THRESHOLD = 0.75  # sampled elementwise relative error above which a tensor goes wide
+# chunk_bytes="auto" tries these (float32 bytes per chunk; 0: the whole bucket at once). Chunks
+# pay where the wire is slower than the codec (1 Gbit/s); unchunked wins where it is faster.
+CHUNK_CANDIDATES = (0, 4 << 20, 1 << 20)
+# Where the schedule cannot be tuned (inside a TF graph, whose chunks are fixed when it is traced):
+GRAPH_CHUNK_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class APSConfig:
     """How gradients are compressed.
 
-    fmt: a FloatFormat or its name ("e4m3", "e5m2", "e3m0", ...).
-    rounding: "nearest" (ties to even) or "stochastic" (seeded per rank and call).
-    scaling: "aps" (Auto-Precision Scaling) or "none" (the naive cast).
-    saturate: clamp finite overflow to +-max instead of Inf/NaN.
-    wire: "codes" sends the format's codes themselves (1 byte per element for 8-bit formats,
-    packed below 8 bits) through an alltoall/allgather exchange; "values" rounds onto the grid
-    and lets Horovod's own allreduce carry the values in float16 (float32 for formats float16
-    cannot hold): 2x less than fp32 at most.
-    bucket_bytes: float32 gradient bytes fused into one codes exchange.
-    min_elements: on the codes path, smaller tensors take the framework's plain allreduce.
-    error_feedback: on the codes path, each rank adds what the last step's encode lost (its
-    residual) to the gradient before encoding, and each shard's owner does the same for its
-    re-encode of the sum, so rounding errors are carried forward instead of dropped (1-bit SGD,
-    EF-SGD, two-sided); the residuals are state (APSCompressor.state_dict).
-    hybrid: None, or a wider format (codes path): a tensor goes out in it instead of `fmt` when
-    the mean elementwise relative error |q(g) - g| / |g| (1 for an entry flushed to zero) that
-    `fmt` would make on a sample of it exceeds hybrid_threshold on some rank (the estimates ride
-    on the metadata Max-allreduce, so every rank picks alike). 4-bit formats make 0.27-0.35 on
-    Gaussian gradients and 0.55-1 on heavy-tailed ones, whose small entries flush to zero.
-    chunk_bytes: a bucket's exchange runs in chunks of this many float32 gradient bytes, one
-    encoded while the one before travels and the one before that is decoded (0: the whole
-    bucket at once). Each chunk's shards carry their own re-encode exponents, so the numbers
-    depend on it: every rank must use the same (the signature covers it). Chunks pay where the
-    wire is slower than the codec (1 Gbit/s: 0.22 s a step pipelined, 0.34 s not, README); on
-    faster links (10 Gbit/s with one core per rank) their extra collective rounds cost more than
-    the overlap, and 0 is as fast or faster.
+    Attributes:
+        fmt: a FloatFormat or its name ("e4m3", "e5m2", "e3m0", ...).
+        rounding: Rounding.NEAREST (ties to even) or STOCHASTIC (seeded per rank, tensor, step
+            and element: the same seed gives the same bits on every run).
+        scaling: Scaling.APS (Auto-Precision Scaling) or NONE (the naive cast).
+        saturate: clamp finite overflow to +-max instead of Inf/NaN.
+        wire: Wire.CODES sends the format's codes (1 byte per element for 8-bit formats, packed
+            below 8 bits) through an alltoall/allgather exchange; VALUES rounds onto the grid and
+            lets the framework's allreduce carry the values in float16 (float32 for formats
+            float16 cannot hold): 2x less than fp32 at most.
+        bucket_bytes: float32 gradient bytes fused into one codes exchange.
+        min_elements: on the codes path, smaller tensors take the framework's plain allreduce.
+        error_feedback: on the codes path, each rank adds what the last step's encode lost (its
+            residual) to the gradient before encoding, and each range's owner does the same for
+            its re-encode of the sum (1-bit SGD, EF-SGD, two-sided); residuals are state.
+        hybrid: None, or a wider format (codes path): a tensor goes out in it instead of `fmt`
+            when the mean elementwise relative error |q(g) - g| / |g| (1 for an entry flushed to
+            zero) that `fmt` makes on a sample of it exceeds hybrid_threshold on some rank. 4-bit
+            formats make 0.27-0.35 on Gaussian gradients and 0.55-1 on heavy-tailed ones.
+        chunk_bytes: a bucket's exchange runs in chunks of this many float32 bytes, one encoded
+            while the one before travels (0: the whole bucket at once), or "auto": chosen per
+            bucket from measured times (CHUNK_CANDIDATES). Pure scheduling: the results are the
+            same bits whatever it is.
+        hierarchical: None picks two levels (float32 inside a host, codes between hosts) where
+            several hosts each hold several ranks, flat codes otherwise; True / False force it.
+        policy: Policy.CODES always sends codes; AUTO sends a bucket through the framework's own
+            allreduce (in `fallback`) where measured times say codes do not pay. AUTO changes
+            what is sent, so it is opt-in; its decisions are in state_dict() for reproducible runs.
+        fallback: the dtype policy="auto" sends in (float32, or float16 / bfloat16 where the
+            user allows the 16-bit cast).
     """
 
     fmt: FloatFormat
-    rounding: str = "nearest"
-    scaling: str = "aps"
+    rounding: Rounding = Rounding.NEAREST
+    scaling: Scaling = Scaling.APS
     saturate: bool = False
-    wire: str = "codes"
+    wire: Wire = Wire.CODES
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     min_elements: int = DEFAULT_MIN_ELEMENTS
     error_feedback: bool = False
-    hybrid: FloatFormat = None
+    hybrid: Optional[FloatFormat] = None
     hybrid_threshold: float = DEFAULT_HYBRID_THRESHOLD
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: Union[int, str] = AUTO
+    hierarchical: Optional[bool] = None
+    policy: Policy = Policy.CODES
+    fallback: Fallback = Fallback.FLOAT32
 
     def __post_init__(self):
         object.__setattr__(self, "fmt", FloatFormat.parse(self.fmt))
+        for field, choice in (("rounding", Rounding), ("scaling", Scaling), ("wire", Wire), ("policy", Policy),
+                              ("fallback", Fallback)):
+            value = getattr(self, field)
+            if value not in [c.value for c in choice]:
+                raise ValueError(f"{field} must be one of {[c.value for c in choice]}, got {value!r}")
+            object.__setattr__(self, field, choice(value))
         if self.hybrid is not None:
             object.__setattr__(self, "hybrid", FloatFormat.parse(self.hybrid))
             if self.hybrid.bits <= self.fmt.bits:
                 raise ValueError(f"hybrid must be a wider format than {self.fmt}, got {self.hybrid}")
         if not isinstance(self.hybrid_threshold, (int, float)) or not 0 < self.hybrid_threshold <= 1:
             raise ValueError(f"hybrid_threshold must be a number in (0, 1], got {self.hybrid_threshold!r}")
-        for field, allowed in (("rounding", ROUNDINGS), ("scaling", SCALINGS), ("wire", WIRES)):
-            if getattr(self, field) not in allowed:
-                raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
         for field in ("saturate", "error_feedback"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be a bool, got {getattr(self, field)!r}")
+        if self.hierarchical not in (None, True, False):
+            raise TypeError(f"hierarchical must be None, True or False, got {self.hierarchical!r}")
         for field in ("error_feedback", "hybrid"):
-            if getattr(self, field) and self.wire != "codes":
-                raise ValueError(f"{field} needs wire='codes': Horovod's own allreduce of values carries one format "
-                                 "and keeps no residual")
-        for field in ("bucket_bytes", "min_elements", "chunk_bytes"):
+            if getattr(self, field) and self.wire != Wire.CODES:
+                raise ValueError(f"{field} needs wire='codes': the framework's allreduce of values carries one "
+                                 "format and keeps no residual")
+        for field in ("bucket_bytes", "min_elements") + (() if self.chunk_bytes == AUTO else ("chunk_bytes",)):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{field} must be an int >= 0, got {value!r}")
+                raise ValueError(f"{field} must be an int >= 0{' or auto' if field == 'chunk_bytes' else ''}, "
+                                 f"got {value!r}")
 
     @property
-    def signature(self):
+    def candidates(self) -> tuple:
+        """The chunkings a bucket may run (hvd_aps._schedule)."""
+        return CHUNK_CANDIDATES if self.chunk_bytes == AUTO else (self.chunk_bytes,)
+
+    @property
+    def signature(self) -> int:
         """An integer naming the whole configuration: equal on every rank or the exchange raises.
         48 bits of a hash of every field, so it rides exactly in the float64 metadata vector
         (two configurations share it with probability 2**-48)."""
         fields = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
         return int.from_bytes(hashlib.blake2b(fields.encode(), digest_size=6).digest(), "little")
+
+
+# Named recipes (torchao's pattern): the settings the examples and studies compare, by name.
+RECIPES = {
+    "aps-e4m3": dict(fmt="e4m3"),
+    "aps-e5m2": dict(fmt="e5m2"),
+    "aps-e3m0": dict(fmt="e3m0"),
+    "aps-e2m1fn": dict(fmt="e2m1fn"),
+    "aps-e4m3-ef": dict(fmt="e4m3", error_feedback=True),
+    "aps-e5m2-ef": dict(fmt="e5m2", error_feedback=True),
+    "aps-e3m0-ef": dict(fmt="e3m0", error_feedback=True),
+    "aps-e2m1fn-ef": dict(fmt="e2m1fn", error_feedback=True),
+    "aps-e3m0-hybrid": dict(fmt="e3m0", hybrid="e4m3"),
+    "aps-e2m1fn-hybrid": dict(fmt="e2m1fn", hybrid="e4m3"),
+    "aps-e2m1fn-ef-hybrid": dict(fmt="e2m1fn", error_feedback=True, hybrid="e4m3"),
+    "aps-e4m3-values": dict(fmt="e4m3", wire="values"),
+    "aps-e5m2-values": dict(fmt="e5m2", wire="values"),
+    "aps-e3m0-values": dict(fmt="e3m0", wire="values"),
+    "aps-e4m3-auto": dict(fmt="e4m3", policy="auto"),
+    "aps-e3m0-auto": dict(fmt="e3m0", policy="auto"),
+    "aps-e4m3-auto16": dict(fmt="e4m3", policy="auto", fallback="float16"),
+    "aps-e3m0-auto16": dict(fmt="e3m0", policy="auto", fallback="float16"),
+    "naive-e4m3": dict(fmt="e4m3", scaling="none"),
+    "naive-e5m2": dict(fmt="e5m2", scaling="none"),
+    "naive-e3m0": dict(fmt="e3m0", scaling="none"),
+}
+
+
+def recipe(name: str, **overrides) -> APSConfig:
+    """The APSConfig of a named recipe (RECIPES), with keyword overrides."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}: one of {sorted(RECIPES)}")
+    return APSConfig(**{**RECIPES[name], **overrides})

@@ -4,27 +4,44 @@
     ddp.register_comm_hook(hvd_aps.ddp.APSState(hvd_aps.APSCompressor(hvd_aps.e4m3)), hvd_aps.ddp.aps_hook)
 
 The bucket goes through the same exchange driver as every Horovod path (hvd_aps.exchange), with
-torch.distributed collectives: a Max all_reduce of the metadata, all_to_all_single of the code
-shards, an all_gather of the reduced shards (equal sizes: hvd_aps.wire pads each to the longest,
-a few bytes), then decode into the bucket. Gloo on the CPU; NCCL with CUDA tensors through the
-CuPy engine. Importing this module does not import Horovod.
+torch.distributed collectives: a Max all_reduce of the metadata, all_to_all_single of the codes,
+an all_gather of the reduced ranges (equal sizes: the stages pad each to the longest, a few
+bytes), then decode into the bucket; with several ranks on each of several hosts, float32
+all_to_all and all_gather inside the host and codes only between hosts. Gloo on the CPU; NCCL
+with CUDA tensors through the CuPy engine. Importing this module does not import Horovod.
 """
 import concurrent.futures
+import os
+import socket
+import threading
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from . import _arrays, exchange
+from ._stages import Bucket
+from ._topology import Topology
 from .compressor import APSCompressor
 
 
 class TorchDistributedCollectives(exchange.AsyncEager):
     """torch.distributed collectives on NumPy/CuPy arrays, in `group`, on `device` (the bucket's:
-    NCCL needs CUDA tensors, Gloo takes CPU ones)."""
+    NCCL needs CUDA tensors, Gloo takes CPU ones). What they receive lands in buffers kept per
+    collective name and reused every step (a bucket's float32 slices are tens of MB: fresh pages
+    cost more to fault in than the copy into them)."""
 
     def __init__(self, group, device):
         self.group, self.device = group, device
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._received = {}
+
+    def _output(self, name, n, dtype):
+        out = self._received.get(name)
+        if out is None or out.numel() != n or out.dtype != dtype:
+            out = self._received[name] = torch.empty(n, dtype=dtype, device=self.device)
+        return out
 
     def _tensor(self, array):
         return torch.from_dlpack(array).to(self.device)
@@ -34,62 +51,167 @@ class TorchDistributedCollectives(exchange.AsyncEager):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.cpu().numpy()
 
+    def allreduce(self, values, name):
+        t = self._tensor(values)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return _arrays.as_array(t)
+
     def alltoall_start(self, send, splits, name):
         splits = [int(s) for s in _arrays.to_numpy(splits)]
-        # every rank's shard r has the same length, so rank r receives splits[r] bytes from each
-        received = torch.empty(splits[self.rank] * self.world, dtype=torch.uint8, device=self.device)
         sent = self._tensor(send)
+        # every rank's part for rank r has the same length, so rank r receives splits[r] from each
+        received = self._output(name, splits[self.rank] * self.world, sent.dtype)
         work = dist.all_to_all_single(received, sent, [splits[self.rank]] * self.world, splits, group=self.group,
                                       async_op=True)
         return work, sent, received
 
     def allgather_start(self, message, name):
         mine = self._tensor(message)
-        parts = [torch.empty_like(mine) for _ in range(self.world)]
-        return dist.all_gather(parts, mine, group=self.group, async_op=True), mine, parts
+        gathered = self._output(name, mine.numel() * self.world, mine.dtype)
+        return dist.all_gather_into_tensor(gathered, mine, group=self.group, async_op=True), mine, gathered
 
     def wait(self, handle):
         work, _, out = handle  # the input stays referenced until the collective is done
         work.wait()
-        return _arrays.as_array(torch.cat(out) if isinstance(out, list) else out)
+        return _arrays.as_array(out)
 
+
+def group_levels(process_group, hierarchical) -> tuple:
+    """(world, cross, local) process groups: a private copy of `process_group` (so the exchange's
+    collectives never interleave with DDP's own), and with two levels this rank's host and cross
+    groups (else cross is world and local None), made alike on every rank. Collective: every rank
+    of the process group calls it together."""
+    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    world = dist.new_group(ranks)
+    if hierarchical is False or len(ranks) == 1:
+        return world, world, None
+    places = [None] * len(ranks)
+    dist.all_gather_object(places, _place(), group=world)
+    topology = Topology.from_places(places)
+    if not topology.two_levels(hierarchical):
+        return world, world, None
+    me = dist.get_rank(world)
+    groups = {g: dist.new_group([ranks[r] for r in g]) for g in topology.groups()}
+    return world, groups[topology.cross_group(me)], groups[topology.local_group(me)]
+
+
+def levels_on(groups: tuple, device) -> exchange.Levels:
+    """exchange.Levels over (world, cross, local) groups, for tensors on `device`."""
+    world, cross, local = (None if g is None else TorchDistributedCollectives(g, device) for g in groups)
+    return exchange.Levels(world, cross if groups[1] is not groups[0] else world, local)
+
+
+def _place() -> tuple:
+    """(host, local rank) of this process: torchrun's GROUP_RANK and LOCAL_RANK where it set them."""
+    host = os.environ.get("GROUP_RANK") or socket.gethostname()
+    return host, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class _Steps:
+    """Which buckets of the step DDP is in have finished: the step commits when its last bucket
+    (bucket.is_last()) and every bucket before it are done; if one raised, it rolls back once all
+    of them have ended (none may write after), before the next step's first bucket starts."""
+
+    def __init__(self, state):
+        self._exchange_state, self._ended = state, threading.Condition()
+        self._started, self._finished, self._last, self._failed = set(), set(), None, False
+
+    def started(self, index: int, last: bool) -> None:
+        with self._ended:
+            if index in self._started:  # a bucket seen again: a new step (the last one raised)
+                self._ended.wait_for(lambda: self._finished >= self._started)
+                self._started, self._finished, self._last, self._failed = set(), set(), None, False
+            self._started.add(index)
+            if last:
+                self._last = index
+
+    def finished(self, index: int, error: Optional[BaseException]) -> None:
+        with self._ended:
+            self._finished.add(index)
+            self._failed = self._failed or error is not None
+            if self._finished >= self._started and (self._failed or self._last is not None):
+                if self._failed:
+                    self._exchange_state.rollback()
+                else:
+                    self._exchange_state.commit()
+                    self._started, self._finished, self._last = set(), set(), None
+            self._ended.notify_all()
 
 
 class APSState:
-    """What aps_hook keeps between steps.
+    """What aps_hook keeps between steps, grouped as torch's PowerSGDState is.
 
-    Hyperparameters: `compressor` (an hvd_aps.APSCompressor sending codes; its format, rounding and
-    scaling apply), `process_group` (DDP's; None for the default group).
-    Internal state: LANES private copies of the process group, each with one communication
-    thread: bucket b goes to lane b % LANES, so one bucket's encoding overlaps another's
-    transfers, every lane's collectives are issued in bucket order on every rank, and none
-    interleave with DDP's own (find_unused_parameters' bitmap, bucket rebuilds). The exchange's
-    buffers are keyed by bucket index and reallocate when DDP rebuilds its buckets after the
-    first step.
+    Hyperparameters: `compressor` (an hvd_aps.APSCompressor sending codes: its configuration,
+    exchange state and stats apply), `process_group` (DDP's; None for the default group).
+    Internal state: LANES lanes, each a private copy of the process group (with two levels, the
+    host and cross groups too) and one communication thread: bucket b goes to lane b % LANES, so
+    one bucket's encoding overlaps another's transfers, every lane's collectives are issued in
+    bucket order on every rank, and none interleave with DDP's own; `close()` stops the threads
+    and destroys the groups. A step commits (residuals, step counts) when its last bucket is done;
+    a bucket that raises rolls the step back.
     Stats: `compressor.bytes_sent`, `compressor.totals()`, `buckets_exchanged`.
     """
 
     LANES = 2
 
-    def __init__(self, compressor, process_group=None):
+    def __init__(self, compressor: APSCompressor, process_group=None):
         if not isinstance(compressor, APSCompressor) or compressor.config.wire != "codes":
             raise TypeError(f"APSState needs an hvd_aps.APSCompressor sending codes, got {compressor!r}")
         if not dist.is_initialized():
             raise RuntimeError("APSState needs torch.distributed initialised (dist.init_process_group)")
-        self.compressor = compressor
-        self.process_group = process_group
-        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        self.lanes = [(dist.new_group(ranks, use_local_synchronization=True),
-                       concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hvd_aps_ddp{lane}"))
-                      for lane in range(self.LANES)]
+        self.compressor, self.process_group = compressor, process_group
         self.buckets_exchanged = 0
+        self._lock = threading.Lock()
+        self._steps, self._levels = _Steps(compressor.state), {}
+        self._lanes = [(group_levels(process_group, compressor.config.hierarchical),
+                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hvd_aps_ddp{lane}"))
+                       for lane in range(self.LANES)]
+
+    def lane(self, index: int, device) -> tuple:
+        """(Levels for tensors on `device`, thread) of bucket `index`'s lane (one Levels per lane
+        and device, kept: its collectives hold the receive buffers)."""
+        if not self._lanes:
+            raise RuntimeError("this APSState was closed")
+        groups, thread = self._lanes[index % self.LANES]
+        key = (index % self.LANES, str(device))
+        if key not in self._levels:
+            self._levels[key] = levels_on(groups, device)
+        return self._levels[key], thread
+
+    def counted(self) -> None:
+        with self._lock:
+            self.buckets_exchanged += 1
+
+    def close(self) -> None:
+        """Stop the lanes' threads and destroy their process groups."""
+        lanes, self._lanes = self._lanes, []
+        self._levels.clear()
+        for groups, thread in lanes:
+            thread.shutdown(wait=True)
+            for group in {id(g): g for g in groups if g is not None}.values():
+                dist.destroy_process_group(group)
+
+    def __enter__(self) -> "APSState":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict:
+        """Pickled as torch's hook states are: without process groups or threads (made anew when
+        unpickled, on the default group: every rank unpickles together)."""
+        return {"compressor": self.compressor, "buckets_exchanged": self.buckets_exchanged}
+
+    def __setstate__(self, saved: dict) -> None:
+        self.__init__(saved["compressor"])
+        self.buckets_exchanged = saved["buckets_exchanged"]
 
 
-def aps_hook(state, bucket):
+def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket's gradients across ranks, sending APS codes.
 
     1. Every gradient of the bucket becomes a float32 flat (a view where the bucket is float32).
-    2. The exchange runs on one of the state's communication lanes, so backward goes on.
+    2. The exchange runs on one of the state's lanes, so backward goes on.
     3. The averaged gradients land in the bucket's buffer (decoded straight into it where it is
        float32; fp16/bf16 buckets come back in their dtype), and the returned Future completes
        with it. A gradient with NaN/Inf on any rank comes back all NaN on every rank, so a
@@ -100,27 +222,33 @@ def aps_hook(state, bucket):
         state = hvd_aps.ddp.APSState(hvd_aps.APSCompressor(hvd_aps.e4m3))
         ddp_model.register_comm_hook(state, hvd_aps.ddp.aps_hook)
     """
-    buffer, grads = bucket.buffer(), bucket.gradients()
+    buffer, grads, index = bucket.buffer(), bucket.gradients(), bucket.index()
+    name = f"ddp.bucket{index}"
+    state._steps.started(index, bucket.is_last())
+    if state.compressor.state.schedule.native(name):
+        return _native(state, bucket, index)
     future = torch.futures.Future()
-
-    group, thread = state.lanes[bucket.index() % len(state.lanes)]
+    levels, thread = state.lane(index, buffer.device)
 
     def run():
-        coll = TorchDistributedCollectives(group, buffer.device)
-        stages = state.compressor.stages(coll.world, coll.rank)
+        comp = state.compressor
+        stages = comp.stages(levels.cross.world, levels.cross.rank, dist.get_rank())
         flats = [_arrays.as_array(g.detach().to(torch.float32).reshape(-1)) for g in grads]
-        # float32 buckets take the sums in place (the flats are read only before the sums are
+        # float32 buckets take the results in place (the flats are read before the results are
         # written); the buffer is the bucket's gradients end to end
         outs = ([_arrays.as_array(part) for part in buffer.view(-1).split([g.numel() for g in grads])]
                 if buffer.dtype == torch.float32 else None)
-        means = exchange.run(stages, flats, coll, f"ddp.bucket{bucket.index()}", outs=outs, average=True)
+        spec = Bucket.whole(name, [f"{name}[{i}]" for i in range(len(grads))], [f"{name}[{i}]" for i in range(len(grads))],
+                            [g.numel() for g in grads])
+        means = exchange.run(stages, spec, flats, levels, outs=outs, average=True)
         if outs is None:
             buffer.copy_(torch.cat([torch.from_dlpack(mean) for mean in means]))
-        state.buckets_exchanged += 1
+        state.counted()
         return buffer
 
     def settle(done):
         error = done.exception()
+        state._steps.finished(index, error)
         if error is not None:
             future.set_exception(error)
         else:
@@ -128,3 +256,24 @@ def aps_hook(state, bucket):
 
     thread.submit(run).add_done_callback(settle)
     return future
+
+
+_NATIVE_HOOKS = {"float32": default_hooks.allreduce_hook, "float16": default_hooks.fp16_compress_hook,
+                 "bfloat16": default_hooks.bf16_compress_hook}
+
+
+def _native(state: APSState, bucket: dist.GradBucket, index: int) -> torch.futures.Future[torch.Tensor]:
+    """policy="auto" settled on the framework's own allreduce for this bucket: torch's own hook
+    for the fallback dtype (in place, no copies), the step's bookkeeping kept."""
+    def settle(done):
+        try:
+            value = done.value()
+        except Exception as error:
+            state._steps.finished(index, error)
+            raise
+        state._steps.finished(index, None)
+        state.counted()
+        return value
+
+    fallback = str(state.compressor.config.fallback)
+    return _NATIVE_HOOKS[fallback](state.process_group, bucket).then(settle)

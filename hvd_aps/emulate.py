@@ -3,9 +3,10 @@ studying formats, APS and accumulation without a cluster.
 """
 import numpy as np
 
-from . import codec
+from . import _arrays, codec
 from . import scaling as scaling_math
-from .config import SCALINGS
+from ._stages import Bucket
+from .config import Scaling
 from .formats import FloatFormat
 
 _ACCUMULATE = ("fp32", "format")
@@ -70,29 +71,35 @@ def allreduce(arrays, fmt, scaling="aps", accumulate="fp32", kahan=False, roundi
 
 
 def codes_allreduce(compressors, grads, name="emulated"):
-    """The average N workers get from the codes exchange that real ranks run (hvd_aps.wire's
-    stages, with error feedback and hybrid precision as configured), every worker's stages run
-    in lockstep in this process: the collectives become a max, a transpose of byte blocks and a
+    """The average N workers get from the codes exchange that real ranks run (hvd_aps._stages,
+    with error feedback and hybrid precision as configured), every worker's stages run in
+    lockstep in this process: the collectives become a max, a transpose of byte blocks and a
     concatenation. compressors: one APSCompressor per worker (each keeps its own residuals);
-    grads[w]: worker w's tensors. Returns one float32 flat per tensor (every worker decodes the
-    same bytes alike, so worker 0's result is everyone's)."""
+    grads[w]: worker w's tensors. Each call is one step. Returns one float32 flat per tensor
+    (every worker decodes the same bytes alike, so worker 0's result is everyone's)."""
     world = len(compressors)
     if len(grads) != world:
         raise ValueError(f"{len(grads)} workers' gradients for {world} compressors")
     stages = [c.stages(world, w) for w, c in enumerate(compressors)]
     flats = [[codec._as_float32(g).ravel() for g in worker] for worker in grads]
     sizes = [f.size for f in flats[0]]
-    agreed = np.max([s.metadata(f, name) for s, f in zip(stages, flats)], axis=0)
-    agreements = [s.agree(agreed, sizes, name, average=True) for s in stages]
-    for chunk in range(stages[0].chunk_count(sizes)):
-        begun = [s.begin(f, a, chunk) for s, f, a in zip(stages, flats, agreements)]  # (send, splits, state)
-        cuts = [np.concatenate([[0], np.cumsum(splits)]) for _, splits, _ in begun]
-        messages = [stages[w].reduce_shard(np.concatenate([send[cut[w]:cut[w + 1]] for (send, _, _), cut in
-                                                           zip(begun, cuts)]), begun[w][2]) for w in range(world)]
-        stages[0].finish(np.concatenate(messages), begun[0][2])
-    for s, a in zip(stages[1:], agreements[1:]):
-        s.done(a)  # counts the bytes each worker sent
-    return stages[0].done(agreements[0])
+    bucket = Bucket.whole(name, [f"{name}[{i}]" for i in range(len(sizes))], [f"{name}[{i}]" for i in range(len(sizes))],
+                          sizes)
+    begun = [s.metadata(bucket, f) for s, f in zip(stages, flats)]
+    agreed = np.max([vector for vector, _ in begun], axis=0)
+    candidate = compressors[0].state.schedule.candidate(name)
+    xp = _arrays.array_module(flats[0][0]) if sizes else np  # NumPy, or CuPy for arrays on a GPU
+    agreements = [s.agree(bucket, agreed, data, None, world, xp, candidate) for s, (_, data) in zip(stages, begun)]
+    for chunk in range(agreements[0].count):
+        sent = [s.begin(a, chunk) for s, a in zip(stages, agreements)]  # (message, splits)
+        cuts = [np.concatenate([[0], np.cumsum(splits)]) for _, splits in sent]
+        messages = [s.reduce(a, chunk, xp.concatenate([message[cut[w]:cut[w + 1]] for (message, _), cut in
+                                                       zip(sent, cuts)])) for w, (s, a) in enumerate(zip(stages, agreements))]
+        stages[0].finish(agreements[0], chunk, xp.concatenate(messages))
+    results = [s.done(a) for s, a in zip(stages, agreements)][0]
+    for c in compressors:
+        c.state.commit()
+    return results
 
 
 def relative_error(result, arrays):
@@ -106,7 +113,7 @@ def probe(fmt, ranks=8, size=100_000, sigma=1e-4, seed=0):
     rng = np.random.default_rng(seed)
     arrays = [rng.normal(0.0, sigma, size).astype(np.float32) for _ in range(ranks)]
     rows = []
-    for scaling in SCALINGS:
+    for scaling in (s.value for s in Scaling):
         for accumulate in _ACCUMULATE:
             result = allreduce(arrays, fmt, scaling=scaling, accumulate=accumulate)
             rows.append((str(FloatFormat.parse(fmt)), scaling, accumulate, relative_error(result, arrays)))

@@ -1,57 +1,72 @@
 """The one exchange driver: a bucket's codes exchange, with the collectives passed in.
 
 Every codes path runs through `run`: APSCompressor inside Horovod's own optimizers (torch and TF),
-hvd_aps.torch.DistributedOptimizer, hvd_aps.tensorflow's tape and the torch.distributed DDP hook.
-What differs between them is a `Collectives` object: three collectives and a way to run a host
-stage (a plain call for eager torch, tf.numpy_function inside a TF graph). The stages themselves
-are hvd_aps.wire.CodesExchange's.
+hvd_aps.torch.DistributedOptimizer, hvd_aps.tensorflow's tape, Keras 3, the DDP hook and the FSDP2
+reduce-scatter. What differs between them is a `Collectives` object per group of ranks: a few
+collectives and a way to run a host stage (a plain call for eager frameworks, tf.numpy_function
+inside a TF graph). The stages themselves are hvd_aps._stages.CodesExchange's.
 
-Steps, for one bucket of flat float32 gradients:
-1. stage: each tensor's max |g| and size, the compressor's signature;   collective: Max-allreduce
-2. stage: APS shifts and formats agreed, the bucket cut into chunks;
+Steps, for one bucket of flat float32 gradients (`Levels`: flat, or two levels where hosts hold
+several ranks: float32 inside a host, codes between hosts):
+0. two levels: the bucket cut into one slice per local rank; alltoall of the slices inside the
+   host, each local rank sums the host's copies of its slice in local-rank order (float32);
+1. stage: each tensor's max |g| and size, the signature;        collective: Max-allreduce (all ranks)
+2. stage: APS shifts and formats agreed, the chunks laid out;
 then for every chunk, pipelined (chunk k is encoded while k-1's codes travel and k-2 is decoded):
-3. stage: encode the chunk, cut one shard per rank (packed);             collective: alltoall
-4. stage: decode-and-sum this rank's shard, re-encode it;                collective: allgather
-5. stage: decode every rank's shard into the results.
-Collectives that can start without waiting (Horovod's and torch.distributed's async ops) let
-the codec work on one chunk while another is on the wire; blocking ones run the same schedule
-one step at a time.
+3. stage: encode every owner's part of the chunk;                collective: alltoall (codes group)
+4. stage: decode-and-sum this rank's part, re-encode it;         collective: allgather
+5. stage: decode every owner's part into the results;
+6. two levels: allgather of the results' slices inside the host.
+The schedule (hvd_aps._schedule) picks each bucket's chunking, or with policy="auto" possibly the
+framework's own allreduce, from measured times.
 """
 import abc
+import dataclasses
+import time
+from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _layout
+from ._schedule import NATIVE
+from ._stages import Bucket
 
 
 class Collectives(abc.ABC):
-    """What the driver needs from a framework. Arrays in and out are the framework's own kind
-    (NumPy/CuPy arrays for eager torch, tf.Tensor inside TF)."""
+    """What the driver needs from a framework, for one group of ranks. Arrays in and out are the
+    framework's own kind (NumPy/CuPy arrays for eager frameworks, tf.Tensor inside TF). Splits
+    count elements of the array's dtype."""
 
     world: int
     rank: int
+    eager: bool = True  # stages run as they are called (False: graph ops, whose shape is fixed when traced)
+    equal_allgather: bool = True  # allgather takes messages of equal sizes only (torch.distributed's)
 
     @abc.abstractmethod
-    def stage(self, fn, inputs, dtypes):
+    def stage(self, fn, inputs: Sequence, dtypes: Sequence) -> tuple:
         """Run fn(*inputs) -> a tuple of arrays of `dtypes` (NumPy dtypes), return that tuple."""
 
     @abc.abstractmethod
-    def max_allreduce(self, vector, name):
+    def max_allreduce(self, vector, name: str):
         """Elementwise max over the ranks of a float64 vector."""
 
     @abc.abstractmethod
-    def alltoall(self, send, splits, name):
-        """uint8 bytes: splits[r] of `send` to rank r; returns what every rank sent here, in rank order."""
+    def alltoall(self, send, splits, name: str):
+        """splits[r] elements of `send` to rank r; returns what every rank sent here, in rank order."""
 
     @abc.abstractmethod
-    def allgather(self, message, name):
-        """Every rank's uint8 message, concatenated in rank order."""
+    def allgather(self, message, name: str):
+        """Every rank's message (of equal sizes), concatenated in rank order."""
 
-    def alltoall_start(self, send, splits, name):
+    def allreduce(self, values, name: str):
+        """The sum over the ranks of a float array (the framework's own allreduce: policy="auto")."""
+        raise NotImplementedError(f"{type(self).__name__} has no allreduce: policy='auto' needs one")
+
+    def alltoall_start(self, send, splits, name: str):
         """Start an alltoall -> a handle for wait(); by default it runs to the end at once."""
         return self.alltoall(send, splits, name)
 
-    def allgather_start(self, message, name):
+    def allgather_start(self, message, name: str):
         return self.allgather(message, name)
 
     def wait(self, handle):
@@ -67,8 +82,8 @@ class Eager(Collectives):
 
 
 class AsyncEager(Eager):
-    """Eager collectives whose alltoall and allgather can start without waiting: subclasses
-    give alltoall_start, allgather_start and wait; the blocking forms are a start and a wait."""
+    """Eager collectives whose alltoall and allgather can start without waiting: subclasses give
+    alltoall_start, allgather_start and wait; the blocking forms are a start and a wait."""
 
     @abc.abstractmethod
     def alltoall_start(self, send, splits, name):
@@ -89,48 +104,198 @@ class AsyncEager(Eager):
         return self.wait(self.allgather_start(message, name))
 
 
-def run(stages, flats, coll, name, labels=None, outs=None, average=False):
+@dataclasses.dataclass(frozen=True)
+class Levels:
+    """The groups one exchange uses: `world` (every rank: the metadata, the native allreduce),
+    `cross` (the codes: every rank when flat, the ranks sharing this local rank with two levels)
+    and `local` (None when flat: the ranks of this host)."""
+    world: Collectives
+    cross: Collectives
+    local: Optional[Collectives] = None
+
+    @classmethod
+    def flat(cls, coll: Collectives) -> "Levels":
+        return cls(coll, coll, None)
+
+
+def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list] = None, average: bool = False,
+        graph_chunk_bytes: int = 0, divisor: Optional[int] = None) -> list:
     """One bucket's exchange -> the float32 sums across ranks (average=True: divided by N), one
-    flat per input (NaN-filled where a rank held NaN/Inf). `stages`: a wire.CodesExchange;
-    `name`: stable from step to step and equal on every rank (collective names, buffer keys);
-    `outs`: eager callers may pass the arrays to write the results into."""
-    sizes = [int(f.shape[0]) for f in flats]
-    chunks = stages.chunk_count(sizes)
+    flat per tensor (NaN-filled where a rank held NaN/Inf). `stages`: a CodesExchange for the codes
+    group; bucket.name: stable from step to step and equal on every rank (collective names, buffer
+    keys, the schedule); `outs`: eager callers may pass the arrays to write the results into.
+    graph_chunk_bytes: the chunking of a graph (non-eager) exchange, fixed when it is traced.
+    divisor: what the sums are divided by, where it is not the group's size (FSDP's two levels:
+    every rank's count, the hosts' sums having come from a reduce-scatter inside each host)."""
+    schedule, coll = stages.state.schedule, levels.cross
+    candidate = schedule.candidate(bucket.name) if coll.eager else graph_chunk_bytes
+    divisor = divisor or (levels.world.world if average else 1)
+    if candidate == NATIVE:  # policy="auto" chose, or is timing, the framework's own allreduce
+        return _native(stages, bucket, flats, levels.world, outs, divisor)
+    started = time.perf_counter()
+    if levels.local is not None:
+        held_bucket, data, slice_outs, slice_message = _scatter(bucket, flats, levels.local, stages.state.buffers)
+    else:
+        held_bucket, data, slice_outs, slice_message = bucket, flats, outs, None
     held = {}  # what one stage hands the next: plain Python, so graph stages share it too
 
+    def metadata(*arrays):
+        vector, held["data"] = stages.metadata(held_bucket, list(arrays))
+        return (vector,)
+
+    vector, = levels.world.stage(metadata, data, [np.float64])
+    agreed = levels.world.max_allreduce(vector, f"{bucket.name}.meta")
+
     def agree(agreed):
-        xp = _arrays.array_module(flats[0]) if flats else np  # NumPy for graph tensors: their stages see NumPy
-        held["bucket"] = stages.agree(agreed, sizes, name, labels, outs, average, xp)
+        xp = _arrays.array_module(data[0]) if data else np  # NumPy for graph tensors: their stages see NumPy
+        held["a"] = stages.agree(held_bucket, agreed, held.pop("data"), slice_outs, divisor, xp, candidate,
+                                 coll.equal_allgather)
         return (_TOKEN,)
+
+    token, = levels.world.stage(agree, [agreed], [np.uint8])
+    chunks = held["a"].count if coll.eager else _graph_chunks(held_bucket, graph_chunk_bytes)
+    results = _pipeline(stages, held, token, data, coll, bucket.name, chunks, len(held_bucket.segments))
+    if levels.local is not None:
+        results = _gather(bucket, results, levels.local, outs, slice_message)
+    if coll.eager:
+        schedule.measured(bucket.name, candidate, time.perf_counter() - started)
+    return results
+
+
+def reduce_scatter(stages, name: str, rows, coll: Collectives, out, divisor: float = 1):
+    """The codes reduce-scatter (hvd_aps._scatter): rows (world, n) float32, row r for rank r ->
+    `out` (n float32), this rank's row summed over the ranks and divided by `divisor`. Eager."""
+    vector, rows = stages.metadata(name, rows)
+    agreed = coll.max_allreduce(vector, f"{name}.meta")
+    agreement = stages.agree(name, agreed, rows, divisor)
+    send, splits = stages.begin(agreement)
+    received = coll.alltoall(send, np.asarray(splits, np.int32), f"{name}.codes")
+    return stages.reduce(agreement, received, out)
+
+
+def _pipeline(stages, held, token, data, coll, name, chunks, segments) -> list:
+    """Steps 3-5 for every chunk, chunk k encoded while k-1 travels and k-2 is decoded."""
 
     def begin(c):
         def stage(token, *arrays):
-            send, splits, held[c] = stages.begin(list(arrays), held["bucket"], c)
+            send, splits = stages.begin(held["a"], c)
             return send, np.asarray(splits, np.int32)
         return stage
 
     def finish(c):
         def stage(gathered):
-            stages.finish(gathered, held.pop(c))
+            stages.finish(held["a"], c, gathered)
             return (_TOKEN,)
         return stage
 
-    meta, = coll.stage(lambda *arrays: (stages.metadata(arrays, name),), flats, [np.float64])
-    agreed = coll.max_allreduce(meta, f"{name}.meta")
-    token, = coll.stage(agree, [agreed], [np.uint8])
     codes, shards, finished = {}, {}, []
     for c in range(chunks + 2):
         if c < chunks:
-            send, splits = coll.stage(begin(c), [token, *flats], [np.uint8, np.int32])
+            send, splits = coll.stage(begin(c), [token, *data], [np.uint8, np.int32])
             codes[c] = coll.alltoall_start(send, splits, f"{name}.codes{c}")
         if 0 <= c - 1 < chunks:
-            message, = coll.stage(lambda received, k=c - 1: (stages.reduce_shard(received, held[k]),),
+            message, = coll.stage(lambda received, k=c - 1: (stages.reduce(held["a"], k, received),),
                                   [coll.wait(codes.pop(c - 1))], [np.uint8])
             shards[c - 1] = coll.allgather_start(message, f"{name}.shards{c - 1}")
         if c - 2 >= 0:
             finished += coll.stage(finish(c - 2), [coll.wait(shards.pop(c - 2))], [np.uint8])
-    return list(coll.stage(lambda *done: tuple(stages.done(held.pop("bucket"))), finished,
-                           [np.float32] * len(flats)))
+    return list(coll.stage(lambda *done: tuple(stages.done(held.pop("a"))), finished, [np.float32] * segments))
+
+
+def _graph_chunks(bucket: Bucket, chunk_bytes: int) -> int:
+    """A graph's chunk count, fixed when traced: from every segment (a tensor left out for NaN
+    leaves its chunks' ranges empty, not fewer chunks)."""
+    total = sum(seg.size for seg in bucket.segments)
+    return max(1, -(-total // (chunk_bytes // 4))) if chunk_bytes > 0 else 1
+
+
+def _scatter(bucket: Bucket, flats: list, local: Collectives, buffers) -> tuple:
+    """Two levels, step 0: (this local rank's Bucket of slice segments, their host sums, where
+    the results of its slice go, and (eagerly) the one padded buffer they lie in, which the host's
+    allgather then sends as it is)."""
+    slices = _layout.slices(bucket.sizes, local.world)
+    mine = Bucket(bucket.name, bucket.keys, bucket.labels, bucket.sizes, slices[local.rank])
+    lens = [sum(s.size for s in segs) for segs in slices]
+    offsets = np.cumsum([0] + [s.size for s in mine.segments])
+
+    def pack(*arrays):
+        xp = _arrays.array_module(arrays[0])
+        whole = _arrays.joined(list(arrays))  # the slices in tensor order: the flats end to end
+        if whole is not None:
+            return (whole,)
+        parts = [arrays[s.tensor][s.start:s.stop] for segs in slices for s in segs]
+        return (xp.concatenate(parts) if parts else xp.zeros(0, xp.float32),)
+
+    def add(received):
+        xp = _arrays.array_module(received)
+        rows = received.reshape(local.world, lens[local.rank])
+        total = buffers.get((bucket.name, "host sum"), lens[local.rank], np.float32, xp)
+        total[...] = rows[0]
+        for row in rows[1:]:  # the host's sum in local-rank order: a fixed order, the same bits every run
+            total += row
+        return tuple(total[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+
+    send, = local.stage(pack, flats, [np.float32])
+    received = local.alltoall(send, np.asarray(lens, np.int32), f"{bucket.name}.host_scatter")
+    data = list(local.stage(add, [received], [np.float32] * len(mine.segments)))
+    if not local.eager:
+        return mine, data, None, None
+    xp = _arrays.array_module(flats[0]) if flats else np
+    message = buffers.get((bucket.name, "host slice"), max(lens), np.float32, xp)
+    message[lens[local.rank]:] = 0  # equal sizes, as torch.distributed's all_gather needs
+    return mine, data, [message[a:b] for a, b in zip(offsets[:-1], offsets[1:])], message
+
+
+def _gather(bucket: Bucket, results: list, local: Collectives, outs, message) -> list:
+    """Two levels, step 6: every local rank's result slice, into one flat per tensor. `message`:
+    the padded buffer the results lie in (eager), else they are packed into one here."""
+    slices = _layout.slices(bucket.sizes, local.world)
+    lens = [sum(s.size for s in segs) for segs in slices]
+
+    def pack(*results):
+        if message is not None:
+            return (message,)
+        xp = _arrays.array_module(results[0]) if results else np
+        packed = xp.zeros(max(lens), xp.float32)  # equal sizes, as torch.distributed's all_gather needs
+        if results:
+            packed[:lens[local.rank]] = xp.concatenate(results)
+        return (packed,)
+
+    def unpack(gathered):
+        xp = _arrays.array_module(gathered)
+        rows = gathered.reshape(local.world, max(lens))
+        out = outs if outs is not None else [xp.empty(n, xp.float32) for n in bucket.sizes]
+        for j, segs in enumerate(slices):
+            at = 0
+            for s in segs:
+                out[s.tensor][s.start:s.stop] = rows[j, at:at + s.size]
+                at += s.size
+        return tuple(out)
+
+    sent, = local.stage(pack, results, [np.float32])
+    gathered = local.allgather(sent, f"{bucket.name}.host_gather")
+    return list(local.stage(unpack, [gathered], [np.float32] * len(bucket.sizes)))
+
+
+def _native(stages, bucket: Bucket, flats: list, world: Collectives, outs, divisor: int) -> list:
+    """policy="auto" where codes do not pay: the framework's own allreduce of the bucket, in the
+    fallback dtype, counted in the stats and the bytes."""
+    dtype = np.dtype(str(stages.config.fallback))
+    xp = _arrays.array_module(flats[0])
+    flat = xp.concatenate([f.astype(dtype) for f in flats]) if flats else xp.zeros(0, dtype)
+    total = world.allreduce(flat, f"{bucket.name}.native")
+    outs = outs if outs is not None else [xp.empty(n, xp.float32) for n in bucket.sizes]
+    at = 0
+    for out, n in zip(outs, bucket.sizes):
+        out[...] = total[at:at + n].astype(np.float32)
+        if divisor != 1:
+            out /= np.float32(divisor)
+        at += n
+    for label, n in zip(bucket.labels, bucket.sizes):
+        stages.stats.passed_through(label, n, dtype.name)
+    stages.stats.record_sent(int(2 * (world.world - 1) / world.world * flat.nbytes))
+    stages.state.exchanged(bucket.keys)
+    return outs
 
 
 _TOKEN = np.zeros(0, np.uint8)  # what ordering-only stages return: graph stages run in data order

@@ -227,6 +227,43 @@ void hvd_unpack_u16(const uint8_t *packed, int32_t bits, uint16_t *out, int64_t 
   for (int64_t i = lo; i < hi; ++i) out[i] = (uint16_t)hvd_unpack_code(packed, i, bits);
 }
 
+/*
+ * Blocked runs: the codes exchange gives every block of BLOCK codes of a tensor its own
+ * re-encode exponent, so the numbers do not depend on how a bucket is cut into chunks or shards.
+ * Block k of a run holds its codes k * block .. (k + 1) * block (the last block may be shorter);
+ * `first` is the run index of x[0] (or of code `lo`), so threads may take any range of whole
+ * blocks (sums) or of whole byte groups (encode, decode).
+ */
+void hvd_encode_row_blocks(const float *x, int64_t n, int64_t first, int64_t offset, uint8_t *row, int64_t pos,
+                           hvd_fmt_t f, const int32_t *shifts, int64_t block, int32_t stochastic, uint64_t seed) {
+  for (int64_t i = 0; i < n;) {
+    const int64_t k = (first + i) / block, end = (k + 1) * block - first < n ? (k + 1) * block - first : n;
+    hvd_encode_row(x + i, end - i, offset + i, row, pos + i, f, shifts[k], stochastic, seed);
+    i = end;
+  }
+}
+
+/* hvd_sum_rows over codes lo..hi, the max |sum| of block k into peaks[k]; run index of code lo: first. */
+void hvd_sum_rows_blocks(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, int64_t lo, int64_t hi,
+                         int64_t first, int64_t block, float *out, const float *table, float *peaks) {
+  for (int64_t j = lo; j < hi;) {
+    const int64_t k = (first + j - lo) / block, end = lo + (k + 1) * block - first < hi ? lo + (k + 1) * block - first : hi;
+    peaks[k] = hvd_sum_rows(rows, stride, ranks, bits, j, end, out + (j - lo), table);
+    j = end;
+  }
+}
+
+/* hvd_decode_row over codes lo..hi, block k looked up in table `which[k]` of `tables` (one per
+ * distinct re-encode exponent, 2^bits values each); run index of code lo: first. */
+void hvd_decode_row_blocks(const uint8_t *row, int32_t bits, int64_t lo, int64_t hi, int64_t first, int64_t block,
+                           float *out, const float *tables, const int32_t *which, int32_t stream) {
+  for (int64_t j = lo; j < hi;) {
+    const int64_t k = (first + j - lo) / block, end = lo + (k + 1) * block - first < hi ? lo + (k + 1) * block - first : hi;
+    hvd_decode_row(row, bits, j, end, out + (j - lo), tables + ((int64_t)which[k] << bits), stream);
+    j = end;
+  }
+}
+
 /* max |x|, or +Inf when x holds a NaN or Inf: APS must see every non-finite value. */
 HVD_CLONES float hvd_amax(const float *x, int64_t n) {
   hvd_u32 m = 0u;
@@ -235,4 +272,9 @@ HVD_CLONES float hvd_amax(const float *x, int64_t n) {
     m = a > m ? a : m;
   }
   return m >= 0x7F800000u ? INFINITY : hvd_bits_f32(m);
+}
+
+/* hvd_amax of every block of `block` elements of x into peaks. */
+void hvd_amax_blocks(const float *x, int64_t n, int64_t block, float *peaks) {
+  for (int64_t k = 0; k * block < n; ++k) peaks[k] = hvd_amax(x + k * block, n - k * block < block ? n - k * block : block);
 }

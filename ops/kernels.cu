@@ -166,14 +166,16 @@ extern "C" __global__ void hvd_amax_bits(const float *x, long long n, unsigned i
 }
 
 /*
- * Encode and pack in one pass (host.c's hvd_encode_row): the codes of x[0..n) (stochastic hash
- * indices offset + i) written into a packed stream at code positions pos .. pos + n, the other
- * bits of the bytes they touch kept. One thread per output byte, so no two threads share one: a
- * code straddling two bytes is encoded by both threads, alike.
+ * Encode and pack in one pass (host.c's hvd_encode_row_blocks): the codes of x[0..n) (stochastic
+ * hash indices offset + i; block i / block at exponent shifts[i / block]) written into a packed
+ * stream at code positions pos .. pos + n, the other bits of the bytes they touch kept. One thread
+ * per output byte, so no two threads share one: a code straddling two bytes is encoded by both
+ * threads, alike.
  */
 extern "C" __global__ void hvd_encode_row(const float *x, long long n, long long offset, unsigned char *row,
-                                          long long pos, int e, int m, int policy, int saturate, int shift,
-                                          int stochastic, unsigned long long seed) {
+                                          long long pos, int e, int m, int policy, int saturate,
+                                          const int *shifts, long long block, int stochastic,
+                                          unsigned long long seed) {
   const hvd_encoder_t p = hvd_encoder(hvd_make_fmt(e, m, policy, saturate));
   const int bits = 1 + e + m;
   const long long stride = (long long)blockDim.x * gridDim.x;
@@ -183,7 +185,7 @@ extern "C" __global__ void hvd_encode_row(const float *x, long long n, long long
     const long long first = max(hvd_pack_first(j, bits), pos), last = hvd_pack_last(j, bits, pos + n);
     for (long long i = first; i <= last; ++i) {
       const unsigned int r = stochastic ? hvd_random32(seed, (unsigned long long)(offset + i - pos)) : 0u;
-      const unsigned int code = hvd_encode_one(x[i - pos], p, shift, stochastic, r);
+      const unsigned int code = hvd_encode_one(x[i - pos], p, shifts[(i - pos) / block], stochastic, r);
       byte = hvd_place_piece(byte, code, i, bits, j);
     }
     row[j] = (unsigned char)byte;
@@ -195,40 +197,71 @@ __device__ __forceinline__ float hvd_value(const float *table, int small, unsign
   return small ? table[c] : hvd_decode_one(c, f, shift);
 }
 
+/* peaks[k] = max(peaks[k], m) for the warp's lanes: one atomic per warp where its lanes share a
+ * block (every lane but those of a warp straddling two blocks), one per lane otherwise. */
+__device__ __forceinline__ void hvd_warp_block_max(unsigned int m, long long k, int active, unsigned int *peaks) {
+  const unsigned int lanes = __ballot_sync(0xFFFFFFFFu, active);
+  if (!active) return;
+  const int leader = __ffs(lanes) - 1;
+  const long long k0 = __shfl_sync(lanes, k, leader);
+  if (__all_sync(lanes, k == k0)) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const unsigned int other = __shfl_down_sync(lanes, m, offset);
+      m = (threadIdx.x & 31) + offset < 32 && (lanes >> ((threadIdx.x & 31) + offset)) & 1u ? max(m, other) : m;
+    }
+    if ((int)(threadIdx.x & 31) == leader) atomicMax(peaks + k, m);
+  } else {
+    atomicMax(peaks + k, m);
+  }
+}
+
 /*
- * host.c's hvd_sum_rows: out[i] = the sum over `ranks` packed rows (`stride` bytes apart), in
- * rank order from +0.0, of code lo + i decoded; *peak = max(*peak, the bits of every |out[i]|),
- * read as hvd_amax_bits' result is. Unpacking is fused into the sum: no unpacked copy.
+ * host.c's hvd_sum_rows_blocks: out[i] = the sum over `ranks` packed rows (`stride` bytes apart),
+ * in rank order from +0.0, of code lo + i decoded; peaks[i / block] = max(itself, the bits of
+ * |out[i]|), read as hvd_amax_bits' result is. Unpacking is fused into the sum: no unpacked copy.
  */
 extern "C" __global__ void hvd_sum_rows(const unsigned char *rows, long long stride, int ranks, long long lo,
                                         long long n, float *out, int e, int m, int policy, int shift,
-                                        unsigned int *peak) {
+                                        long long block, unsigned int *peaks) {
   __shared__ float table[256];
   const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
   const int bits = 1 + e + m, small = bits <= 8;
   if (small) hvd_fill_table(table, 1 << bits, f, shift, 1.0f);
-  unsigned int top = 0u;
   const long long step = (long long)blockDim.x * gridDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
-    float acc = 0.0f;
-    for (int r = 0; r < ranks; ++r) acc += hvd_value(table, small, hvd_unpack_code(rows + r * stride, lo + i, bits), f, shift);
-    out[i] = acc;
-    top = max(top, hvd_f32_bits(acc) & 0x7FFFFFFFu);
+  const long long rounds = (n + step - 1) / step; /* every thread runs every round: warps stay whole */
+  for (long long round = 0; round < rounds; ++round) {
+    const long long i = round * step + (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int active = i < n;
+    unsigned int top = 0u;
+    if (active) {
+      float acc = 0.0f;
+      for (int r = 0; r < ranks; ++r)
+        acc += hvd_value(table, small, hvd_unpack_code(rows + r * stride, lo + i, bits), f, shift);
+      out[i] = acc;
+      top = hvd_f32_bits(acc) & 0x7FFFFFFFu;
+    }
+    hvd_warp_block_max(top, active ? i / block : 0, active, peaks);
   }
-  hvd_block_max(top, peak);
 }
 
-/* host.c's hvd_decode_row: out[i] = code lo + i of a packed row, decoded and divided by `divisor`
- * in float32 (the average's N), as the table is. */
+/* host.c's hvd_decode_row_blocks: out[i] = code lo + i of a packed row, decoded at its block's
+ * exponent shifts[i / block] and divided by `divisor` in float32 (the average's N). */
 extern "C" __global__ void hvd_decode_row(const unsigned char *row, long long lo, long long n, float *out, int e,
-                                          int m, int policy, int shift, float divisor) {
-  __shared__ float table[256];
+                                          int m, int policy, const int *shifts, long long block, float divisor) {
   const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
-  const int bits = 1 + e + m, small = bits <= 8;
-  if (small) hvd_fill_table(table, 1 << bits, f, shift, divisor);
+  const int bits = 1 + e + m;
   const long long step = (long long)blockDim.x * gridDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
-    const unsigned int c = hvd_unpack_code(row, lo + i, bits);
-    out[i] = small ? table[c] : hvd_divided(hvd_decode_one(c, f, shift), divisor);
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)
+    out[i] = hvd_divided(hvd_decode_one(hvd_unpack_code(row, lo + i, bits), f, shifts[i / block]), divisor);
+}
+
+/* peaks[k] = the bits of max |x| over block k of `block` elements (hvd_amax_bits per block). */
+extern "C" __global__ void hvd_amax_blocks(const float *x, long long n, long long block, unsigned int *peaks) {
+  const long long step = (long long)blockDim.x * gridDim.x;
+  const long long rounds = (n + step - 1) / step;
+  for (long long round = 0; round < rounds; ++round) {
+    const long long i = round * step + (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int active = i < n;
+    hvd_warp_block_max(active ? hvd_f32_bits(x[i]) & 0x7FFFFFFFu : 0u, active ? i / block : 0, active, peaks);
   }
 }

@@ -1,10 +1,12 @@
 """Build Horovod 0.28.1 against today's torch / TensorFlow and install it from a wheel cache.
 
-Horovod's last release predates torch 2.x and TF 2.21. Three things break its build; each patch
-below names the one it fixes and fails loudly if the text it replaces has moved, so a different
-sdist can never be "patched" silently into something untested.
+Horovod's last release predates torch 2.x, TF 2.21 and Keras 3. Three things break its build and
+one its TF2 API on Keras 3 models; each patch below names the one it fixes and fails loudly if
+the text it replaces has moved, so a different sdist can never be "patched" silently into
+something untested.
 """
 import argparse
+import hashlib
 import importlib.metadata as md
 import os
 import pathlib
@@ -16,6 +18,18 @@ import tarfile
 import tempfile
 
 HOROVOD_VERSION = "0.28.1"
+
+KERAS3_HELPERS = '''def _tf_variable(v):
+    """The tf.Variable behind a Keras 3 variable (its .value), or v itself."""
+    return v.value if not hasattr(v, "ref") and isinstance(getattr(v, "value", None), tf.Variable) else v
+
+
+def _ref(v):
+    """v.ref(), for tf.Variables and Keras 3 variables alike."""
+    return _tf_variable(v).ref()
+
+
+'''
 
 # (file, old text, new text, why)
 PATCHES = [
@@ -31,6 +45,29 @@ PATCHES = [
     ("horovod/tensorflow/CMakeLists.txt",
      'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")', "",
      "XLA headers in the TF 2.21 wheel need highwayhash, which it lacks; XLA ops are optional"),
+] + [
+    # Horovod's TF2 API keys variables by tf.Variable.ref(); Keras 3 variables have no .ref() (they
+    # hold a tf.Variable as .value), so the tape, the optimizer and broadcast_variables failed on
+    # every Keras 3 model: key them by their backing tf.Variable, and broadcast into it.
+    ("horovod/tensorflow/util.py", "def vars_to_refs(vars):", KERAS3_HELPERS + "def vars_to_refs(vars):",
+     "a Keras 3 variable's hashable reference is its backing tf.Variable's"),
+    ("horovod/tensorflow/util.py", "    return vars.ref()", "    return _ref(vars)", "vars_to_refs on Keras 3 variables"),
+    ("horovod/tensorflow/__init__.py", "_make_subgraph, _cache, vars_to_refs, refs_to_vars",
+     "_make_subgraph, _cache, vars_to_refs, refs_to_vars, _ref", "the tape and the optimizer use _ref"),
+] + [("horovod/tensorflow/__init__.py", old, new, "Keras 3 variables in the TF2 tape and optimizer")
+     for old, new in (("{s.ref() : g", "{_ref(s) : g"), ("if s.ref() not in", "if _ref(s) not in"),
+                      ("s2g[rs.ref()]", "s2g[_ref(rs)]"), ("s2g[s.ref()] for s", "s2g[_ref(s)] for s"),
+                      ("self._local_sources.add(source.ref())", "self._local_sources.add(_ref(source))"),
+                      ("is_local_source = s.ref() in", "is_local_source = _ref(s) in"),
+                      ("{var.ref(): grad", "{_ref(var): grad"), ("if var.ref() not in", "if _ref(var) not in"),
+                      ("v2g[rv.ref()]", "v2g[_ref(rv)]"), ("self._local_vars.add(var.ref())", "self._local_vars.add(_ref(var))"))
+] + [
+    ("horovod/tensorflow/functions.py", "from horovod.tensorflow.util import _cache, _executing_eagerly, _make_subgraph",
+     "from horovod.tensorflow.util import _cache, _executing_eagerly, _make_subgraph, _tf_variable",
+     "broadcast_variables uses _tf_variable"),
+    ("horovod/tensorflow/functions.py", "    if inplace:\n        vars_by_device = {}",
+     "    variables = [_tf_variable(v) for v in variables]  # Keras 3 variables: their backing tf.Variable\n"
+     "    if inplace:\n        vars_by_device = {}", "broadcast_variables(model.variables) on a Keras 3 model"),
 ]
 
 
@@ -70,7 +107,8 @@ def cache_dir(torch, tf):
     root = pathlib.Path(os.environ.get("HVD_APS_CACHE", pathlib.Path.home() / ".cache" / "hvd_aps"))
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
     cuda = "cuda" if cuda_build() else "cpu"
-    key = f"horovod-{HOROVOD_VERSION}_torch-{torch or 'none'}_tf-{tf or 'none'}_{py}_{cuda}"
+    patches = hashlib.sha256(repr(PATCHES).encode()).hexdigest()[:8]  # another patch set, another wheel
+    key = f"horovod-{HOROVOD_VERSION}_torch-{torch or 'none'}_tf-{tf or 'none'}_{py}_{cuda}_{patches}"
     return root / "wheels" / key.replace("+", "-")
 
 
@@ -81,9 +119,24 @@ def download_sdist(workdir):
     sdist = next(workdir.glob("horovod-*.tar.gz"), None)
     if sdist is None:
         die("pip download produced no horovod sdist")
-    with tarfile.open(sdist) as tar:
-        tar.extractall(workdir, filter="data")
+    extract(sdist, workdir)
     return workdir / f"horovod-{HOROVOD_VERSION}"
+
+
+def extract(archive, dest):
+    """Unpack a tar archive into dest with the "data" filter where this Python has it (3.11.4,
+    3.12 and later); on older ones (Debian 12's own 3.11.2) refuse, as that filter would, members
+    that are links or would land outside dest."""
+    with tarfile.open(archive) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+            return
+        root = pathlib.Path(dest).resolve()
+        for member in tar.getmembers():
+            target = (root / member.name).resolve()
+            if member.issym() or member.islnk() or (target != root and root not in target.parents):
+                die(f"refusing to unpack {member.name} from {archive}: a link, or outside {root}")
+        tar.extractall(dest)
 
 
 def apply_patches(src):

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The project's one installer: README set-up, .ci/run and both Dockerfiles call it.
 #
-#   scripts/install.sh [--torch-only]
+#   scripts/install.sh [--torch-only] [--deps-only]
 #
 # HVD_APS_DEVICE=cuda|cpu overrides the GPU detection (docker build sees no GPU); PYTHON picks the
-# interpreter that creates .venv (default python3).
+# interpreter that creates .venv (default python3); TORCH_INDEX_URL adds an index for torch (e.g.
+# https://download.pytorch.org/whl/cpu, whose CPU wheels leave out CUDA's packages). --deps-only
+# stops before installing hvd_aps itself (the Dockerfiles' cached layer).
 #
 # Creates (or reuses) .venv in the repository root, installs torch 2.13.0 and TensorFlow 2.21
 # (CPU builds, or the CUDA builds and CuPy where nvidia-smi finds a GPU), builds Horovod 0.28.1
@@ -15,10 +17,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH_ONLY=0
+DEPS_ONLY=0
 for arg in "$@"; do
   case "$arg" in
     --torch-only) TORCH_ONLY=1 ;;
-    *) echo "install.sh: unknown option $arg (known: --torch-only)" >&2; exit 2 ;;
+    --deps-only) DEPS_ONLY=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --torch-only, --deps-only)" >&2; exit 2 ;;
   esac
 done
 
@@ -57,11 +61,18 @@ command -v cmake >/dev/null || FRAMEWORKS="$FRAMEWORKS cmake<4"
 
 say "installing $FRAMEWORKS and the test/example dependencies"
 # Horovod's own build needs cloudpickle, psutil, pyyaml and packaging (no build isolation).
+# accelerate and pytorch-lightning: the tests of their recipes (pinned: they must not move torch).
 $PIP install -q $FRAMEWORKS numpy ml_dtypes pytest hypothesis scikit-learn matplotlib \
-  cloudpickle psutil pyyaml packaging setuptools wheel || fail "pip install of the dependencies failed"
+  cloudpickle psutil pyyaml packaging setuptools wheel accelerate==1.15.0 pytorch-lightning==2.6.6 \
+  ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} || fail "pip install of the dependencies failed"
 
 say "building Horovod"
 .venv/bin/python scripts/build_horovod.py || fail "the Horovod build failed (see above)"
+
+if [ "$DEPS_ONLY" = 1 ]; then
+  say "done: dependencies and Horovod (--deps-only: hvd_aps itself not installed)"
+  exit 0
+fi
 
 say "installing hvd_aps (editable; compiles ops/host.c)"
 $PIP install -q --no-build-isolation --no-deps -e . || fail "pip install -e . failed"

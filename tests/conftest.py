@@ -1,8 +1,14 @@
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
 
 from hvd_aps import _host_engine
+
+# Every process the tests start prints its threads' Python stacks on a fatal signal: a collective
+# library's C++ abort (SIGABRT) in a worker then says where it happened.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 ENGINES = ["host", "numpy"] if _host_engine.available else ["numpy"]
 

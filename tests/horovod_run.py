@@ -2,6 +2,7 @@
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -25,3 +26,10 @@ def horovodrun(script, tmp_path, ranks=2, timeout=240):
 
 def load(tmp_path, prefix, ranks=2):
     return [dict(np.load(tmp_path / f"{prefix}_rank{r}.npz")) for r in range(ranks)]
+
+
+def free_port():
+    """A TCP port on loopback nothing listens on now (for torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -164,3 +164,29 @@ def test_encode_into_writes_pieces_of_one_packed_stream(name, rounding, engine):
         hvd_aps.codec.encode_into(x[:10], fmt, row, n - 5)
     with pytest.raises(TypeError, match="contiguous"):
         hvd_aps.codec.encode_into(x[:10], fmt, np.zeros(64, np.uint8)[::2], 0)
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e2m1fn", "e3m2fn", "fp16"])  # 8, 4, 6 and 16 bits
+def test_blocked_runs_give_every_block_its_own_exponent(name, engine):
+    """encode_into / decode_row with one shift per block of 2048 codes and decode_sum_rows' max
+    per block, against ml_dtypes block by block: what the exchange's per-block re-encode needs."""
+    fmt, n, block = hvd_aps.FloatFormat.parse(name), 700_001, 2048  # large enough for the host engine's threads
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal(n) * rng.choice([0, 1e-3, 1, 3], n)).astype(np.float32)
+    shifts = rng.integers(-4, 5, -(-n // block))
+    twin = twin_dtype(fmt)
+    row = np.zeros(hvd_aps.packed_size(n + 5, fmt), np.uint8)
+    hvd_aps.codec.encode_into(x, fmt, row, 5, shift=shifts, block=block)
+    per_element = np.repeat(shifts, block)[:n]
+    want = np.ldexp(np.ldexp(x, per_element).astype(twin).astype(np.float32), -per_element)
+    got = hvd_aps.codec.decode_row(row, fmt, 5, n + 5, shift=shifts, block=block, divisor=3)
+    assert same_bits(got, want / np.float32(3)).all()
+    rows = np.stack([row, row])
+    sums, peaks = hvd_aps.codec.decode_sum_rows(rows, fmt, 5, n + 5, shift=2, block=block)
+    values = np.ldexp(np.ldexp(x, per_element).astype(twin).astype(np.float32), -2)  # the codes' values, at shift 2
+    assert same_bits(sums, (np.zeros_like(values) + values) + values).all()  # from +0.0, in rank order
+    assert (peaks == np.array([np.abs(sums[k:k + block]).max() for k in range(0, n, block)], np.float32)).all()
+    assert (hvd_aps.codec.amax_blocks(x, block) == peaks.dtype.type(0) + np.array(
+        [np.abs(x[k:k + block]).max() for k in range(0, n, block)], np.float32)).all()
+    with pytest.raises(ValueError, match="integer shifts"):
+        hvd_aps.codec.encode_into(x, fmt, row, 5, shift=shifts[:-1], block=block)

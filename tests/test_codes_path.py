@@ -3,8 +3,8 @@ where shards do not divide evenly; Horovod's optimizer lifecycle."""
 import numpy as np
 import pytest
 
+import model
 from horovod_run import horovodrun, load
-from test_wire import reference
 from workers.common import CODES_SIZES, codes_grads
 
 
@@ -23,7 +23,7 @@ def test_equal_to_the_numpy_model_on_every_rank(ranks, fmt):
     """Tensors of >= 16 elements travel as codes in one bucket, in reverse order: bit for bit as
     the NumPy + ml_dtypes model. Smaller ones take Horovod's own float32 average."""
     grads = [codes_grads(r) for r in range(len(ranks))]
-    want = dict(zip(BIG[::-1], reference([[g[i].ravel() for i in BIG[::-1]] for g in grads], fmt)))
+    want = dict(zip(BIG[::-1], model.flat([[g[i].ravel() for i in BIG[::-1]] for g in grads], fmt)))
     for r in ranks:
         for i in BIG:
             assert r[f"{fmt}_{i}"].tobytes() == want[i].reshape(CODES_SIZES[i]).tobytes(), (fmt, i)
@@ -38,8 +38,8 @@ def test_bytes_sent_per_rank(ranks):
     elements = sum(int(np.prod(s)) for s in CODES_SIZES if np.prod(s) >= 16)
     for fmt, per_element in (("e4m3", 1.0), ("e2m1fn", 0.5)):
         ring = 2 * (world - 1) / world * elements * per_element
-        for r in ranks:
-            assert ring * 0.98 <= int(r[f"{fmt}_bytes"]) <= ring * 1.02 + 64
+        mean = np.mean([int(r[f"{fmt}_bytes"]) for r in ranks])  # blocks have one owner each: shares differ
+        assert ring <= mean <= ring * 1.02 + 64
 
 
 def test_zeros_and_non_finite(ranks):
@@ -62,3 +62,10 @@ def test_horovod_lifecycle(ranks):
         for key in ("zero_grad_refused", "skip_sent_nothing", "plain_step_warned", "compression_required"):
             assert bool(r[key]), key
         assert r["lifecycle_params"].tobytes() == ranks[0]["lifecycle_params"].tobytes()
+
+
+def test_a_synchronize_that_raises_leaves_optimizer_and_compressor_as_they_were(ranks):
+    for r in ranks:
+        assert "injected failure of bucket 1" in str(r["optimizer_error"])
+        assert bool(r["optimizer_recovered"]) and bool(r["optimizer_buffers_kept"])
+        assert r["optimizer_params"].tobytes() == ranks[0]["optimizer_params"].tobytes()

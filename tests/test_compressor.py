@@ -1,28 +1,34 @@
-"""APSCompressor's framework-neutral numerics, called directly (no Horovod processes)."""
+"""APSCompressor's framework-neutral parts, called directly (no Horovod processes): the values
+wire, stats, configuration and recipes, the token, the public surface and the lifecycle."""
+import pickle
 import warnings
 
 import numpy as np
 import pytest
 
 import hvd_aps
-from hvd_aps import from_name, tokens
+from hvd_aps import _tokens, _values, codec
+
+
+def to_wire(comp, x, amax, world=2, label="g"):
+    return _values.to_wire(comp.config, comp.recorder, x, amax, world, 0, label)
 
 
 def test_to_wire_is_the_scaled_grid_in_float16_and_from_wire_undoes_the_shift():
-    comp = hvd_aps.APSCompressor("e4m3")
+    comp = hvd_aps.APSCompressor("e4m3", wire="values")
     x = np.random.default_rng(0).normal(0, 1e-4, 1000).astype(np.float32)
-    wire, shift = comp.to_wire(x, float(np.abs(x).max()), 4, 0, "g")
+    wire, shift = to_wire(comp, x, float(np.abs(x).max()), 4)
     assert wire.dtype == np.float16 and shift == hvd_aps.scaling.shift_for(float(np.abs(x).max()), 4, "e4m3", 65504.0)
     assert (wire.astype(np.float32) == hvd_aps.quantize(x, "e4m3", shift=shift, unscale=False)).all()
-    assert (comp.from_wire(wire, shift) == hvd_aps.quantize(x, "e4m3", shift=shift)).all()
-    assert hvd_aps.APSCompressor("e6m2").carrier == np.float32  # beyond float16's range: float32 carries it
+    assert (_values.from_wire(wire, shift) == hvd_aps.quantize(x, "e4m3", shift=shift)).all()
+    assert _values.carrier(hvd_aps.FloatFormat.parse("e6m2")) == np.float32  # beyond float16's range
 
 
 def test_stats_and_totals():
-    comp = hvd_aps.APSCompressor("e4m3", scaling="none")
+    comp = hvd_aps.APSCompressor("e4m3", scaling="none", wire="values")
     x = np.array([0.0, 1e-6, 1e-6, 1.0, 1000.0], np.float32)  # two flushed, one beyond max (240)
-    comp.to_wire(x, 1000.0, 2, 0, "a")
-    comp.to_wire(x[:4], 1.0, 2, 0, "b")
+    to_wire(comp, x, 1000.0, label="a")
+    to_wire(comp, x[:4], 1.0, label="b")
     a, total = comp.stats["a"], comp.totals()
     assert (a.nonzero, a.flushed_count, a.saturated, a.bytes_in, a.bytes_carried) == (4, 2, 1, 20, 10)
     assert (total.elements, total.nonzero, total.flushed_count, total.saturated) == (9, 7, 4, 1)
@@ -32,65 +38,74 @@ def test_stats_and_totals():
 
 
 def test_non_finite_agreed_max_sends_the_tensor_unscaled():
-    comp = hvd_aps.APSCompressor("e2m1fn")
+    comp = hvd_aps.APSCompressor("e2m1fn", wire="values")
     x = np.array([1e-3, 2.0, -3.0], np.float32)
-    wire, shift = comp.to_wire(x, float("inf"), 2, 0, "g")
+    wire, shift = to_wire(comp, x, float("inf"))
     assert shift == 0 and (wire == x.astype(np.float16)).all() and not comp.stats["g"].finite
 
 
-def test_signature_distinguishes_every_option():
+def test_signature_and_repr_cover_every_option():
+    """Two ranks configured apart are told apart, and the error shows every field."""
     variants = [hvd_aps.APSCompressor(f, rounding=r, scaling=s, saturate=t)
                 for f in ("e4m3", "e4m3fn", "e5m2", "e3m0") for r in ("nearest", "stochastic")
                 for s in ("aps", "none") for t in (False, True)]
-    assert len({c.signature for c in variants}) == len(variants)
-    comp = variants[0]
-    agreed = np.maximum(comp.metadata([0.5], [3]), variants[5].metadata([0.25], [3]))
-    with pytest.raises(ValueError, match="mismatch across ranks"):
-        comp.agreed_amaxes(agreed, [3], ["g"])
-    assert comp.agreed_amaxes(np.maximum(comp.metadata([0.5], [3]), comp.metadata([0.25], [3])), [3], ["g"]) == [0.5]
-    with pytest.raises(ValueError, match=r"tensor 0 \(g\) has 3 elements here and 3 to 4"):
-        comp.agreed_amaxes(np.maximum(comp.metadata([0.5], [3]), comp.metadata([0.5], [4])), [3], ["g"])
+    variants += [hvd_aps.APSCompressor("e4m3", chunk_bytes=c) for c in (0, 1 << 20)]
+    variants += [hvd_aps.APSCompressor("e4m3", hierarchical=h) for h in (True, False)]
+    variants += [hvd_aps.APSCompressor("e4m3", policy="auto", fallback=f) for f in ("float32", "float16")]
+    assert len({c.config.signature for c in variants}) == len(variants)
+    assert len({repr(c) for c in variants}) == len(variants)
+    text = repr(hvd_aps.APSCompressor("e4m3", chunk_bytes=0))
+    assert text.startswith("APSCompressor('e4m3', rounding='nearest'") and "chunk_bytes=0" in text
+    for field in ("bucket_bytes", "min_elements", "error_feedback", "hybrid", "hierarchical", "policy", "fallback"):
+        assert f"{field}=" in text
 
 
 def test_configuration_is_validated_once_and_frozen():
     for kwargs, match in ((dict(rounding="up"), "rounding"), (dict(scaling=None), "scaling"),
                           (dict(wire="float16"), "wire"), (dict(bucket_bytes=-1), "bucket_bytes"),
-                          (dict(min_elements=2.5), "min_elements")):
+                          (dict(min_elements=2.5), "min_elements"), (dict(chunk_bytes="fast"), "chunk_bytes"),
+                          (dict(policy="always"), "policy"), (dict(fallback="int8"), "fallback")):
         with pytest.raises(ValueError, match=match):
             hvd_aps.APSCompressor("e4m3", **kwargs)
-    with pytest.raises(TypeError, match="saturate"):
-        hvd_aps.APSCompressor("e4m3", saturate="yes")
+    for kwargs, match in ((dict(saturate="yes"), "saturate"), (dict(hierarchical="auto"), "hierarchical")):
+        with pytest.raises(TypeError, match=match):
+            hvd_aps.APSCompressor("e4m3", **kwargs)
     config = hvd_aps.APSCompressor("e4m3").config
     assert config == hvd_aps.APSConfig(hvd_aps.e4m3) and config.bucket_bytes == 16 << 20
+    assert config.rounding is hvd_aps.Rounding.NEAREST and config.rounding == "nearest"
     with pytest.raises(Exception, match="frozen|assign"):
         config.rounding = "stochastic"
 
 
-def test_names():
-    class Stock:
-        none, fp16 = "stock-none", "stock-fp16"
-
-    assert from_name("fp16", Stock) == "stock-fp16"
-    assert from_name("naive-e5m2", Stock).config.scaling == "none" and from_name("aps-e3m0", Stock).fmt == hvd_aps.e3m0
-    assert from_name("aps-e4m3", Stock).config.wire == "codes" and from_name("aps-e4m3-values", Stock).config.wire == "values"
-    assert from_name("codes-e2m1fn", Stock).config == hvd_aps.APSConfig("e2m1fn")
-    for bad in ("zip", "aps-e4m3-fast", "aps"):
-        with pytest.raises(ValueError, match="unknown compression"):
-            from_name(bad, Stock)
+def test_recipes_name_configurations():
+    comp = hvd_aps.APSCompressor.from_recipe("aps-e2m1fn-ef-hybrid", chunk_bytes=0)
+    assert comp.config == hvd_aps.APSConfig("e2m1fn", error_feedback=True, hybrid="e4m3", chunk_bytes=0)
+    assert hvd_aps.recipe("naive-e5m2").scaling == "none" and hvd_aps.recipe("aps-e4m3-values").wire == "values"
+    with pytest.raises(ValueError, match="unknown recipe"):
+        hvd_aps.recipe("aps-e4m3-fast")
     assert hvd_aps.APSCompressor("e4m3").compress([1, 2]) == ([1, 2], None)  # not a tensor: passed through
+
+
+def test_the_public_surface():
+    public = {name for name in dir(hvd_aps) if not name.startswith("_")}
+    assert set(hvd_aps.__all__) <= public
+    assert not {"wire", "tokens", "exchange", "compressor", "config"} & set(hvd_aps.__all__)
+    import inspect
+    sig = inspect.signature(hvd_aps.APSCompressor.__init__)
+    assert all(p.annotation is not inspect.Parameter.empty for name, p in sig.parameters.items() if name != "self")
 
 
 def test_token_value_says_what_horovod_did():
     total = np.array([3.0, -6.0], np.float32)
-    tokens_of = [tokens.token_values(r) for r in range(3)]
+    tokens_of = [_tokens.token_values(r) for r in range(3)]
     summed = np.sum(tokens_of, axis=0)
-    assert (tokens.apply_op(total.copy(), summed * np.float32(0.33333334), 3) == total / np.float32(3)).all()  # Average
-    assert (tokens.apply_op(total.copy(), summed, 3) == total).all()  # Sum
-    assert (tokens.apply_op(total.copy(), summed * 0.5, 3) == total * np.float32(0.5)).all()  # a custom postscale
+    assert (_tokens.apply_op(total.copy(), summed * np.float32(0.33333334), 3) == total / np.float32(3)).all()
+    assert (_tokens.apply_op(total.copy(), summed, 3) == total).all()  # Sum
+    assert (_tokens.apply_op(total.copy(), summed * 0.5, 3) == total * np.float32(0.5)).all()  # a custom postscale
     adasum_of_two = np.array([1.25, 0.75])  # Adasum([1, 0], [1, 1])
     for not_a_sum, world in ((np.max(tokens_of, axis=0), 3), (np.min(tokens_of, axis=0), 3), (adasum_of_two, 2)):
         with pytest.raises(ValueError, match="wire='values'"):
-            tokens.apply_op(total, not_a_sum, world)
+            _tokens.apply_op(total, not_a_sum, world)
 
 
 def test_missing_host_engine_warns_once(monkeypatch):
@@ -106,18 +121,18 @@ def test_missing_host_engine_warns_once(monkeypatch):
 
 def test_stats_measure_the_encode_error_on_both_wires():
     """relative_error = ||q(g) - g|| / ||g||, against quantize() computed here, for the values
-    wire (to_wire) and for the codes wire (the exchange's record of what each rank encoded)."""
+    wire and for the codes wire (the exchange's record of what each rank encoded)."""
     x = np.random.default_rng(3).normal(0, 1e-3, (40, 50)).astype(np.float32)
     comp = hvd_aps.APSCompressor("e3m0", wire="values")
-    _, shift = comp.to_wire(x, float(np.abs(x).max()), 2, 0, "w")
+    _, shift = to_wire(comp, x, float(np.abs(x).max()), label="w")
     sent = hvd_aps.quantize(x, "e3m0", shift=shift).astype(np.float64)
     want = np.linalg.norm(sent - x) / np.linalg.norm(x.astype(np.float64))
     assert comp.stats["w"].relative_error == pytest.approx(want, rel=1e-9) and want > 0.05
 
     codes_comp = hvd_aps.APSCompressor("e3m0")
-    row = np.zeros(hvd_aps.codec.packed_size(x.size + 3, "e3m0"), np.uint8)  # the codes start mid-byte
-    hvd_aps.codec.encode_into(x.ravel(), "e3m0", row, 3, shift=shift)
-    codes_comp.record("c", codes_comp.measure_codes(x.ravel(), row, 3, shift, codes_comp.fmt))
+    row = np.zeros(codec.packed_size(x.size + 3, "e3m0"), np.uint8)  # the codes start mid-byte
+    codec.encode_into(x.ravel(), "e3m0", row, 3, shift=shift)
+    codes_comp.recorder.record("c", codes_comp.recorder.of_codes(x.ravel(), row, 3, shift, codes_comp.fmt))
     assert codes_comp.stats["c"].relative_error == pytest.approx(want, rel=1e-9)
     total = codes_comp.totals() + comp.totals()
     assert total.relative_error == pytest.approx(want, rel=1e-9)  # sums of squares add up
@@ -136,7 +151,7 @@ def test_sampled_stats_estimate_the_whole_tensor():
     row = hvd_aps.pack(hvd_aps.encode(x, fmt, shift=shift, saturate=True), fmt)
     exact, sampled = hvd_aps.APSCompressor(fmt, stats_sample=0), hvd_aps.APSCompressor(fmt)
     for comp in (exact, sampled):
-        comp.record("x", comp.measure_codes(x, row, 0, shift, fmt))
+        comp.recorder.record("x", comp.recorder.of_codes(x, row, 0, shift, fmt))
     e, s = exact.stats["x"], sampled.stats["x"]
     assert e.measured == x.size and 0.9 * 65536 <= s.measured <= 65536 and s.elements == x.size
     assert s.relative_error == pytest.approx(e.relative_error, rel=0.05) and e.relative_error > 0.1
@@ -152,8 +167,61 @@ def test_hybrid_configuration_is_checked_and_signed():
         hvd_aps.APSCompressor("e3m0", wire="values", hybrid="e4m3")
     with pytest.raises(ValueError, match="hybrid_threshold"):
         hvd_aps.APSCompressor("e3m0", hybrid="e4m3", hybrid_threshold=0)
-    signatures = {hvd_aps.APSCompressor("e3m0", hybrid=h, hybrid_threshold=t).signature
+    signatures = {hvd_aps.APSCompressor("e3m0", hybrid=h, hybrid_threshold=t).config.signature
                   for h, t in ((None, 0.75), ("e4m3", 0.75), ("e5m2", 0.75), ("e4m3", 0.5))}
     assert len(signatures) == 4 and max(signatures) < 2 ** 53
-    comp = hvd_aps.from_name("codes-e2m1fn-ef-hybrid", None)
-    assert comp.config.error_feedback and str(comp.config.hybrid) == "e4m3"
+
+
+def test_close_stops_the_threads_and_refuses_more_work():
+    with hvd_aps.APSCompressor("e4m3") as comp:
+        assert comp.state.workers().submit(lambda: 7).result() == 7
+    with pytest.raises(RuntimeError, match="closed"):
+        comp.state.workers()
+
+
+def test_a_compressor_pickles_with_its_state():
+    comp = hvd_aps.APSCompressor("e2m1fn", error_feedback=True, seed=3, chunk_bytes=0)
+    comp.state.next_residual(("t", "send", 0), 4, np).fill(0.5)
+    comp.state.exchanged(["t"])
+    comp.state.commit()
+    copy = pickle.loads(pickle.dumps(comp))
+    assert copy.config == comp.config and copy.seed == 3
+    assert copy.state_dict()["steps"] == {"t": 1}
+    assert (copy.state_dict()["residuals"]["t|send|0"] == 0.5).all()
+
+
+def test_commit_and_rollback():
+    """A step's residuals and step counts count only once it commits; a rolled-back step leaves
+    the state as it was."""
+    state = hvd_aps.APSCompressor("e4m3", error_feedback=True).state
+    state.next_residual(("t", "send", 0), 3, np)[:] = 1
+    state.exchanged(["t"])
+    state.rollback()
+    assert (state.residual(("t", "send", 0), 3, np) == 0).all() and state.step_of("t") == 0
+    state.next_residual(("t", "send", 0), 3, np)[:] = 2
+    state.exchanged(["t"])
+    state.commit()
+    assert (state.residual(("t", "send", 0), 3, np) == 2).all() and state.step_of("t") == 1
+    seed = state.seed_for(0, "t", "send")
+    assert seed != state.seed_for(1, "t", "send") and seed == state.seed_for(0, "t", "send")
+
+
+def test_policy_auto_switches_only_between_steps():
+    """The step trials' verdict rides on the deciding step's exchanges, and only the step's commit
+    applies it: a step whose first exchange had agreed while another rank was still forming its
+    next batch would otherwise send that batch differently there (and hang)."""
+    from hvd_aps._schedule import STEP_TRIALS, UNMEASURED, Schedule
+    schedule = Schedule((0,), auto=True)
+    assert not schedule.native("b")  # its chunking is fixed at once (one candidate)
+    schedule.commit()  # every bucket's chunking fixed: the codes steps start
+    phases = []
+    for _ in range(2 * STEP_TRIALS):
+        schedule.commit()
+        phases.append(schedule.native("b"))
+    assert phases == [False] * (STEP_TRIALS - 1) + [True] * STEP_TRIALS + [False]  # codes, native, deciding
+    codes, native = schedule.entries("b")[2:]
+    assert codes > 0 and native > 0
+    schedule.agreed("b", [UNMEASURED, UNMEASURED, 2.0, 1.0])  # native is faster on the slowest rank
+    assert not schedule.native("b")  # not within the deciding step
+    schedule.commit()
+    assert schedule.native("b") and schedule.report()[-1]["chosen"] == "native"

@@ -1,12 +1,12 @@
-"""APSCompressor through horovod.torch's own API (the card's line) under real `horovodrun --gloo`
+"""APSCompressor through horovod.torch's own API under real `horovodrun --gloo`
 processes, 2 and 3 ranks: codes on the wire by default, float16 values with wire="values"."""
 import ml_dtypes
 import numpy as np
 import pytest
 
+import model
 from hvd_aps import scaling
 from horovod_run import horovodrun, load
-from test_wire import reference, reference_in_chunks, reference_with_error_feedback
 from workers.common import CODES_SIZES, codes_grads, poisoned, rank_data, spiked
 
 
@@ -37,38 +37,39 @@ def identical(ranks, key):
 
 def test_allreduce_sends_codes_bit_exact_to_the_numpy_model(ranks):
     n = len(ranks)
-    want_avg = reference([[rank_data(r)] for r in range(n)], "e4m3")[0]
-    want_sum = reference([[rank_data(r, sigma=3.0, seed=1)] for r in range(n)], "e5m2", average=False)[0]
+    want_avg = model.flat([[rank_data(r)] for r in range(n)], "e4m3")[0]
+    want_sum = model.flat([[rank_data(r, sigma=3.0, seed=1)] for r in range(n)], "e5m2", average=False)[0]
     for r in ranks:
         assert r["avg"].tobytes() == want_avg.tobytes()
         assert r["sum_e5m2"].tobytes() == want_sum.tobytes()
         assert r["after"].tobytes() == want_avg.tobytes()  # nothing carried over from the NaN/Inf calls
     # a ring allreduce of 1-byte codes, plus the re-encode exponents: avg, zeros and after (the
-    # NaN tensor sends no codes)
+    # NaN tensor sends no codes); a tensor of one block has one owner, so the ranks' shares differ
     ring = 2 * (n - 1) / n * (1000 + 100 + 1000)
-    assert all(ring <= int(r["bytes_sent"]) <= ring * 1.02 + 64 for r in ranks)
+    assert ring <= np.mean([int(r["bytes_sent"]) for r in ranks]) <= ring * 1.02 + 64
 
 
-def test_error_feedback_through_the_cards_line_is_bit_exact(ranks):
+def test_error_feedback_through_horovods_optimizer_is_bit_exact(ranks):
     steps = [[[rank_data(r, seed=step)] for r in range(len(ranks))] for step in range(3)]
-    for step, want in enumerate(reference_with_error_feedback(steps, "e2m1fn")):
+    for step, want in enumerate(model.with_error_feedback(steps, "e2m1fn")):
         for r in ranks:
             assert r[f"ef_{step}"].tobytes() == want[0].tobytes(), step
 
 
-def test_hybrid_precision_through_the_cards_line_is_bit_exact(ranks):
+def test_hybrid_precision_through_horovods_allreduce_is_bit_exact(ranks):
     """A grouped allreduce of a Gaussian tensor and one whose outlier (on rank 1 only) makes e2m1fn
     flush the rest: the first in e2m1fn, the second in e4m3 on every rank, each lane bit-exact."""
     n = len(ranks)
-    narrow = reference([[rank_data(r, seed=4)] for r in range(n)], "e2m1fn")[0]
-    wide = reference([[spiked(r)[:999]] for r in range(n)], "e4m3")[0]
+    narrow = model.flat([[rank_data(r, seed=4)] for r in range(n)], "e2m1fn")[0]
+    wide = model.flat([[spiked(r)[:999]] for r in range(n)], "e4m3")[0]
     for r in ranks:
         assert r["hybrid"].tobytes() == np.concatenate([narrow, wide]).tobytes()
         assert sorted(r["hybrid_formats"]) == ["e2m1fn", "e4m3"]
 
 
 def test_chunks_pipelined_on_horovods_async_collectives_are_bit_exact(ranks):
-    want = reference_in_chunks([[rank_data(r, seed=6)] for r in range(len(ranks))], "e4m3", 300)[0]
+    """Chunks of 300 elements change the collectives, not the numbers."""
+    want = model.flat([[rank_data(r, seed=6)] for r in range(len(ranks))], "e4m3")[0]
     for r in ranks:
         assert r["chunked"].tobytes() == want.tobytes()
 
@@ -101,7 +102,7 @@ def test_optimizer_step_is_bit_exact_to_the_numpy_model(ranks, key, average):
             exact = np.sum([g[i].astype(np.float64) for g in grads], axis=0) / (len(ranks) if average else 1)
             assert np.allclose(ranks[0][f"{key}_{i}"], exact, rtol=1e-6, atol=0)
             continue
-        want = reference([[g[i].ravel()] for g in grads], "e4m3", average)[0].reshape(shape)
+        want = model.flat([[g[i].ravel()] for g in grads], "e4m3", average)[0].reshape(shape)
         for r in ranks:
             assert r[f"{key}_{i}"].tobytes() == want.tobytes(), (key, i)
 
@@ -129,3 +130,34 @@ def test_mismatches_fail_on_every_rank_naming_the_tensor(ranks):
         assert "APSCompressor mismatch across ranks" in str(r["mismatch"])
         assert "ValueError: ranks handed different tensors to the exchange: tensor 0 (float32[" in str(r["order"])
     assert identical(ranks, "after_errors")
+
+
+def test_a_step_that_raises_leaves_the_compressor_as_it_was(ranks):
+    """Error feedback on: good step, a step that raises on every rank, two good steps: the results
+    equal the model of the good steps alone, under the same batch names, in the same buffers."""
+    n = len(ranks)
+    steps = [[[rank_data(r, seed=20 + s), rank_data(r, seed=30 + s)[:700]] for r in range(n)] for s in range(3)]
+    # one batch, in the order Horovod's grouped allreduce compresses them
+    want = model.with_error_feedback(steps, "e2m1fn")
+    for r in ranks:
+        assert "ranks handed different tensors" in str(r["recovery_error"])
+        assert bool(r["recovery_names_restart"])
+        for s in range(3):
+            for t in range(2):
+                assert r[f"recovery_{s}_{t}"].tobytes() == want[s][t].tobytes(), (s, t)
+
+
+def test_stochastic_rounding_gives_the_same_bits_on_every_run(ranks):
+    for r in ranks:
+        runs = r["stochastic_runs"]
+        assert all(run.tobytes() == runs[0].tobytes() for run in runs[1:])
+    assert identical(ranks, "stochastic_runs")
+
+
+def test_policy_auto_passes_decided_batches_to_horovods_own_allreduce(ranks):
+    for r in ranks:
+        for fallback in ("float32", "float16"):
+            assert r[f"native_{fallback}"].tobytes() == r[f"stock_{fallback}"].tobytes(), fallback
+            assert int(r[f"native_{fallback}_bytes"]) == 0  # no codes went out
+        assert str(r["auto_decision"]) in ("codes", "native")
+    assert identical(ranks, "auto_decision")

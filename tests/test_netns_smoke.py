@@ -1,5 +1,5 @@
 """One short run of the bandwidth-limited cluster benchmark (2 namespaces at 1 Gbit/s, a 1M-parameter
-model, 3 steps): the card's line through Horovod and the DDP hook through torch.distributed. Needs
+model, 3 steps): APSCompressor through Horovod's optimizer and the DDP hook through torch.distributed. Needs
 root, ip and tc; skipped elsewhere. The byte ratios come from the interfaces' own counters, so they
 check that the codes really travel at 1 byte (0.5 for 4-bit) per element."""
 import json

@@ -5,17 +5,24 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-def test_dockerfiles_only_call_the_installer():
+def test_dockerfiles_only_call_the_installer_and_cache_the_dependencies():
+    """OS packages (make among the build tools: slim images have none), then the installer alone
+    (dependencies and Horovod, a layer no source edit invalidates), then the source."""
     for name in ("Dockerfile", "Dockerfile.cpu"):
         text = (ROOT / "docker" / name).read_text()
         runs = re.findall(r"^RUN (.*?)(?<!\\)$", text, flags=re.M | re.S)
         assert runs, name
         for run in runs:
-            assert run.startswith("apt-get") or re.fullmatch(r"(HVD_APS_DEVICE=\w+ )?bash scripts/install.sh", run), run
-        assert "scripts/install.sh" in text
+            assert run.startswith("apt-get") or re.fullmatch(r"bash scripts/install.sh( --deps-only)?", run), run
+        assert all(tool in runs[0].split() for tool in ("g++", "make", "cmake")), name
+        assert text.index("--deps-only") < text.index("COPY . .") < text.rindex("bash scripts/install.sh\n")
+    assert "ARG TORCH_INDEX_URL" in (ROOT / "docker" / "Dockerfile.cpu").read_text()
+    assert ".venv" in (ROOT / ".dockerignore").read_text()
 
 
 def test_wheel_holds_the_kernel_sources_and_the_host_engine(tmp_path):
@@ -25,3 +32,40 @@ def test_wheel_holds_the_kernel_sources_and_the_host_engine(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "hvd_aps/ops/fpcodec.h" in names and "hvd_aps/ops/host.c" in names
     assert any(re.fullmatch(r"hvd_aps/_hostcodec\..*so", n) for n in names), names
+
+
+def _build_horovod():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("build_horovod", ROOT / "scripts" / "build_horovod.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_installer_unpacks_without_the_tar_filter_and_refuses_what_it_would(tmp_path, monkeypatch):
+    """Pythons before 3.11.4 (Debian 12's own 3.11.2) have no tarfile filter: the installer then
+    checks the members itself, unpacking plain files and refusing links and paths outside."""
+    import tarfile
+    build = _build_horovod()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "setup.py").write_text("print(1)\n")
+    good, bad = tmp_path / "good.tar.gz", tmp_path / "bad.tar.gz"
+    with tarfile.open(good, "w:gz") as tar:
+        tar.add(tmp_path / "src", arcname="horovod-x")
+    with tarfile.open(bad, "w:gz") as tar:
+        tar.add(tmp_path / "src" / "setup.py", arcname="../escaped.py")
+    monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    build.extract(good, tmp_path / "out")
+    assert (tmp_path / "out" / "horovod-x" / "setup.py").read_text() == "print(1)\n"
+    with pytest.raises(SystemExit):
+        build.extract(bad, tmp_path / "out2")
+    assert not (tmp_path / "escaped.py").exists()
+
+
+def test_every_patch_says_why_and_the_wheel_cache_follows_the_patches():
+    build = _build_horovod()
+    assert all(len(p) == 4 and p[3] for p in build.PATCHES)
+    assert any("Keras 3" in p[3] for p in build.PATCHES)
+    before = build.cache_dir("2.13.0", None).name
+    build.PATCHES.append(("x", "y", "z", "a new patch"))
+    assert build.cache_dir("2.13.0", None).name != before

@@ -6,15 +6,17 @@ TensorFlow overlaps them. A tensor that held NaN/Inf on any rank comes back all 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from .. import exchange, wire
+from .. import _layout
 from ..compressor import APSCompressor
-from .adapter import HorovodCollectives, flatten, label
+from .adapter import committed, flatten, label, run
 
 
 def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
     """Average (op=hvd.Average) or sum (hvd.Sum) dense float tensors across ranks, sending APS codes
     of compression.fmt; tensors under compression.config.min_elements take a plain Horovod
-    allreduce, the rest travel in buckets of compression.config.bucket_bytes."""
+    allreduce, the rest travel in buckets of compression.config.bucket_bytes. One call is one
+    step of the compressor's state: it commits once every bucket is done (eagerly: a call that
+    raises leaves the state as it was)."""
     if not isinstance(compression, APSCompressor):
         raise TypeError(f"allreduce_codes sends APS codes: pass an hvd_aps.APSCompressor, got {compression!r}")
     if op not in (hvd.Average, hvd.Sum):
@@ -26,17 +28,25 @@ def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
     if None in sizes:
         raise ValueError("allreduce_codes needs tensors of known shape")
     cfg = compression.config
-    buckets, small = wire.buckets(sizes, cfg.bucket_bytes, cfg.min_elements)
-    coll, stages = HorovodCollectives(), compression.stages(hvd.size(), hvd.rank())
-    out = [None] * len(tensors)
+    buckets, small = _layout.buckets(sizes, cfg.bucket_bytes, cfg.min_elements)
+    out, exchanged = [None] * len(tensors), []
     for i in small:
         out[i] = hvd.allreduce(tensors[i], op=op, name=f"{name}.small{i}")
-    for b, bucket in enumerate(buckets):
-        results = exchange.run(stages, [flatten(tensors[i]) for i in bucket], coll, f"{name}.bucket{b}",
-                               [label(tensors[i]) for i in bucket], average=op == hvd.Average)
-        for i, result in zip(bucket, results):
-            out[i] = tf.cast(tf.reshape(result, tf.shape(tensors[i])), tensors[i].dtype)
-    return out
+    try:
+        for b, bucket in enumerate(buckets):
+            results = run(compression, f"{name}.bucket{b}", [flatten(tensors[i]) for i in bucket],
+                          [label(tensors[i]) for i in bucket], average=op == hvd.Average)
+            exchanged.append(results)
+            for i, result in zip(bucket, results):
+                out[i] = tf.cast(tf.reshape(result, tf.shape(tensors[i])), tensors[i].dtype)
+    except BaseException:
+        compression.state.rollback()
+        raise
+    done = committed(compression.state.commit, [t for results in exchanged for t in results]) if buckets else None
+    if done is None:
+        return out
+    with tf.control_dependencies([done]):  # the step commits once every bucket is done; the results wait for it
+        return [tf.identity(t) for t in out]
 
 
 class DistributedGradientTape:

@@ -1,33 +1,41 @@
-"""horovod.torch adapter for APSCompressor: Horovod's collectives for the exchange driver, the
-codes path's batch launch (a communication thread, so backward goes on), and the values path.
-Tensors reach the codec through DLPack: zero-copy on the CPU, and on a GPU through the CuPy engine.
-No APS math here; hvd_aps.compressor holds it."""
-import concurrent.futures
+"""horovod.torch adapter for APSCompressor: Horovod's collectives for the exchange driver (one
+object per process set), the groups of a two-level exchange, the codes path's batch launch (on
+the compressor's threads, so backward goes on), and the values path. Tensors reach the codec
+through DLPack: zero-copy on the CPU, and on a GPU through the CuPy engine. No APS math here."""
+import time
 
 import horovod.torch as hvd
 import torch
 
-from .. import _arrays, codec, exchange, tokens
+from .. import _arrays, _metadata, _tokens, _values, codec, exchange
+from .._horovod import HorovodLevels
+from .._stages import Bucket
 
+# hvd.synchronize() spins (std::this_thread::yield, taking the GIL back on every turn): two
+# exchange threads waiting in it took a core from backward and the GIL from its hooks. Waiting
+# is instead a poll with sleeps growing from POLL_FIRST to POLL_MAX seconds (the GIL free meanwhile).
+POLL_FIRST, POLL_MAX = 20e-6, 1e-3
 # One name for every values-path metadata allreduce: the calls are blocking and sequential
 # (backward hooks run one at a time), and a reused name hits Horovod's response cache.
 _METADATA = "hvd_aps.metadata"
-# The exchanges' threads, for the compressor's batches and hvd_aps.torch.DistributedOptimizer's
-# buckets alike. Two: one exchange's encoding and decoding overlap another's transfers; Horovod
-# matches collectives by name, so exchanges may run in any order on each rank.
-COMM_THREADS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hvd_aps_comm")
 
 
 class HorovodCollectives(exchange.AsyncEager):
-    """horovod.torch collectives on NumPy/CuPy arrays."""
+    """horovod.torch collectives on NumPy/CuPy arrays, within one process set."""
+
+    equal_allgather = False  # Horovod gathers messages of any sizes
 
     def __init__(self, process_set=hvd.global_process_set):
         self.process_set = process_set
         self.world, self.rank = process_set.size(), process_set.rank()
 
     def max_allreduce(self, vector, name):
-        return _arrays.as_array(hvd.allreduce(torch.from_dlpack(vector), op=hvd.Max, name=name,
-                                              process_set=self.process_set))
+        return self.wait(hvd.allreduce_async(torch.from_dlpack(vector), op=hvd.Max, name=name,
+                                             process_set=self.process_set))
+
+    def allreduce(self, values, name):
+        return self.wait(hvd.allreduce_async(torch.from_dlpack(values), op=hvd.Sum, name=name,
+                                             process_set=self.process_set))
 
     def alltoall_start(self, send, splits, name):
         return hvd.alltoall_async(torch.from_dlpack(send), splits=torch.from_numpy(_arrays.to_numpy(splits)),
@@ -37,11 +45,32 @@ class HorovodCollectives(exchange.AsyncEager):
         return hvd.allgather_async(torch.from_dlpack(message), name=name, process_set=self.process_set)
 
     def wait(self, handle):
-        out = hvd.synchronize(handle)  # alltoall: (received, received splits)
+        out = wait(handle)  # alltoall: (received, received splits)
         return _arrays.as_array(out[0] if isinstance(out, tuple) else out)
 
 
+def wait(handle):
+    """hvd.synchronize(handle) without its spinning (POLL_FIRST)."""
+    delay = POLL_FIRST
+    while not hvd.poll(handle):
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX)
+    return hvd.synchronize(handle)
 
+
+_LEVELS = HorovodLevels(hvd, HorovodCollectives)
+
+
+def levels(hierarchical) -> exchange.Levels:
+    """The exchange's groups for this Horovod job (hvd_aps._horovod): collective on first use."""
+    return _LEVELS.get(hierarchical)
+
+
+def forget_groups() -> None:
+    _LEVELS.forget()
+
+
+# The codes path through Horovod's own optimizer and allreduce ----------------------------------------
 def is_dense_float(tensor):
     return tensor.is_floating_point() and tensor.layout == torch.strided and tensor.numel() > 0
 
@@ -59,37 +88,56 @@ def flatten(tensor):
     return _arrays.as_array(tensor.detach().to(torch.float32).reshape(-1))
 
 
-def world():
-    return hvd.size()
-
-
-def rank():
-    return hvd.rank()
-
-
 def token(tensor):
-    return torch.from_numpy(tokens.token_values(hvd.rank())).to(tensor.device)
+    return torch.from_numpy(_tokens.token_values(hvd.rank())).to(tensor.device)
 
 
-def launch(stages, flats, name, labels):
-    return COMM_THREADS.submit(exchange.run, stages, flats, HorovodCollectives(), name, labels)
+def launch(compressor, name, flats, labels):
+    """A batch's exchange on the compressor's threads -> a future of its results."""
+    lv = levels(compressor.config.hierarchical)
+    stages = compressor.stages(lv.cross.world, lv.cross.rank, hvd.rank())
+    bucket = Bucket.whole(name, [f"{name}[{i}]" for i in range(len(flats))], labels, [f.size for f in flats])
+    return compressor.state.workers().submit(exchange.run, stages, bucket, flats, lv)
 
 
 def finish(handle, index, token_out, like):
     total = handle.result()[index]
-    reduced = tokens.apply_op(total, token_out.cpu().numpy(), hvd.size())
+    reduced = _tokens.apply_op(total, token_out.cpu().numpy(), hvd.size())
     return torch.from_dlpack(reduced).reshape(like.shape).to(like.dtype)
+
+
+def after(out, commit, handles):
+    """The step's last result: every exchange of it has finished, so it commits now."""
+    commit()
+    return out
+
+
+def settle(handle):
+    """Wait for an abandoned exchange to end, whatever it ends in."""
+    if handle is not None:
+        handle.exception()
+
+
+def native_wire(tensor, fallback):
+    return tensor.to(getattr(torch, str(fallback)))
+
+
+def native_result(reduced, like):
+    return reduced.to(like.dtype)
 
 
 # wire="values" ------------------------------------------------------------------------------------
 def compress_values(tensor, comp):
     x = flatten(tensor)
-    agreed = hvd.allreduce(torch.from_numpy(comp.metadata([codec.amax(x)], [x.size])), op=hvd.Max, name=_METADATA)
-    amax = float(comp.agreed_amaxes(agreed.numpy(), [x.size], [label(tensor)])[0])
-    wire, shift = comp.to_wire(x, amax, hvd.size(), hvd.rank(), label(tensor))
+    vector = _metadata.vector(comp.config, [codec.amax(x)], [x.size])
+    agreed = hvd.allreduce(torch.from_numpy(vector), op=hvd.Max, name=_METADATA)
+    amax = float(_metadata.read(comp.config, agreed.numpy(), [x.size], [label(tensor)])[0][0])
+    seed = comp.state.values_seed(hvd.rank(), label(tensor))
+    wire, shift = _values.to_wire(comp.config, comp.recorder, x, amax, hvd.size(), seed, label(tensor))
     return torch.from_dlpack(wire).reshape(tensor.shape), (shift, tensor.dtype)
 
 
 def decompress_values(tensor, ctx, comp):
     shift, dtype = ctx
-    return torch.from_dlpack(comp.from_wire(flatten(tensor), shift)).reshape(tensor.shape).to(dtype)
+    return torch.from_dlpack(_values.from_wire(flatten(tensor), shift)).reshape(tensor.shape).to(dtype)
+

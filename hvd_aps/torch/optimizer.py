@@ -1,12 +1,13 @@
 """hvd_aps.torch.DistributedOptimizer: Horovod data parallelism over fixed buckets of codes.
 
-The card's line (horovod.torch.DistributedOptimizer with an APSCompressor) already sends codes;
-this optimizer is for users who want buckets fixed at construction (reverse parameter order, as
-gradients become ready) and the results written into the gradients in place. When a bucket's last
-gradient is accumulated, its exchange (hvd_aps.exchange, with Horovod's collectives) starts on a
-communication thread while backward goes on; step() waits for all of them. Tensors below the
+horovod.torch.DistributedOptimizer with an APSCompressor already sends codes; this optimizer is
+for users who want buckets fixed at construction (reverse parameter order, as gradients become
+ready) and the results written into the gradients in place. When a bucket's last gradient is
+accumulated, its exchange (hvd_aps.exchange, with Horovod's collectives) starts on the
+compressor's threads while backward goes on; step() waits for all of them. Tensors below the
 compressor's min_elements go through a plain Horovod allreduce. The lifecycle is Horovod's:
-synchronize(), skip_synchronize(), and zero_grad() refused between backward and step.
+synchronize(), skip_synchronize(), and zero_grad() refused between backward and step. A
+synchronize() that raises leaves the optimizer and the compressor as they were before the step.
 """
 import contextlib
 import warnings
@@ -14,9 +15,10 @@ import warnings
 import horovod.torch as hvd
 import torch
 
-from .. import _arrays, exchange, wire
+from .. import _arrays, _layout, exchange
+from .._stages import Bucket
 from ..compressor import APSCompressor
-from .adapter import COMM_THREADS, HorovodCollectives, flatten, label
+from .adapter import flatten, label, levels, wait
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -30,10 +32,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{len(missing)} optimized parameters are missing from named_parameters")
         self._names = {p: names.get(p, f"param.{i}") for i, p in enumerate(params)}
         self._compression, self._op, self._passes_per_step = compression, op, backward_passes_per_step
-        self._coll = HorovodCollectives()
-        self._stages = compression.stages(self._coll.world, self._coll.rank)
         cfg = compression.config
-        groups, small = wire.buckets([p.numel() for p in params], cfg.bucket_bytes, cfg.min_elements)
+        groups, small = _layout.buckets([p.numel() for p in params], cfg.bucket_bytes, cfg.min_elements)
         self._small = [params[i] for i in small]
         self._buckets = [[params[i] for i in group] for group in groups]
         self._bucket_of = {p: b for b, bucket in enumerate(self._buckets) for p in bucket}
@@ -41,6 +41,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize, self._synchronized = True, False
         self._reset()
         if hvd.size() > 1:
+            levels(cfg.hierarchical)  # the groups, made now (collectively), not on the first bucket's thread
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -73,35 +74,56 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._buckets[b]:  # parameters that got no gradient this step count as zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._futures[b] = COMM_THREADS.submit(self._exchange_bucket, b, [p.grad for p in self._buckets[b]])
+        grads = [p.grad for p in self._buckets[b]]
+        self._futures[b] = self._compression.state.workers().submit(self._exchange_bucket, b, grads)
 
     def _exchange_bucket(self, b, grads):
         """One bucket through the driver; float32 gradients take the result in place, others a
         float32 copy converted back in synchronize()."""
+        params = self._buckets[b]
         targets = [g.view(-1) if g.dtype == torch.float32 and g.is_contiguous()
                    else torch.empty(g.numel(), dtype=torch.float32, device=g.device) for g in grads]
-        exchange.run(self._stages, [flatten(g) for g in grads], self._coll, f"hvd_aps.bucket{b}",
-                     [label(g) for g in grads], [_arrays.as_array(t) for t in targets], self._op == hvd.Average)
+        bucket = Bucket.whole(f"hvd_aps.bucket{b}", [self._names[p] for p in params], [label(g) for g in grads],
+                              [g.numel() for g in grads])
+        lv = levels(self._compression.config.hierarchical)  # anew after an elastic reset
+        stages = self._compression.stages(lv.cross.world, lv.cross.rank, hvd.rank())
+        exchange.run(stages, bucket, [flatten(g) for g in grads], lv,
+                     [_arrays.as_array(t) for t in targets], self._op == hvd.Average)
         return targets
 
     def synchronize(self):
-        """Finish every exchange of this step and write the results into the gradients."""
+        """Finish every exchange of this step and write the results into the gradients. If one
+        raises, the others are waited for, the step is forgotten (the compressor's state as before
+        it; gradients of buckets that finished hold their results) and the error is raised: run
+        the step again from zero_grad()."""
         if hvd.size() == 1:
             self._synchronized = True
             return
-        for b in range(len(self._buckets)):
-            if b not in self._futures:
-                self._launch(b)
-        for p in self._small:
-            if p not in self._handles:
-                self._allreduce_small(p)
         sent_before = self._compression.bytes_sent
-        for b, future in self._futures.items():
-            for p, result in zip(self._buckets[b], future.result()):
+        try:
+            for b in range(len(self._buckets)):
+                if b not in self._futures:
+                    self._launch(b)
+            for p in self._small:
+                if p not in self._handles:
+                    self._allreduce_small(p)
+            results = {b: future.result() for b, future in self._futures.items()}
+            for handle in self._handles.values():
+                wait(handle)
+        except BaseException:
+            for future in self._futures.values():
+                future.exception()  # nothing may still write once the step is forgotten
+            for handle in self._handles.values():
+                with contextlib.suppress(Exception):
+                    wait(handle)
+            self._compression.state.rollback()
+            self._reset()
+            raise
+        for b, targets in results.items():
+            for p, result in zip(self._buckets[b], targets):
                 if result.data_ptr() != p.grad.data_ptr():
                     p.grad.copy_(result.reshape(p.shape))
-        for handle in self._handles.values():
-            hvd.synchronize(handle)
+        self._compression.state.commit()
         self.bytes_sent = self._compression.bytes_sent - sent_before
         self._reset()
         self._synchronized = True

@@ -1,5 +1,6 @@
 """Run under `horovodrun -np 2` (or 3) --gloo: hvd_aps.torch.DistributedOptimizer sending codes.
 Each rank saves OUTDIR/codes<N>_rank<r>.npz for tests/test_codes_path.py."""
+import dataclasses
 import sys
 import warnings
 
@@ -98,4 +99,60 @@ def lifecycle():
 
 
 lifecycle()
+
+
+class Failing:
+    """The optimizer's collectives, but the metadata allreduce of bucket 1 raises (on every rank,
+    before any rank sends): a step whose other buckets finish and whose bucket 1 fails."""
+
+    def __init__(self, coll):
+        self.coll = coll
+
+    def max_allreduce(self, vector, name):
+        if name.startswith("hvd_aps.bucket1"):
+            raise ValueError("injected failure of bucket 1")
+        return self.coll.max_allreduce(vector, name)
+
+    def __getattr__(self, attr):
+        return getattr(self.coll, attr)
+
+
+def recovery():
+    """Error feedback on; a step whose bucket 1 raises on every rank (bucket 0 finishes); later
+    steps equal those of an optimizer that never saw the failed step, bit for bit."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 64))
+        comp = hvd_aps.APSCompressor("e2m1fn", min_elements=64, bucket_bytes=20_000, error_feedback=True)
+        return model, hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                         model.named_parameters(), compression=comp)
+
+    def step(model, opt, seed):
+        opt.zero_grad()
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * seed + rank))).pow(2).mean().backward()
+        opt.step()
+
+    failing, clean = make(), make()
+    step(*failing, 0)
+    step(*clean, 0)
+    model, opt = failing
+    buffers, made = len(opt._compression.state.buffers), hvd_aps.torch.adapter._LEVELS._made
+    levels = made[None]
+    made[None] = dataclasses.replace(levels, world=Failing(levels.world))
+    try:
+        step(model, opt, 1)
+        out["optimizer_error"] = np.array("no error")
+    except ValueError as err:
+        out["optimizer_error"] = np.array(str(err))
+    made[None] = levels
+    for seed in (1, 2):
+        step(*failing, seed)
+        step(*clean, seed)
+    out["optimizer_recovered"] = np.array(all(torch.equal(a, b) for a, b in zip(model.parameters(),
+                                                                               clean[0].parameters())))
+    out["optimizer_buffers_kept"] = np.array(len(opt._compression.state.buffers) == buffers)
+    out["optimizer_params"] = torch.cat([p.detach().ravel() for p in model.parameters()]).numpy()
+
+
+recovery()
 np.savez(f"{sys.argv[1]}/codes{size}_rank{rank}.npz", **out)

@@ -5,6 +5,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_aps
@@ -111,6 +112,108 @@ def train(**ddp_kwargs):
 
 out["train_unused"], out["train_unused_buckets"] = train(find_unused_parameters=True, bucket_cap_mb=0.01)
 out["train_static"], _ = train(static_graph=True, gradient_as_bucket_view=True)
+
+
+def stochastic_runs():
+    """The same script and seed three times in this process, several buckets on two lanes:
+    stochastic rounding's seeds come from (seed, rank, tensor, step), never from thread order."""
+    runs = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        whole = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64),
+                                    torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        ddp = DDP(whole, bucket_cap_mb=0.01)
+        state = hvd_aps.ddp.APSState(hvd_aps.APSCompressor("e4m3", rounding="stochastic", seed=7, min_elements=16))
+        ddp.register_comm_hook(state, hvd_aps.ddp.aps_hook)
+        opt = torch.optim.SGD(whole.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(8):
+            opt.zero_grad()
+            ddp(torch.randn(16, 32, generator=gen)).pow(2).mean().backward()
+            opt.step()
+        runs.append(torch.cat([p.detach().ravel() for p in whole.parameters()]).numpy())
+        state.close()
+    return np.stack(runs)
+
+
+out["stochastic_runs"] = stochastic_runs()
+
+
+def recovery():
+    """Error feedback on; a step whose bucket 0 exchange raises on every rank (injected before any
+    collective); then, through a fresh DDP wrapper on the same APSState (DDP's reducer does not
+    resume after a failed hook), the same steps as a run that never failed and was wrapped anew
+    at the same point (residuals are kept per DDP bucket, whose layout a new wrapper rebuilds),
+    bit for bit."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 4))
+
+    def step(whole, ddp, seed):
+        whole.zero_grad()
+        ddp(torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * seed + rank))).pow(2).mean().backward()
+        with torch.no_grad():
+            for p in whole.parameters():
+                p -= 0.1 * p.grad
+
+    states = {k: hvd_aps.ddp.APSState(hvd_aps.APSCompressor("e2m1fn", min_elements=16, error_feedback=True))
+              for k in ("failing", "clean")}
+    models = {k: make() for k in states}
+
+    def wrapped(k):
+        ddp = DDP(models[k], bucket_cap_mb=0.01)
+        ddp.register_comm_hook(states[k], hvd_aps.ddp.aps_hook)
+        return ddp
+
+    ddps = {k: wrapped(k) for k in states}
+    for k in states:
+        step(models[k], ddps[k], 0)
+    real_run = hvd_aps.ddp.exchange.run
+
+    def failing_run(stages, bucket, *args, **kwargs):
+        if bucket.name == "ddp.bucket0":
+            raise ValueError("injected failure of bucket 0")
+        return real_run(stages, bucket, *args, **kwargs)
+
+    hvd_aps.ddp.exchange.run = failing_run
+    try:
+        step(models["failing"], ddps["failing"], 1)
+        out["ddp_error"] = np.array("no error")
+    except Exception as err:  # DDP re-raises the hook's error
+        out["ddp_error"] = np.array(str(err))
+    hvd_aps.ddp.exchange.run = real_run
+    ddps = {k: wrapped(k) for k in states}
+    for seed in (1, 2):
+        for k in states:
+            step(models[k], ddps[k], seed)
+    out["ddp_recovered"] = np.array(all(torch.equal(a, b) for a, b in zip(models["failing"].parameters(),
+                                                                         models["clean"].parameters())))
+
+
+recovery()
+
+
+def native_pinned():
+    """policy="auto" with its decision pinned (state_dict): the bucket goes through torch's own
+    allreduce_hook, bit for bit that hook registered by hand."""
+    results = {}
+    for key, pinned in (("native", True), ("default", False)):
+        model = Given(DDP_SIZES)
+        ddp = DDP(model)
+        if pinned:
+            comp = hvd_aps.APSCompressor("e4m3", policy="auto", min_elements=16)
+            saved = comp.state_dict()
+            saved["schedule"] = {"ddp.bucket0": {"times": {}, "runs": 0, "chosen": -1}}
+            comp.load_state_dict(saved)
+            ddp.register_comm_hook(hvd_aps.ddp.APSState(comp), hvd_aps.ddp.aps_hook)
+        else:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        ddp([torch.from_numpy(g) for g in codes_grads(rank, DDP_SIZES)]).backward()
+        results[key] = torch.cat([p.grad.ravel() for p in model.ps]).numpy()
+    out["native_equals_default"] = np.array(results["native"].tobytes() == results["default"].tobytes())
+
+
+native_pinned()
 np.savez(f"{sys.argv[1]}/ddp{size}_rank{rank}.npz", **out)
 dist.barrier()  # no rank tears Gloo down while another still talks
 dist.destroy_process_group()

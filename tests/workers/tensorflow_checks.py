@@ -106,6 +106,31 @@ out["keras_none"] = keras_step(hvd.Compression.none)
 out["keras_codes"] = keras_step(hvd_aps.APSCompressor("e4m3", min_elements=1))
 out["keras_values"] = keras_step(hvd_aps.APSCompressor("e4m3", wire="values"))
 
+def keras3_with_horovods_tape():
+    """Horovod's own TF2 API on a Keras 3 model (the installer's patches): broadcast_variables of
+    model.variables, then hvd.DistributedGradientTape with an APSCompressor inside tf.function."""
+    keras.utils.set_random_seed(rank)  # other weights on every rank: the broadcast must fix that
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(1)])
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    out["keras3_broadcast"] = np.concatenate([v.numpy().ravel() for v in model.variables])
+    comp = hvd_aps.APSCompressor("e4m3", min_elements=16)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, model.trainable_variables)
+        for v, g in zip(model.trainable_variables, grads):
+            v.assign_sub(0.1 * g)
+
+    x, y = keras_data(rank)
+    for _ in range(3):
+        step(x, y)
+    out["keras3_tape"] = np.concatenate([v.numpy().ravel() for v in model.variables])
+
+
+keras3_with_horovods_tape()
+
 try:
     reduce(rank_data(rank), hvd_aps.APSCompressor("e4m3" if rank == 0 else "e5m2", min_elements=16))
     out["mismatch"] = np.array("no error")

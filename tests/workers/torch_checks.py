@@ -1,5 +1,6 @@
-"""Run under `horovodrun -np 2` (or 3) --gloo: APSCompressor through horovod.torch's own API, the
-card's line. Each rank saves what it got to OUTDIR/torch<N>_rank<r>.npz for tests/test_horovod_torch.py."""
+"""Run under `horovodrun -np 2` (or 3) --gloo: APSCompressor through horovod.torch's own API
+(allreduce, grouped, the optimizer). Each rank saves what it got to OUTDIR/torch<N>_rank<r>.npz
+for tests/test_horovod_torch.py."""
 import sys
 
 import horovod.torch as hvd
@@ -98,5 +99,72 @@ pair = [torch.ones(5000), torch.ones(7000)]
 out["order"] = error_of(lambda: hvd.grouped_allreduce(pair if rank < size - 1 else pair[::-1],
                                                       compression=hvd_aps.APSCompressor("e4m3"), name="order"))
 out["after_errors"] = reduce(rank_data(rank), hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=16), name="after2")
+
+
+def recovery():
+    """One compressor (error feedback) through a good step, a step whose tensors the last rank
+    hands over in another order (raises on every rank), and two more good steps."""
+    comp = hvd_aps.APSCompressor("e2m1fn", min_elements=16, error_feedback=True)
+    good = [[torch.from_numpy(rank_data(rank, seed=20 + s)), torch.from_numpy(rank_data(rank, seed=30 + s)[:700].copy())]
+            for s in range(3)]
+    results = [hvd.grouped_allreduce(good[0], compression=comp, name="rec")]
+    buffers = len(comp.state.buffers)
+    bad = [torch.ones(5000), torch.ones(7000)]
+    out["recovery_error"] = error_of(lambda: hvd.grouped_allreduce(bad if rank < size - 1 else bad[::-1],
+                                                                   compression=comp, name="rec_bad"))
+    for step in good[1:]:
+        results.append(hvd.grouped_allreduce(step, compression=comp, name="rec"))
+    for s, pair in enumerate(results):
+        for t, tensor in enumerate(pair):
+            out[f"recovery_{s}_{t}"] = tensor.numpy()
+    out["recovery_names_restart"] = np.array(comp._batches._count == 0 and len(comp.state.buffers) == buffers)
+
+
+recovery()
+
+
+def stochastic_training():
+    """The same script and seed, three times in this process: stochastic rounding's seeds come from
+    (seed, rank, tensor, step), so the compressor's threads cannot change a bit."""
+    hashes = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 64))
+        comp = hvd_aps.APSCompressor("e4m3", rounding="stochastic", seed=7, min_elements=64, bucket_bytes=20_000)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=comp)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(8):
+            opt.zero_grad()
+            model(torch.randn(8, 64, generator=gen)).pow(2).mean().backward()
+            opt.step()
+        hashes.append(torch.cat([p.detach().ravel() for p in model.parameters()]).numpy())
+        comp.close()
+    out["stochastic_runs"] = np.stack(hashes)
+
+
+stochastic_training()
+
+
+def auto_policy():
+    """policy="auto" with its decision pinned through state_dict(): the batch passes through to
+    Horovod's own allreduce (fp32, or float16), bit for bit Horovod's Compression.none / .fp16;
+    and a run that tries both candidates decides alike on every rank."""
+    for fallback, stock in (("float32", hvd.Compression.none), ("float16", hvd.Compression.fp16)):
+        comp = hvd_aps.APSCompressor("e4m3", policy="auto", fallback=fallback, min_elements=16, chunk_bytes=0)
+        state = comp.state_dict()
+        state["schedule"] = {"hvd_aps.0": {"times": {}, "runs": 0, "chosen": -1}}  # -1: the native allreduce
+        comp.load_state_dict(state)
+        x = torch.from_numpy(rank_data(rank, seed=9))
+        out[f"native_{fallback}"] = hvd.allreduce(x, compression=comp, name=f"native_{fallback}").numpy()
+        out[f"stock_{fallback}"] = hvd.allreduce(x, compression=stock, name=f"stock_{fallback}").numpy()
+        out[f"native_{fallback}_bytes"] = np.array(comp.bytes_sent)
+    comp = hvd_aps.APSCompressor("e4m3", policy="auto", min_elements=16, chunk_bytes=0)
+    for step in range(12):
+        hvd.allreduce(torch.from_numpy(rank_data(rank, seed=step)), compression=comp, name="tried")
+    out["auto_decision"] = np.array(str(comp.schedule_report()[-1]["chosen"]))
+
+
+auto_policy()
 
 np.savez(f"{sys.argv[1]}/torch{size}_rank{rank}.npz", **out)

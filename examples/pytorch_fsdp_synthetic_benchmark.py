@@ -1,0 +1,62 @@
+"""Benchmark for FSDP2 (torch.distributed.fsdp.fully_shard), twin of the DDP benchmark: every block
+of the model its own FSDP unit (the transformer profile's blocks, the MLP's layers), Gloo.
+
+    torchrun --nproc-per-node 2 examples/pytorch_fsdp_synthetic_benchmark.py --profile transformer --compression aps-e4m3
+
+--compression: none (FSDP's own reduce-scatter, float32) | an hvd_aps recipe (hvd_aps.fsdp: codes in
+the reduce-scatter). --no-reshard keeps the parameters unsharded between forward and backward (one
+all-gather a step instead of two). Rank 0 prints one JSON line as the other benchmarks do, with
+`codes_bytes_per_step`: what this rank's reduce-scatter sent (the rest of the interface's bytes
+are FSDP's parameter all-gathers).
+"""
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import hvd_aps
+import hvd_aps.fsdp
+import recipes
+from benchmark_common import add_arguments, compressor_options, measure
+from synthetic_models import prepared, step_fn
+
+
+def allgather_object(obj):
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def shard(model, reshard):
+    """fully_shard every block (its children that hold parameters: transformer blocks, the
+    MLP's layers), then the root."""
+    blocks = getattr(model, "blocks", model)
+    for child in blocks.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, reshard_after_forward=reshard)
+    return fully_shard(model, reshard_after_forward=reshard)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    model, opt, x, y, params, phases = prepared(args)
+    shard(model, not args.no_reshard)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)  # over the sharded parameters
+    comp = None
+    if args.compression != "none":
+        comp = recipes.compression(args.compression, **compressor_options(args))
+        hvd_aps.fsdp.apply(model, comp)
+    measure(step_fn(model, opt, x, y), args, phases, params, allgather_object, dist.get_rank(), dist.get_world_size(),
+            comp)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

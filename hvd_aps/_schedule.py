@@ -1,0 +1,238 @@
+"""How each bucket is exchanged, chosen at run time from measured times, alike on every rank.
+
+Chunking: a candidate is a chunk size in float32 bytes (0: the whole bucket at once). The
+numbers of the codes exchange do not depend on it (hvd_aps._layout), so trying chunkings changes
+no bit. Each bucket runs its first exchange as a warm-up (allocations, page faults: not timed),
+then every candidate TRIALS times, one exchange each; each rank's wall time of an exchange rides
+on the bucket's next metadata Max-allreduce, so every rank records the slowest rank's time and
+makes the same choice: the least median, fixed from then on.
+
+Policy "auto" (opt-in: it changes what is sent): once every bucket's chunking is fixed, the
+schedule times STEP_TRIALS whole steps with codes and STEP_TRIALS with every bucket on the
+framework's own allreduce (NATIVE). Whole steps, not exchanges: codes cost CPU that backward
+would have used, which an exchange's own time does not show. The next step's exchanges carry
+both medians on their metadata Max-allreduce, and when that step commits every rank decides
+alike, for every bucket (never within a step, whose exchanges must all run the same way). The decisions are
+in the compressor's state_dict, so a resumed run keeps them (and a run can pin them).
+"""
+import dataclasses
+import logging
+import statistics
+import threading
+import time
+
+import numpy as np
+
+NATIVE = -1
+ENTRIES = 4       # timing entries on the metadata vector (Schedule.entries)
+TRIALS = 2        # timed exchanges per chunking
+STEP_TRIALS = 3   # timed steps per policy
+UNMEASURED = -1.0  # a timing entry with no measurement behind it
+log = logging.getLogger("hvd_aps")
+
+
+@dataclasses.dataclass
+class _Bucket:
+    times: dict = dataclasses.field(default_factory=dict)  # candidate -> agreed seconds of its trials
+    runs: int = 0                 # exchanges whose timing was recorded (the first is the warm-up)
+    chosen: int = None            # the decision, once made
+    last: tuple = None            # this rank's (candidate, seconds) of its last exchange, not yet sent
+    pending: tuple = None         # (candidate, seconds) agreed this step, recorded at commit
+
+
+class _Policy:
+    """policy="auto"'s step trials: codes steps, then native steps, then the agreed decision."""
+    PHASES = ("chunking", "codes", "native", "deciding", "decided")
+
+    def __init__(self):
+        self.phase, self.steps, self.chosen, self.last_commit = "chunking", {"codes": [], "native": []}, None, None
+        self.medians = None  # the agreed (codes, native) step medians behind the decision
+
+
+class Schedule:
+    """The chunk candidates, per bucket name the trials and the decision, and (policy="auto")
+    the step trials between codes and the framework's own allreduce."""
+
+    def __init__(self, candidates: tuple, auto: bool = False):
+        if not candidates:
+            raise ValueError("a schedule needs at least one candidate")
+        self.candidates, self.auto = tuple(candidates), bool(auto)
+        self._buckets, self._lock = {}, threading.Lock()
+        self._policy = _Policy() if auto else None
+
+    @property
+    def tuning(self) -> bool:
+        """Whether there is a chunking to choose."""
+        return len(self.candidates) > 1
+
+    def _bucket(self, name: str) -> _Bucket:
+        return self._buckets.setdefault(name, _Bucket(chosen=None if self.tuning else self.candidates[0]))
+
+    # per exchange --------------------------------------------------------------------------------
+    def candidate(self, name: str) -> int:
+        """How this exchange of bucket `name` runs: NATIVE (the framework's own allreduce, no
+        metadata), the chunking decided, else the next trial in order."""
+        with self._lock:
+            b = self._bucket(name)
+            if b.chosen == NATIVE or self._native_now():
+                return NATIVE
+            if b.chosen is not None:
+                return b.chosen
+            if b.runs == 0:
+                return self.candidates[0]  # the warm-up
+            order = [c for _ in range(TRIALS) for c in self.candidates]
+            return order[min(b.runs - 1, len(order) - 1)]
+
+    def native(self, name: str) -> bool:
+        """Whether this exchange of `name` goes through the framework's own allreduce."""
+        return self.candidate(name) == NATIVE
+
+    def decided(self, name: str) -> "int | None":
+        with self._lock:
+            return NATIVE if self._policy_native() else self._bucket(name).chosen
+
+    def _native_now(self) -> bool:
+        return self._policy is not None and (self._policy.phase == "native" or self._policy_native())
+
+    def _policy_native(self) -> bool:
+        return self._policy is not None and self._policy.chosen == "native"
+
+    def entries(self, name: str) -> list:
+        """This rank's timing entries for the metadata vector (ENTRIES of them, UNMEASURED where
+        there is nothing to say: the vector has one length for every configuration, so a rank
+        configured otherwise meets the signature check, not a shape error): the seconds and
+        candidate of its last exchange of this bucket, and while policy="auto" decides, its
+        median codes and native step."""
+        with self._lock:
+            last = self._bucket(name).last
+            exchange = [UNMEASURED, UNMEASURED] if last is None else [last[1], float(last[0])]
+            deciding = self._policy is not None and self._policy.phase == "deciding"
+            steps = [statistics.median(self._policy.steps[k]) for k in ("codes", "native")] if deciding else \
+                [UNMEASURED, UNMEASURED]
+        return exchange + steps
+
+    def measured(self, name: str, candidate: int, seconds: float) -> None:
+        """This rank's wall time of an exchange of `name` that ran as `candidate`."""
+        if self.tuning:
+            with self._lock:
+                self._bucket(name).last = (candidate, seconds)
+
+    def agreed(self, name: str, entries) -> None:
+        """The Max over ranks of the timing entries: the slowest rank's time of the last exchange,
+        recorded at commit (a failed step records nothing); while policy="auto" decides, the
+        slowest rank's median steps, which decide it (every exchange of that step carries the
+        same, so whichever agrees first decides alike)."""
+        seconds, candidate, codes, native = (float(v) for v in np.asarray(entries, np.float64))
+        with self._lock:
+            if self.tuning and seconds != UNMEASURED:
+                self._bucket(name).pending = (int(candidate), seconds)
+            if self._policy is not None and self._policy.phase == "deciding" and codes != UNMEASURED:
+                self._policy.medians = (codes, native)  # decided at commit: a step's exchanges all run alike
+
+    def _decide(self, codes: float, native: float) -> None:
+        """policy="auto": every rank's slowest median steps -> the policy for every bucket."""
+        p = self._policy
+        p.chosen, p.phase = ("native" if native < codes else "codes"), "decided"
+        log.info("hvd_aps schedule: every bucket sends %s (steps: codes %.1f ms, native allreduce %.1f ms)",
+                 "the framework's own allreduce" if native < codes else "codes", 1e3 * codes, 1e3 * native)
+
+    # steps ------------------------------------------------------------------------------------------
+    def commit(self) -> None:
+        with self._lock:
+            for name, b in self._buckets.items():
+                if b.pending is not None and b.chosen is None:
+                    self._record(name, b, *b.pending)
+                b.pending = None
+            if self._policy is not None:
+                self._step_ended(time.perf_counter())
+
+    def rollback(self) -> None:
+        with self._lock:
+            for b in self._buckets.values():
+                b.pending = None
+            if self._policy is not None:
+                self._policy.last_commit = None  # the next step's time is not a clean measurement
+                if self._policy.phase == "deciding":
+                    self._policy.medians = None
+
+    def _step_ended(self, now: float) -> None:
+        """policy="auto": a step committed; its time counts for the phase it ran in."""
+        p = self._policy
+        took, p.last_commit = (None if p.last_commit is None else now - p.last_commit), now
+        if p.phase == "deciding" and p.medians is not None:
+            self._decide(*p.medians)
+            return
+        if p.phase == "chunking" and self._buckets and all(b.chosen is not None for b in self._buckets.values()):
+            p.phase = "codes"
+            p.last_commit = now  # the first codes step starts here
+            return
+        if p.phase in ("codes", "native") and took is not None:
+            p.steps[p.phase].append(took)
+            if len(p.steps[p.phase]) >= STEP_TRIALS:
+                p.phase = "native" if p.phase == "codes" else "deciding"
+
+    def _record(self, name: str, b: _Bucket, candidate: int, seconds: float) -> None:
+        b.runs += 1
+        if b.runs > 1:  # the warm-up's time is not a trial
+            b.times.setdefault(candidate, []).append(seconds)
+        if all(len(b.times.get(c, ())) >= TRIALS for c in self.candidates):
+            b.chosen = min(self.candidates, key=lambda c: (statistics.median(b.times[c]), self.candidates.index(c)))
+            log.info("hvd_aps schedule: bucket %s runs %s (%s)", name, describe(b.chosen), _times_text(b.times))
+
+    def reset(self) -> None:
+        """Start over (the world changed: what was measured no longer holds)."""
+        with self._lock:
+            self._buckets.clear()
+            self._policy = _Policy() if self.auto else None
+
+    # reports and checkpoints -------------------------------------------------------------------------
+    def report(self) -> list:
+        """Per bucket: its name, the decision (None while trying) and the median seconds of every
+        chunking tried, as dicts; with policy="auto" the policy's decision and its step medians."""
+        with self._lock:
+            rows = [{"bucket": name, "chosen": self._chosen_text(b),
+                     "seconds": {describe(c): statistics.median(t) for c, t in b.times.items()}}
+                    for name, b in self._buckets.items()]
+            if self._policy is not None:
+                p = self._policy
+                rows.append({"bucket": "(policy: every bucket)", "chosen": p.chosen,
+                             "seconds": {f"{k} step": statistics.median(v) for k, v in p.steps.items() if v}})
+            return rows
+
+    def _chosen_text(self, b: _Bucket):
+        if self._policy_native():
+            return describe(NATIVE)
+        if self._policy is not None and self._policy.chosen is None and b.chosen is not None:
+            return None  # the chunking is fixed, the policy not yet
+        return None if b.chosen is None else describe(b.chosen)
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            state = {name: {"times": {str(c): list(t) for c, t in b.times.items()}, "runs": b.runs, "chosen": b.chosen}
+                     for name, b in self._buckets.items()}
+            if self._policy is not None:
+                state["(policy)"] = {"phase": self._policy.phase, "chosen": self._policy.chosen,
+                                     "steps": {k: list(v) for k, v in self._policy.steps.items()}}
+            return state
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            state = dict(state)
+            policy = state.pop("(policy)", None)
+            self._buckets = {name: _Bucket({int(c): list(t) for c, t in s["times"].items()}, s["runs"], s["chosen"])
+                             for name, s in state.items()}
+            if self._policy is not None and policy is not None:
+                self._policy.phase, self._policy.chosen = policy["phase"], policy["chosen"]
+                self._policy.steps = {k: list(v) for k, v in policy["steps"].items()}
+                if self._policy.phase in ("codes", "native"):  # timing a step begun before the checkpoint
+                    self._policy.last_commit = None
+
+
+def describe(candidate: int) -> str:
+    if candidate == NATIVE:
+        return "native allreduce"
+    return "unchunked codes" if candidate == 0 else f"codes in {candidate >> 10} KiB chunks"
+
+
+def _times_text(times: dict) -> str:
+    return ", ".join(f"{describe(c)} {1e3 * statistics.median(t):.1f} ms" for c, t in times.items())

@@ -1,0 +1,201 @@
+"""ExchangeState: what a compressor keeps between exchanges, with one owner.
+
+Grouped as torch's PowerSGDState is:
+- internal state: error-feedback residuals (one per tensor key, side and segment), each tensor's
+  count of finished exchanges (stochastic rounding's step), the schedule's measurements and
+  decisions (hvd_aps._schedule), reusable buffers;
+- the threads exchanges run on (created on first use, stopped by close()).
+
+Steps are transactions. An exchange reads the committed residuals and step counts and writes its
+new residuals into spare arrays; commit() (the end of a training step) makes them current and
+counts the step, rollback() (a step that raised) forgets them. A failed step therefore leaves the
+state as it was, and a step run again after an error gives the bits it would have given.
+Stochastic rounding draws from (seed, rank, tensor key, step, element index), never from call
+order, so threads cannot change a bit.
+"""
+import concurrent.futures
+import hashlib
+import sys
+import threading
+
+import numpy as np
+
+from . import _arrays
+from ._schedule import Schedule
+
+WORKER_THREADS = 2  # one exchange's encoding and decoding overlap another's transfers
+SEND, OWNER = "send", "owner"  # residual sides: what a rank's codes lost, what a shard owner's re-encode lost
+
+
+class BufferPool:
+    """Arrays reused from step to step under stable names: fresh pages of a large allocation cost
+    more to fault in than the codec takes to fill them."""
+
+    def __init__(self):
+        self._arrays, self._results = {}, {}
+
+    def get(self, name, n: int, dtype, xp):
+        buf = self._arrays.get(name)
+        if buf is None or buf.size != n or buf.dtype != np.dtype(dtype) or _arrays.array_module(buf) is not xp:
+            buf = self._arrays[name] = xp.empty(n, dtype)
+        return buf
+
+    def result(self, name, n: int, xp):
+        """Last step's result array for `name` where nothing outside holds it any more (the
+        gradient it became was dropped), else a new one: results are the largest arrays of the
+        exchange, and writing into mapped pages costs a third of faulting in fresh ones."""
+        buf = self._results.get(name)
+        # references while free: the dict's, `buf`'s and getrefcount's argument
+        if buf is None or buf.size != n or _arrays.array_module(buf) is not xp or sys.getrefcount(buf) > 3:
+            buf = self._results[name] = xp.empty(n, xp.float32)
+        return buf
+
+    def __len__(self) -> int:
+        return len(self._arrays) + len(self._results)
+
+    def clear(self) -> None:
+        self._arrays.clear()
+        self._results.clear()
+
+
+class ExchangeState:
+    """Residuals, step counts, schedule, buffers and threads of one compressor (see the module
+    docstring). Picklable: residuals, steps, the seed and the schedule travel; buffers and
+    threads are made anew."""
+
+    def __init__(self, seed: int, schedule: Schedule):
+        self.seed, self.schedule = int(seed), schedule
+        self._lock = threading.RLock()
+        self._residuals, self._spare, self._pending = {}, {}, set()
+        self._steps, self._stepped = {}, set()
+        self.buffers = BufferPool()
+        self._workers, self._closed = None, False
+
+    # residuals ------------------------------------------------------------------------------------
+    def residual(self, key: tuple, n: int, xp):
+        """The committed residual under `key` (zeros where there is none, or it has another size, as
+        after DDP rebuilds its buckets or the world changes: the committed one stays until a step
+        commits its successor). Read only."""
+        with self._lock:
+            kept = self._residuals.get(key)
+            if kept is None or kept.size != n:
+                return xp.zeros(n, xp.float32)
+            elif _arrays.array_module(kept) is not xp:  # restored from a checkpoint onto the device
+                kept = self._residuals[key] = xp.asarray(kept)
+            return kept
+
+    def next_residual(self, key: tuple, n: int, xp):
+        """Where this step writes the residual under `key`: current once the step commits."""
+        with self._lock:
+            spare = self._spare.get(key)
+            if spare is None or spare.size != n or _arrays.array_module(spare) is not xp:
+                spare = self._spare[key] = xp.empty(n, xp.float32)
+            self._pending.add(key)
+            return spare
+
+    # steps ----------------------------------------------------------------------------------------
+    def step_of(self, tensor_key: str) -> int:
+        """How many exchanges of this tensor have committed."""
+        with self._lock:
+            return self._steps.get(tensor_key, 0)
+
+    def exchanged(self, tensor_keys) -> None:
+        """These tensors' exchange of this step is done (counted at commit)."""
+        with self._lock:
+            self._stepped.update(tensor_keys)
+
+    def commit(self) -> None:
+        """The step is over: its residuals become current and its exchanges count."""
+        with self._lock:
+            for key in self._pending:
+                self._residuals[key], self._spare[key] = self._spare[key], self._residuals.get(key)
+                if self._spare[key] is None or self._spare[key].size != self._residuals[key].size:
+                    del self._spare[key]
+            for tensor_key in self._stepped:
+                self._steps[tensor_key] = self._steps.get(tensor_key, 0) + 1
+            self._pending.clear()
+            self._stepped.clear()
+            self.schedule.commit()
+
+    def rollback(self) -> None:
+        """The step raised: forget what it wrote."""
+        with self._lock:
+            self._pending.clear()
+            self._stepped.clear()
+            self.schedule.rollback()
+
+    def seed_for(self, rank: int, tensor_key: str, side: str) -> int:
+        """Stochastic rounding's seed for one tensor's encode on one side (rank -1 for a shard
+        owner's re-encode, whose elements each have one owner whatever the layout), from (seed,
+        rank, tensor key, step): the element index is added by the codec's hash."""
+        text = f"{self.seed}:{rank}:{tensor_key}:{side}:{self.step_of(tensor_key)}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+    def values_seed(self, rank: int, label: str) -> int:
+        """wire="values": the seed of one tensor's rounding, its count taken at once (that path
+        rounds inside compress(), on the one thread backward runs on, in backward's order)."""
+        key = f"values:{label}"
+        with self._lock:
+            seed = self.seed_for(rank, key, SEND)
+            self._steps[key] = self._steps.get(key, 0) + 1
+            return seed
+
+    def forget_shards(self) -> None:
+        """The world changed (elastic reset): shard owners' residuals belong to the old layout."""
+        with self._lock:
+            for store in (self._residuals, self._spare):
+                for key in [k for k in store if k[1] == OWNER]:
+                    del store[key]
+            self.buffers.clear()
+
+    # checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What resuming bit for bit needs: residuals (NumPy), step counts, seed, schedule."""
+        with self._lock:
+            residuals = {_name(key): _arrays.to_numpy(r).copy() for key, r in self._residuals.items()}
+            return {"residuals": residuals, "steps": dict(self._steps), "seed": self.seed,
+                    "schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        residuals = {_key(name): np.array(r, np.float32) for name, r in state["residuals"].items()}
+        with self._lock:
+            self._residuals, self._spare, self._pending = residuals, {}, set()
+            self._steps, self._stepped = {k: int(v) for k, v in state["steps"].items()}, set()
+            self.seed = int(state["seed"])
+            self.schedule.load_state_dict(state["schedule"])
+
+    def __getstate__(self) -> dict:
+        return {"state": self.state_dict(), "candidates": self.schedule.candidates, "auto": self.schedule.auto}
+
+    def __setstate__(self, saved: dict) -> None:
+        self.__init__(saved["state"]["seed"], Schedule(saved["candidates"], saved["auto"]))
+        self.load_state_dict(saved["state"])
+
+    # threads --------------------------------------------------------------------------------------
+    def workers(self) -> concurrent.futures.Executor:
+        """The threads eager exchanges run on (so backward goes on), made on first use."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this compressor was closed: make a new one")
+            if self._workers is None:
+                self._workers = concurrent.futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="hvd_aps")
+            return self._workers
+
+    def close(self) -> None:
+        """Stop the threads (after the exchanges they run) and drop the buffers."""
+        with self._lock:
+            workers, self._workers, self._closed = self._workers, None, True
+        if workers is not None:
+            workers.shutdown(wait=True)
+        self.buffers.clear()
+
+
+def _name(key: tuple) -> str:
+    """A residual key as a checkpoint name: tensor key, side and segment start."""
+    tensor_key, side, start = key
+    return f"{tensor_key}|{side}|{start}"
+
+
+def _key(name: str) -> tuple:
+    tensor_key, side, start = name.rsplit("|", 2)
+    return tensor_key, side, int(start)

@@ -1,0 +1,54 @@
+"""The README's recipes for the launchers and wrappers users already have, with real processes on
+the CPU: HF Accelerate and PyTorch Lightning (torchrun, 2 ranks, Gloo) and Horovod elastic
+(horovodrun's elastic mode on localhost, a host-discovery script that grows the job)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from horovod_run import WORKERS, free_port, load
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("integrations")
+    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(WORKERS / "integrations_checks.py"), str(tmp)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-4000:]}"
+    return load(tmp, "integrations", 2)
+
+
+@pytest.mark.parametrize("framework", ["accelerate", "lightning"])
+def test_recipe_sends_codes_and_keeps_ranks_identical(ranks, framework):
+    for r in ranks:
+        assert r[framework].tobytes() == ranks[0][framework].tobytes()
+        assert int(r[f"{framework}_buckets"]) == 5  # aps_hook ran every step
+    # the same model, data and steps through both wrappers: the same bits
+    assert ranks[0]["accelerate"].tobytes() == ranks[0]["lightning"].tobytes()
+
+
+def test_horovod_elastic_keeps_each_ranks_compressor_state(tmp_path):
+    """horovodrun's elastic mode grows the job from 2 to 3 ranks after step 4 (the discovery
+    script reads a file rank 0 rewrites): the reset keeps each old rank's own residuals, drops
+    the shard owners' (the old world's layout), and every rank ends with the same parameters."""
+    hosts, discover = tmp_path / "hosts", tmp_path / "discover.sh"
+    hosts.write_text("localhost:2\n")
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    cmd = [horovodrun, "--network-interface", "lo", "-np", "2", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", str(discover), "--gloo", sys.executable, str(WORKERS / "elastic_checks.py"),
+           str(tmp_path), str(hosts)]
+    run = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = [dict(np.load(tmp_path / f"elastic_{r}.npz")) for r in range(3)]
+    assert all(int(r["size"]) == 3 for r in ranks)
+    assert [int(r["resets"]) for r in ranks] == [1, 1, 0]  # rank 2 joined after the reset
+    for r in ranks:
+        assert bool(r["kept"]) and bool(r["owners_dropped"])
+        assert r["params"].tobytes() == ranks[0]["params"].tobytes()

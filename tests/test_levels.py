@@ -1,0 +1,72 @@
+"""Two levels (float32 inside a host, codes between hosts) with real processes on loopback that
+believe they run on 2 hosts x 2 ranks (tests/hosts_run.py): every entry point against the NumPy
+model of host sums in local-rank order, then the codes model across hosts, divided by N."""
+import numpy as np
+import pytest
+
+import model
+from horovod_run import load
+from hosts_run import launch
+from workers.common import CODES_SIZES, DDP_SIZES, codes_grads
+
+HOSTS = [[0, 1], [2, 3]]
+BIG = [i for i, s in enumerate(CODES_SIZES) if np.prod(s) >= 16]
+
+
+def want(order, sizes, fmt="e4m3"):
+    """One bucket of tensors `order` (indices into sizes, in the order the exchange sees them)."""
+    grads = [[codes_grads(r, sizes)[i].ravel() for i in order] for r in range(4)]
+    return dict(zip(order, model.two_levels(grads, fmt, HOSTS)))
+
+
+@pytest.fixture(scope="module")
+def torch_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("levels_torch")
+    launch("levels_torch_checks.py", tmp)
+    return load(tmp, "levels_torch", 4)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1fn"])
+def test_horovod_allreduce_on_two_levels_is_bit_exact(torch_ranks, fmt):
+    expected = want(BIG, CODES_SIZES, fmt)  # Horovod's grouped allreduce compresses in order
+    for r in torch_ranks:
+        assert bool(r[f"levels_{fmt}"])
+        for i in BIG:
+            assert r[f"grouped_{fmt}_{i}"].tobytes() == expected[i].reshape(CODES_SIZES[i]).tobytes(), (fmt, i)
+
+
+def test_codes_optimizer_on_two_levels_is_bit_exact(torch_ranks):
+    expected = want(BIG[::-1], CODES_SIZES)  # its bucket holds them in reverse order
+    for r in torch_ranks:
+        for i in BIG:
+            assert r[f"optimizer_{i}"].tobytes() == expected[i].reshape(CODES_SIZES[i]).tobytes(), i
+
+
+def test_each_rank_sends_codes_of_its_slice_only(torch_ranks):
+    """Two levels: a rank's codes cover its 1/L slice and go to one rank (the other host):
+    about half of what the flat exchange sends among 4 ranks (2 (N-1)/N of the whole bucket)."""
+    elements = sum(int(np.prod(CODES_SIZES[i])) for i in BIG)
+    two = np.mean([int(r["bytes_e4m3"]) for r in torch_ranks])
+    flat = np.mean([int(r["bytes_flat"]) for r in torch_ranks])
+    assert two < 0.5 * flat and elements / 2 * 0.9 <= two <= elements / 2 + 2 * model.BLOCK
+
+
+def test_horovod_tensorflow_on_two_levels_is_bit_exact(tmp_path):
+    launch("levels_tf_checks.py", tmp_path)
+    ranks = load(tmp_path, "levels_tf", 4)
+    in_order, reverse = want(BIG, CODES_SIZES), want(BIG[::-1], CODES_SIZES)
+    for r in ranks:
+        for i in BIG:
+            assert r[f"grouped_{i}"].tobytes() == in_order[i].reshape(CODES_SIZES[i]).tobytes(), i
+            assert r[f"tape_{i}"].tobytes() == reverse[i].reshape(CODES_SIZES[i]).tobytes(), i
+
+
+def test_ddp_hook_and_fsdp_hsdp_on_two_levels(tmp_path):
+    launch("levels_ddp_checks.py", tmp_path, horovod=False)
+    ranks = load(tmp_path, "levels_ddp", 4)
+    expected = want(list(range(len(DDP_SIZES)))[::-1], DDP_SIZES)
+    for r in ranks:
+        assert bool(r["ddp_two_levels"])
+        for i in range(len(DDP_SIZES)):
+            assert r[f"ddp_{i}"].tobytes() == expected[i].reshape(DDP_SIZES[i]).tobytes(), i
+        assert r["hsdp"].tobytes() == ranks[0]["hsdp"].tobytes() and np.isfinite(r["hsdp"]).all()

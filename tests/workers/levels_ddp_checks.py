@@ -1,0 +1,54 @@
+"""Run by tests/hosts_run.py as 2 hosts x 2 ranks (torch.distributed, Gloo): the DDP hook and the
+FSDP2 cross-host hook on two levels. Each rank saves OUTDIR/levels_ddp_rank<r>.npz."""
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hvd_aps
+import hvd_aps.ddp
+import hvd_aps.fsdp
+from common import DDP_SIZES, codes_grads
+
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), {}
+torch.set_num_threads(1)
+
+
+class Given(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in DDP_SIZES])
+
+    def forward(self, grads):
+        return sum((p * g).sum() for p, g in zip(self.ps, grads))
+
+
+model = Given()
+ddp = DDP(model)  # one bucket, in reverse parameter order
+state = hvd_aps.ddp.APSState(hvd_aps.APSCompressor("e4m3", min_elements=16))
+ddp.register_comm_hook(state, hvd_aps.ddp.aps_hook)
+ddp([torch.from_numpy(g) for g in codes_grads(rank, DDP_SIZES)]).backward()
+for i, p in enumerate(model.ps):
+    out[f"ddp_{i}"] = p.grad.numpy().copy()
+out["ddp_two_levels"] = np.array(state.lane(0, "cpu")[0].local is not None)
+state.close()
+
+shard_mesh, replicate = hvd_aps.fsdp.host_mesh()
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.Tanh(), torch.nn.Linear(96, 8))
+fully_shard(net, mesh=shard_mesh)
+hvd_aps.fsdp.apply(net, hvd_aps.APSCompressor("e4m3"), replicate_group=replicate)
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+gen = torch.Generator().manual_seed(rank)
+for _ in range(3):
+    opt.zero_grad()
+    net(torch.randn(16, 32, generator=gen)).pow(2).mean().backward()
+    opt.step()
+out["hsdp"] = torch.cat([p.full_tensor().detach().ravel() for p in net.parameters()]).numpy()
+np.savez(f"{sys.argv[1]}/levels_ddp_rank{rank}.npz", **out)
+dist.barrier()
+dist.destroy_process_group()

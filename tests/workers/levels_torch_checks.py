@@ -1,0 +1,37 @@
+"""Run by tests/hosts_run.py as 2 hosts x 2 ranks: the two-level exchange through horovod.torch
+(APSCompressor on Horovod's allreduce and optimizer, hvd_aps.torch.DistributedOptimizer). Each
+rank saves OUTDIR/levels_torch_rank<r>.npz for tests/test_levels.py."""
+import sys
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+import hvd_aps
+import hvd_aps.torch
+from common import CODES_SIZES, codes_grads
+
+hvd.init(process_sets="dynamic")
+rank, out = hvd.rank(), {}
+BIG = [i for i, s in enumerate(CODES_SIZES) if np.prod(s) >= 16]
+
+for fmt in ("e4m3", "e2m1fn"):
+    comp = hvd_aps.APSCompressor(fmt, min_elements=16)
+    grads = [torch.from_numpy(codes_grads(rank)[i].copy()) for i in BIG]
+    for i, g in zip(BIG, hvd.grouped_allreduce(grads, compression=comp, name=f"levels_{fmt}")):
+        out[f"grouped_{fmt}_{i}"] = g.numpy()
+    out[f"levels_{fmt}"] = np.array(hvd_aps.torch.adapter.levels(None).local is not None)
+    out[f"bytes_{fmt}"] = np.array(comp.bytes_sent)
+
+params = [torch.zeros(codes_grads(rank)[i].shape, requires_grad=True) for i in BIG]
+opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), [(f"p{i}", p) for i, p in zip(BIG, params)],
+                                         compression=hvd_aps.APSCompressor("e4m3", min_elements=16))
+sum((p * torch.from_numpy(codes_grads(rank)[i])).sum() for i, p in zip(BIG, params)).backward()
+opt.synchronize()
+for i, p in zip(BIG, params):
+    out[f"optimizer_{i}"] = p.grad.numpy().copy()
+flat = hvd_aps.APSCompressor("e4m3", min_elements=16, hierarchical=False)
+grads = [torch.from_numpy(codes_grads(rank)[i].copy()) for i in BIG]
+hvd.grouped_allreduce(grads, compression=flat, name="flat")
+out["bytes_flat"] = np.array(flat.bytes_sent)
+np.savez(f"{sys.argv[1]}/levels_torch_rank{rank}.npz", **out)
