@@ -1,54 +1,85 @@
-"""Where a rank's time goes, from a py-spy profile: every sample (py-spy record --idle -f raw) put in
-one category by the frames on its stack, per thread kind, as shares of the run.
+"""Where a training step's time goes, from a py-spy profile of one rank: the main thread's timed
+steps and the exchange threads' work, each sample put in one category by the frames on its stack,
+as milliseconds per step.
 
-    horovodrun -np 2 -H localhost:2 --gloo py-spy record --idle -r 250 -f raw -o prof.txt -- \\
-        python examples/pytorch_synthetic_benchmark.py --profile resnet18 --batch-size 2 --compression aps-e4m3
-    python examples/profile_split.py prof.txt
+    horovodrun -np 2 -H localhost:2 --gloo py-spy record --idle --threads -r 200 -f raw -o prof.txt -- \\
+        python examples/pytorch_synthetic_benchmark.py --profile resnet18 --batch-size 2 \\
+        --compression aps-e4m3 --num-iters 30
+    python examples/profile_split.py prof.txt --rate 200 --steps 32
 
-Categories (the first that matches, innermost frames first): the codec (hvd_aps.codec's engine
-calls), waiting for a collective or a result (polling, sleeping, futures, Horovod's synchronize,
-Gloo's wait), Horovod's own calls (enqueueing, negotiation), the exchange's Python stages (the
-rest of hvd_aps), backward, forward, the optimizer, and other.
+(one file per rank: run py-spy through a wrapper that names it by $HOROVOD_RANK or $RANK.)
+--steps: the steps the main thread ran inside benchmark_common.timed (the warm-up's and the timed
+ones: --num-warmup-batches + --num-iters). Main thread, first match wins: waiting for the
+exchange (a future's result, Horovod's synchronize or poll, a sleep), hvd_aps's Python
+(compress/decompress, hooks), Horovod's Python (its hooks, enqueueing), backward (torch's engine),
+the optimizer, forward, other. Exchange threads (hvd_aps_*, the DDP lanes), idle time in their
+pool left out: the codec (the engine's calls, GIL released), waiting for a collective (a blocking
+torch.distributed call included), Horovod's Python, the exchange's own Python stages, other.
 """
 import argparse
 import collections
 import re
 
-CATEGORIES = [  # (name, frame patterns), first match wins
-    ("codec", ("encode_into", "sum_rows", "decode_row", "amax", "hvd_encode", "decode_table", "quantize")),
-    ("waiting", ("Condition.wait", "sleep", "wait (", "synchronize", "Future.result", "poll", "_worker", "select",
-                 "Event.wait", "Barrier")),
-    ("Horovod calls", ("horovod/",)),
-    ("exchange stages (Python)", ("hvd_aps/",)),
-    ("backward", ("_engine_run_backward", "backward")),
-    ("forward", ("forward", "_conv_forward", "linear")),
-    ("optimizer", ("sgd", "step (torch/optim", "_single_tensor")),
+STEP_FRAMES = ("timed (benchmark_common.py", "step_fn.<locals>.step (synthetic_models.py")
+MAIN = [  # (category, frame patterns): the innermost frame that matches decides
+    ("waiting for the exchange", ("Future.result", "Condition.wait", "synchronize (horovod", "poll (horovod",
+                                  "wait (hvd_aps", "sleep")),
+    ("hvd_aps Python", ("hvd_aps/",)),
+    ("Horovod Python", ("horovod/",)),
+    ("backward", ("_engine_run_backward",)),
+    ("optimizer", ("torch/optim/",)),
+    ("forward", ("forward (", "_call_impl")),
 ]
+WORKER = [
+    ("codec", ("encode_into", "sum_rows", "decode_row", "amax", "decode_table", "quantize", "_host_engine")),
+    ("waiting for a collective", ("wait (", "poll", "sleep", "Condition.wait", "synchronize", "Work.wait",
+                                  "torch/distributed/")),  # blocking torch.distributed calls wait inside
+    ("Horovod Python", ("horovod/",)),
+    ("exchange stages (Python)", ("hvd_aps/",)),
+]
+IDLE = "_worker (concurrent/futures/thread.py"  # innermost: a pool thread with nothing to do
+EXCHANGE_THREADS = re.compile(r"hvd_aps")
 
 
-def category(frames):
-    for name, patterns in CATEGORIES:
-        for frame in reversed(frames):
+def category(frames, table):
+    for frame in reversed(frames):
+        for name, patterns in table:
             if any(p in frame for p in patterns):
                 return name
     return "other"
 
 
+def split(lines):
+    """-> {thread kind: Counter(category -> samples)} over the main thread's steps and the
+    exchange threads' work."""
+    counts = collections.defaultdict(collections.Counter)
+    for line in lines:
+        stack, _, count = line.rstrip().rpartition(" ")
+        frames = stack.split(";")
+        thread = frames[0].split(":", 1)[-1].strip()
+        if thread == "MainThread":
+            if all(any(s in f for f in frames) for s in STEP_FRAMES):
+                counts["main thread"][category(frames[1:], MAIN)] += int(count)
+        elif EXCHANGE_THREADS.search(thread):
+            if frames[-1].startswith(IDLE):
+                continue
+            counts["exchange threads"][category(frames[1:], WORKER)] += int(count)
+    return counts
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile")
+    parser.add_argument("--rate", type=float, default=200, help="py-spy's samples per second (-r)")
+    parser.add_argument("--steps", type=int, required=True, help="steps run inside benchmark_common.timed")
     args = parser.parse_args()
-    counts = collections.defaultdict(collections.Counter)
-    for line in open(args.profile):
-        stack, _, count = line.rstrip().rpartition(" ")
-        frames = stack.split(";")
-        thread = re.sub(r"\(\d+\)|_\d+$|\d+", "", frames[0].split(":")[-1]).strip() or "thread"
-        counts[thread][category(frames[1:])] += int(count)
-    for thread, counter in sorted(counts.items(), key=lambda kv: -sum(kv[1].values())):
+    counts = split(open(args.profile))
+    for thread in ("main thread", "exchange threads"):
+        counter = counts.get(thread, collections.Counter())
         total = sum(counter.values())
-        print(f"{thread} ({total} samples)")
+        print(f"{thread}: {1e3 * total / args.rate / args.steps:.1f} ms a step")
         for name, n in counter.most_common():
-            print(f"  {name:28s} {100 * n / total:5.1f} %")
+            print(f"  {name:28s} {1e3 * n / args.rate / args.steps:7.1f} ms")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,13 @@ makes the same choice: the least median, fixed from then on.
 
 Policy "auto" (opt-in: it changes what is sent): once every bucket's chunking is fixed, the
 schedule times STEP_TRIALS whole steps with codes and STEP_TRIALS with every bucket on the
-framework's own allreduce (NATIVE). Whole steps, not exchanges: codes cost CPU that backward
-would have used, which an exchange's own time does not show. The next step's exchanges carry
+framework's own allreduce (NATIVE), each phase after WARMUP_STEPS untimed steps (the first steps
+after a switch renegotiate names in Horovod's response cache and fill new buffers: on a 2-core
+netns cluster they ran up to 2x the steady step). Whole steps, not exchanges: codes cost CPU that
+backward would have used, which an exchange's own time does not show. Steps there vary by a
+quarter from one to the next, so STEP_TRIALS is 5: with 3, the native phase's median came out
+above the steady native step by a third in some runs and chose codes where they were slower.
+The next step's exchanges carry
 both medians on their metadata Max-allreduce, and when that step commits every rank decides
 alike, for every bucket (never within a step, whose exchanges must all run the same way). The decisions are
 in the compressor's state_dict, so a resumed run keeps them (and a run can pin them).
@@ -26,7 +31,8 @@ import numpy as np
 NATIVE = -1
 ENTRIES = 4       # timing entries on the metadata vector (Schedule.entries)
 TRIALS = 2        # timed exchanges per chunking
-STEP_TRIALS = 3   # timed steps per policy
+STEP_TRIALS = 5   # timed steps per policy
+WARMUP_STEPS = 1  # untimed steps at the start of each policy's phase
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
 log = logging.getLogger("hvd_aps")
 
@@ -47,6 +53,7 @@ class _Policy:
     def __init__(self):
         self.phase, self.steps, self.chosen, self.last_commit = "chunking", {"codes": [], "native": []}, None, None
         self.medians = None  # the agreed (codes, native) step medians behind the decision
+        self.warming = WARMUP_STEPS  # steps of the current phase still left untimed
 
 
 class Schedule:
@@ -167,9 +174,13 @@ class Schedule:
             p.last_commit = now  # the first codes step starts here
             return
         if p.phase in ("codes", "native") and took is not None:
+            log.debug("hvd_aps schedule: a %s step took %.1f ms%s", p.phase, 1e3 * took, " (warm-up)" if p.warming else "")
+            if p.warming:
+                p.warming -= 1
+                return
             p.steps[p.phase].append(took)
             if len(p.steps[p.phase]) >= STEP_TRIALS:
-                p.phase = "native" if p.phase == "codes" else "deciding"
+                p.phase, p.warming = ("native" if p.phase == "codes" else "deciding"), WARMUP_STEPS
 
     def _record(self, name: str, b: _Bucket, candidate: int, seconds: float) -> None:
         b.runs += 1

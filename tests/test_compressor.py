@@ -210,15 +210,17 @@ def test_policy_auto_switches_only_between_steps():
     """The step trials' verdict rides on the deciding step's exchanges, and only the step's commit
     applies it: a step whose first exchange had agreed while another rank was still forming its
     next batch would otherwise send that batch differently there (and hang)."""
-    from hvd_aps._schedule import STEP_TRIALS, UNMEASURED, Schedule
+    from hvd_aps._schedule import STEP_TRIALS, UNMEASURED, WARMUP_STEPS, Schedule
     schedule = Schedule((0,), auto=True)
     assert not schedule.native("b")  # its chunking is fixed at once (one candidate)
     schedule.commit()  # every bucket's chunking fixed: the codes steps start
     phases = []
-    for _ in range(2 * STEP_TRIALS):
+    phase = WARMUP_STEPS + STEP_TRIALS  # steps per policy's phase
+    for _ in range(2 * phase):
         schedule.commit()
         phases.append(schedule.native("b"))
-    assert phases == [False] * (STEP_TRIALS - 1) + [True] * STEP_TRIALS + [False]  # codes, native, deciding
+    assert phases == [False] * (phase - 1) + [True] * phase + [False]  # codes, native, deciding
+    assert [len(v) for v in schedule.state_dict()["(policy)"]["steps"].values()] == [STEP_TRIALS] * 2
     codes, native = schedule.entries("b")[2:]
     assert codes > 0 and native > 0
     schedule.agreed("b", [UNMEASURED, UNMEASURED, 2.0, 1.0])  # native is faster on the slowest rank

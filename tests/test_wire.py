@@ -6,6 +6,7 @@ import pytest
 
 import hvd_aps
 from hvd_aps import _host_engine, exchange
+from hvd_aps._schedule import STEP_TRIALS, WARMUP_STEPS
 from hvd_aps._stages import HYBRID_SAMPLE, Bucket
 import model
 from threads import flat_levels, host_levels, run_ranks
@@ -244,7 +245,7 @@ def test_policy_auto_times_whole_steps_and_decides_alike():
     compressors = same_format("e4m3", 2, policy="auto", chunk_bytes=0)
     exact = (grads[0][0] + grads[1][0]) / np.float32(2)
     natives = 0
-    for _ in range(12):
+    for _ in range(2 * (WARMUP_STEPS + STEP_TRIALS) + 4):  # chunking, codes, native, deciding, decided
         native = compressors[0].state.schedule.native("bucket")
         results, _ = simulate(grads, compressors)
         if native:
@@ -253,5 +254,5 @@ def test_policy_auto_times_whole_steps_and_decides_alike():
     policy = [c.schedule_report()[-1] for c in compressors]
     assert policy[0]["chosen"] == policy[1]["chosen"] in ("codes", "native")
     assert set(policy[0]["seconds"]) == {"codes step", "native step"}
-    assert natives >= 3  # the native trial steps, and every step after if native won
+    assert natives >= WARMUP_STEPS + STEP_TRIALS  # the native trial steps, and every step after if native won
     assert compressors[0].state_dict()["schedule"]["(policy)"]["chosen"] == policy[0]["chosen"]
