@@ -13,12 +13,12 @@ framework's own allreduce (NATIVE), each phase after WARMUP_STEPS untimed steps 
 after a switch renegotiate names in Horovod's response cache and fill new buffers: on a 2-core
 netns cluster they ran up to 2x the steady step). Whole steps, not exchanges: codes cost CPU that
 backward would have used, which an exchange's own time does not show. Steps there vary by a
-quarter from one to the next, so STEP_TRIALS is 5: with 3, the native phase's median came out
-above the steady native step by a third in some runs and chose codes where they were slower.
-The next step's exchanges carry
-both medians on their metadata Max-allreduce, and when that step commits every rank decides
-alike, for every bucket (never within a step, whose exchanges must all run the same way). The decisions are
-in the compressor's state_dict, so a resumed run keeps them (and a run can pin them).
+quarter from one to the next, so STEP_TRIALS is 5 (with 3, the native phase's median came out
+above the steady native step by a third in some runs and chose codes where they were slower),
+and codes must be CODES_MARGIN faster to be kept. The next step's exchanges carry both medians on
+their metadata Max-allreduce, and when that step commits every rank decides alike, for every
+bucket (never within a step, whose exchanges must all run the same way). The decisions are in the
+compressor's state_dict, so a resumed run keeps them (and a run can pin them).
 """
 import dataclasses
 import logging
@@ -33,6 +33,9 @@ ENTRIES = 4       # timing entries on the metadata vector (Schedule.entries)
 TRIALS = 2        # timed exchanges per chunking
 STEP_TRIALS = 5   # timed steps per policy
 WARMUP_STEPS = 1  # untimed steps at the start of each policy's phase
+# policy="auto" keeps codes only where their median step is this much shorter than the native one:
+# the medians of five steps that vary by a quarter differ by about that much for equal policies
+CODES_MARGIN = 0.05
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
 log = logging.getLogger("hvd_aps")
 
@@ -137,11 +140,14 @@ class Schedule:
                 self._policy.medians = (codes, native)  # decided at commit: a step's exchanges all run alike
 
     def _decide(self, codes: float, native: float) -> None:
-        """policy="auto": every rank's slowest median steps -> the policy for every bucket."""
+        """policy="auto": every rank's slowest median steps -> the policy for every bucket. Codes
+        must beat the framework's own allreduce by CODES_MARGIN: within it the medians do not
+        tell them apart, and the framework's own path is the one never slower than itself."""
         p = self._policy
-        p.chosen, p.phase = ("native" if native < codes else "codes"), "decided"
+        native_wins = codes >= native * (1 - CODES_MARGIN)
+        p.chosen, p.phase = ("native" if native_wins else "codes"), "decided"
         log.info("hvd_aps schedule: every bucket sends %s (steps: codes %.1f ms, native allreduce %.1f ms)",
-                 "the framework's own allreduce" if native < codes else "codes", 1e3 * codes, 1e3 * native)
+                 "the framework's own allreduce" if native_wins else "codes", 1e3 * codes, 1e3 * native)
 
     # steps ------------------------------------------------------------------------------------------
     def commit(self) -> None:

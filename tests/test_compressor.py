@@ -227,3 +227,13 @@ def test_policy_auto_switches_only_between_steps():
     assert not schedule.native("b")  # not within the deciding step
     schedule.commit()
     assert schedule.native("b") and schedule.report()[-1]["chosen"] == "native"
+
+
+@pytest.mark.parametrize("codes, chosen", [(0.90, "codes"), (0.97, "native"), (1.10, "native")])
+def test_policy_auto_keeps_codes_only_where_they_are_clearly_faster(codes, chosen):
+    """Codes must beat the native step's median by CODES_MARGIN (5 %): closer than that, five
+    noisy steps cannot tell the two apart, and the framework's own allreduce is kept."""
+    from hvd_aps._schedule import Schedule
+    schedule = Schedule((0,), auto=True)
+    schedule._decide(codes, 1.0)
+    assert schedule.report()[-1]["chosen"] == chosen

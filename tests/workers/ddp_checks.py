@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_aps
 import hvd_aps.ddp
-from common import DDP_SIZES, codes_grads
+from common import DDP_SIZES, codes_grads, leave_torchrun
 
 dist.init_process_group("gloo")
 rank, size, out = dist.get_rank(), dist.get_world_size(), {}
@@ -215,5 +215,4 @@ def native_pinned():
 
 native_pinned()
 np.savez(f"{sys.argv[1]}/ddp{size}_rank{rank}.npz", **out)
-dist.barrier()  # no rank tears Gloo down while another still talks
-dist.destroy_process_group()
+leave_torchrun()

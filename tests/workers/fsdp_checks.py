@@ -9,7 +9,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hvd_aps
 import hvd_aps.fsdp
-from common import codes_grads
+from common import codes_grads, leave_torchrun
 
 dist.init_process_group("gloo")
 rank, size, out = dist.get_rank(), dist.get_world_size(), {}
@@ -89,5 +89,4 @@ train("bf16", mp=torch.bfloat16)
 train("ef", fmt="e2m1fn", error_feedback=True)
 train("hybrid", fmt="e2m1fn", hybrid="e4m3")
 np.savez(f"{sys.argv[1]}/fsdp{size}_rank{rank}.npz", **out)
-dist.barrier()
-dist.destroy_process_group()
+leave_torchrun()

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_aps
 import hvd_aps.ddp
 import hvd_aps.fsdp
-from common import DDP_SIZES, codes_grads
+from common import DDP_SIZES, codes_grads, leave_torchrun
 
 dist.init_process_group("gloo")
 rank, out = dist.get_rank(), {}
@@ -50,5 +50,4 @@ for _ in range(3):
     opt.step()
 out["hsdp"] = torch.cat([p.full_tensor().detach().ravel() for p in net.parameters()]).numpy()
 np.savez(f"{sys.argv[1]}/levels_ddp_rank{rank}.npz", **out)
-dist.barrier()
-dist.destroy_process_group()
+leave_torchrun()
