@@ -15,7 +15,7 @@ setup(
     # ops/ (the kernel sources) ships inside the wheel as hvd_aps/ops.
     packages=["hvd_aps", "hvd_aps.torch", "hvd_aps.tensorflow", "hvd_aps.ops"],
     package_dir={"hvd_aps.ops": "ops"},
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=["numpy>=1.24"],
     extras_require={
         "torch": ["torch>=2.1"],

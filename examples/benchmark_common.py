@@ -37,11 +37,12 @@ PROFILES = ("mlp", "large", "resnet50", "resnet18", "transformer")  # see synthe
 MAX_TUNING_STEPS = 40  # warm-up steps at most while a compressor's schedule is still being chosen
 
 
-def measure(step, args, phases, params, allgather_object, rank, size, compressor=None):
+def measure(step, args, phases, params, allgather_object, rank, size, compressor=None, extra=None):
     """Warm up (at least --num-warmup-batches steps, and until `compressor`'s run-time schedule has
     settled on every bucket), time args.num_iters steps, read the tx counter; rank 0 prints one
-    JSON line (with the schedule chosen). phases: compute-only seconds of the step's forward,
-    backward and optimizer (or of the whole step, {"step": s}, where they cannot be told apart)."""
+    JSON line (with the schedule chosen, and `extra`'s keys). phases: compute-only seconds of the
+    step's forward, backward and optimizer (or of the whole step, {"step": s}, where they cannot
+    be told apart)."""
     timed(step, args.num_warmup_batches)
     for _ in range(MAX_TUNING_STEPS):
         settled = compressor is None or all(row["chosen"] for row in compressor.schedule_report())
@@ -62,7 +63,8 @@ def measure(step, args, phases, params, allgather_object, rank, size, compressor
                           **{k: statistics.median(r["phases"][k] for r in per_rank) for k in phases},
                           "codec_gbps": statistics.median(r["codec_gbps"] for r in per_rank),
                           "codes_bytes_per_step": statistics.mean(r["codes"] for r in per_rank) if codes is not None else None,
-                          "schedule": compressor.schedule_report() if compressor is not None else None}), flush=True)
+                          "schedule": compressor.schedule_report() if compressor is not None else None,
+                          **(extra or {})}), flush=True)
 
 
 HIERARCHICAL = {"auto": None, "on": True, "off": False}

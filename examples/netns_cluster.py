@@ -30,7 +30,10 @@ EXAMPLES = pathlib.Path(__file__).parent
 # none, fp16: the framework's own; aps-*: APSCompressor on horovod.torch.DistributedOptimizer;
 # codes-*: hvd_aps.torch.DistributedOptimizer (examples/recipes.py)
 COMPRESSIONS = ["none", "fp16", "aps-e4m3", "aps-e3m0", "codes-e4m3", "ddp:none", "ddp:fp16", "ddp:aps-e4m3"]
-SWITCH, SUBNET, SERVER_IP = "hvdaps-sw", "10.77.0", "10.77.0.254"
+# every name this run makes carries its process id: two runs on one machine never meet (veth names
+# stay within the kernel's 15 characters)
+RUN = f"hvdaps-{os.getpid()}"
+SWITCH, SUBNET, SERVER_IP = f"{RUN}-sw", "10.77.0", "10.77.0.254"
 DDP_PORT = 29500
 BENCHMARKS = {"": "pytorch_synthetic_benchmark.py", "tf": "tensorflow2_synthetic_benchmark.py",
               "ddp": "pytorch_ddp_synthetic_benchmark.py", "fsdp": "pytorch_fsdp_synthetic_benchmark.py"}
@@ -39,14 +42,18 @@ UNCOMPRESSED = ("none", "fp16")  # each framework's peers: its own allreduce in 
 
 def sh(*cmd, ns=None, check=True):
     full = (["ip", "netns", "exec", ns] if ns else []) + [str(c) for c in cmd]
-    return subprocess.run(full, check=check, capture_output=True, text=True)
+    done = subprocess.run(full, capture_output=True, text=True)
+    if check and done.returncode:
+        raise RuntimeError(f"{' '.join(full)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done
 
 
 @contextlib.contextmanager
 def cluster(hosts, rate):
-    """Namespaces hvdaps-h0.. with address 10.77.0.(i+1) on iface hvd0, bridged in the switch
+    """Namespaces <RUN>-h0.. with address 10.77.0.(i+1) on iface hvd0, bridged in the switch
     namespace; both directions of every link capped at `rate` (None: uncapped)."""
-    names = [f"hvdaps-h{i}" for i in range(hosts)]
+    names = [f"{RUN}-h{i}" for i in range(hosts)]
+    links = [f"hvd{os.getpid()}h{i}" for i in range(hosts)]  # host end; the switch end adds "s"
     try:
         sh("ip", "netns", "add", SWITCH)
         sh("ip", "link", "add", "br0", "type", "bridge", ns=SWITCH)
@@ -55,15 +62,15 @@ def cluster(hosts, rate):
         sh("ip", "link", "set", "lo", "up", ns=SWITCH)
         for i, ns in enumerate(names):
             sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", f"hvdaps{i}", "type", "veth", "peer", "name", f"hvdaps{i}s")
-            sh("ip", "link", "set", f"hvdaps{i}", "netns", ns, "name", "hvd0")
-            sh("ip", "link", "set", f"hvdaps{i}s", "netns", SWITCH)
-            sh("ip", "link", "set", f"hvdaps{i}s", "master", "br0", "up", ns=SWITCH)
+            sh("ip", "link", "add", links[i], "type", "veth", "peer", "name", f"{links[i]}s")
+            sh("ip", "link", "set", links[i], "netns", ns, "name", "hvd0")
+            sh("ip", "link", "set", f"{links[i]}s", "netns", SWITCH)
+            sh("ip", "link", "set", f"{links[i]}s", "master", "br0", "up", ns=SWITCH)
             sh("ip", "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "hvd0", ns=ns)
             sh("ip", "link", "set", "hvd0", "up", ns=ns)
             sh("ip", "link", "set", "lo", "up", ns=ns)
             if rate:
-                for dev, where in (("hvd0", ns), (f"hvdaps{i}s", SWITCH)):
+                for dev, where in (("hvd0", ns), (f"{links[i]}s", SWITCH)):
                     sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "1mb",
                        "latency", "100ms", ns=where)
             # Gloo contexts (Horovod's process sets, torch.distributed) resolve the machine's

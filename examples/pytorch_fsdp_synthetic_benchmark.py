@@ -53,7 +53,7 @@ def main():
         comp = recipes.compression(args.compression, **compressor_options(args))
         hvd_aps.fsdp.apply(model, comp)
     measure(step_fn(model, opt, x, y), args, phases, params, allgather_object, dist.get_rank(), dist.get_world_size(),
-            comp)
+            comp, extra={"reshard": not args.no_reshard})
     dist.barrier()
     dist.destroy_process_group()
 

@@ -80,7 +80,8 @@ class Block(torch.nn.Module):
         self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
                                        torch.nn.Linear(4 * width, width))
-        self.register_buffer("future", torch.triu(torch.ones(context, context, dtype=torch.bool), 1))
+        # a constant, not state: out of state_dict (Horovod's broadcast_parameters takes no bool tensors)
+        self.register_buffer("future", torch.triu(torch.ones(context, context, dtype=torch.bool), 1), persistent=False)
 
     def forward(self, x):
         batch, length, width = x.shape

@@ -31,6 +31,8 @@ fail() { echo "[install] ERROR: $*" >&2; exit 1; }
 
 PYTHON=${PYTHON:-python3}
 command -v "$PYTHON" >/dev/null || fail "$PYTHON not found"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || fail "$PYTHON is $("$PYTHON" -V 2>&1); hvd_aps needs Python >= 3.10 (set PYTHON=python3.11, say)"
 command -v cmake >/dev/null || say "no cmake on PATH: it comes from PyPI below"
 command -v g++ >/dev/null || fail "g++ is needed to build Horovod and the CPU codec"
 

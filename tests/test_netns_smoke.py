@@ -17,18 +17,19 @@ SCRIPT = Path(__file__).parent.parent / "examples" / "netns_cluster.py"
 def namespaces_work():
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         return False
-    made = subprocess.run(["ip", "netns", "add", "hvdaps-probe"], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", "hvdaps-probe"], capture_output=True)
+    made = subprocess.run(["ip", "netns", "add", f"hvdaps-probe{os.getpid()}"], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", f"hvdaps-probe{os.getpid()}"], capture_output=True)
     return made
 
 
 @pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc, and network namespaces")
 def test_quick_cluster_run(tmp_path):
     out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--compressions",
-                          "none,aps-e4m3,aps-e3m0,ddp:none,ddp:aps-e4m3", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    run = subprocess.Popen([sys.executable, str(SCRIPT), "--quick", "--compressions",
+                            "none,aps-e4m3,aps-e3m0,ddp:none,ddp:aps-e4m3", "--json", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stdout[-2000:] + stderr[-2000:]
     rows = {r["compression"]: r for r in json.loads(out.read_text())}
     # 0.25x and 0.125x of fp32's bytes, plus what a step sends whatever the model's size: Horovod's
     # controller exchanges a few hundred bytes every 1 ms cycle, the tokens, the fp32 biases. Here
@@ -39,4 +40,4 @@ def test_quick_cluster_run(tmp_path):
     assert rows["ddp:aps-e4m3"]["bytes_ratio"] <= 0.25 + overhead
     assert rows["none"]["tx_bytes_per_step"] > 2 * 1e6  # ~4 MB of float32 gradients really crossed the link
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "hvdaps-" not in left  # everything it made is gone
+    assert f"hvdaps-{run.pid}-" not in left  # everything it made is gone

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 import hvd_aps
+from hvd_aps._schedule import STEP_TRIALS, WARMUP_STEPS
 from common import codes_grads, poisoned, rank_data, spiked
 
 hvd.init()
@@ -160,7 +161,8 @@ def auto_policy():
         out[f"stock_{fallback}"] = hvd.allreduce(x, compression=stock, name=f"stock_{fallback}").numpy()
         out[f"native_{fallback}_bytes"] = np.array(comp.bytes_sent)
     comp = hvd_aps.APSCompressor("e4m3", policy="auto", min_elements=16, chunk_bytes=0)
-    for step in range(12):
+    # both phases (each an untimed step and STEP_TRIALS timed ones), then a step to agree on medians
+    for step in range(2 * (STEP_TRIALS + WARMUP_STEPS) + 4):
         hvd.allreduce(torch.from_numpy(rank_data(rank, seed=step)), compression=comp, name="tried")
     out["auto_decision"] = np.array(str(comp.schedule_report()[-1]["chosen"]))
 
