@@ -71,9 +71,9 @@ HIERARCHICAL = {"auto": None, "on": True, "off": False}
 
 
 def compressor_options(args):
-    """APSCompressor keywords from the command line: stats off (they cost a pass), chunk_bytes,
-    hierarchical."""
-    options = {"stats": False, "hierarchical": HIERARCHICAL[args.hierarchical]}
+    """APSCompressor keywords from the command line: stats (off unless --stats: a sampled pass),
+    chunk_bytes, hierarchical."""
+    options = {"stats": args.stats, "hierarchical": HIERARCHICAL[args.hierarchical]}
     return {**options, **({} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes})}
 
 
@@ -91,6 +91,8 @@ def add_arguments(parser):
                         help="APSCompressor's chunk_bytes (0: no pipelining; default auto: tuned at run time)")
     parser.add_argument("--hierarchical", choices=sorted(HIERARCHICAL), default="auto",
                         help="APSCompressor's hierarchical: auto (two levels where hosts hold several ranks), on, off")
+    parser.add_argument("--stats", action="store_true",
+                        help="APSCompressor's per-tensor stats on (its default; off here to time the exchange alone)")
     parser.add_argument("--num-warmup-batches", type=int, default=2)
     parser.add_argument("--num-iters", type=int, default=8)
     parser.add_argument("--iface", default="", help="network interface whose tx counter to read")

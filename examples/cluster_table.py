@@ -10,6 +10,7 @@ import argparse
 import json
 
 FRAMEWORKS = (("Horovod", ""), ("DDP", "ddp:"))
+LINKS = ("1gbit", "10gbit", "uncapped")  # table order
 
 
 def ratio(row, key):
@@ -28,7 +29,7 @@ def schedule_table(rows, fmt):
         f"{name} {fmt} x none / x best | {name} auto x none / x best (chose)" for name, _ in FRAMEWORKS) + " |")
     print("| --- | --- | --- |" + " --- | --- |" * len(FRAMEWORKS))
     shapes = sorted({(r["profile"], r["hosts"], r["rate"]) for r in rows},
-                    key=lambda s: (s[0], s[1], ["1gbit", "10gbit", "uncapped"].index(s[2])))
+                    key=lambda s: (s[0], s[1], LINKS.index(s[2])))
     for profile, hosts, rate in shapes:
         got = {r["compression"]: r for r in rows if (r["profile"], r["hosts"], r["rate"]) == (profile, hosts, rate)}
         cells = []
@@ -45,6 +46,7 @@ def fsdp_table(rows):
     same in every row of a shape: the codes row's interface bytes minus its codes)."""
     print("| hosts | link | reshard | compression | step s | x none | MB/step | x none | reduce-scatter MB | x none |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = sorted(rows, key=lambda r: (not r["reshard"], r["hosts"], LINKS.index(r["rate"])))
     for r in rows:
         shape = [q for q in rows if (q["hosts"], q["rate"], q["reshard"]) == (r["hosts"], r["rate"], r["reshard"])]
         coded = [q for q in shape if q.get("codes_bytes_per_step")]

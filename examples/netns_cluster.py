@@ -108,6 +108,7 @@ def rank_env(host, local, hosts, per_host, port):
                 HOROVOD_CROSS_SIZE=str(hosts), HOROVOD_GLOO_RENDEZVOUS_ADDR=SERVER_IP,
                 HOROVOD_GLOO_RENDEZVOUS_PORT=port, HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
                 HOROVOD_GLOO_IFACE="hvd0", OMP_NUM_THREADS="1", HVD_APS_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
+                PYTHONFAULTHANDLER="1",  # a rank that crashes prints its threads' Python stacks
                 # torch.distributed's Gloo finds its address through the hostname (/etc/netns/<ns>/hosts);
                 # GLOO_SOCKET_IFNAME=hvd0 crashed it (SIGSEGV) inside the namespaces
                 MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(DDP_PORT), RANK=str(rank),

@@ -127,7 +127,7 @@ class ScatterExchange:
                     if residual is not None:
                         codec.decode_row(segment, fmt, pos, pos + x.size, run.shift, out=residual[r, run.lo:run.hi])
                         xp.subtract(x, residual[r, run.lo:run.hi], out=residual[r, run.lo:run.hi])
-                    measured = self.stats.of_codes(x, segment, pos, run.shift, fmt)
+                    measured = self.stats.of_codes(x, segment, pos, run.shift, fmt, a.rows.shape[1], run.lo)
                     stats = measured if stats is None else stats + measured if measured else stats
                     pos += x.size
                 at += a.lane_bytes[r][k]

@@ -187,7 +187,7 @@ class CodesExchange:
             residual = self.state.next_residual((a.bucket.keys[p.tensor], SEND, seg.start), seg.size, _xp(x))
             _keep_residual(residual[p.start - seg.start:p.start - seg.start + piece.size], piece, row, pos, shift,
                            lane.fmt)
-        self._record(a, k, piece, row, pos, shift, lane.fmt)
+        self._record(a, k, piece, row, pos, shift, lane.fmt, p.start - seg.start)
 
     def _leave_out(self, a: Agreement) -> None:
         """The fallback's segments: stats say NaN/Inf, their residuals restart from zero."""
@@ -297,10 +297,10 @@ class CodesExchange:
         cfg = self.config
         codec.encode_into(x, fmt, row, pos, cfg.rounding, seed, cfg.saturate, shift, index, block)
 
-    def _record(self, a: Agreement, k: int, x, row, pos: int, shift: int, fmt) -> None:
-        """Stats of segment k's piece x (its codes at pos.. of packed `row`; None: it went out as
-        NaN), recorded once the whole segment is in."""
-        stats = self.stats.of_codes(x, row, pos, shift, fmt)
+    def _record(self, a: Agreement, k: int, x, row, pos: int, shift: int, fmt, at: int = 0) -> None:
+        """Stats of segment k's piece x (elements at.. of the segment; its codes at pos.. of packed
+        `row`; None: it went out as NaN), recorded once the whole segment is in."""
+        stats = self.stats.of_codes(x, row, pos, shift, fmt, a.bucket.segments[k].size, at)
         with a.lock:
             a.encoded[k] += x.size
             if stats is not None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _arrays, codec
 
-STATS_SAMPLE = 1 << 16  # elements per tensor the stats look at by default
+STATS_SAMPLE = 1 << 12  # elements per tensor the stats look at by default
 STATS_COLUMNS = ["tensor", "format", "elements", "measured", "shift", "flushed", "saturated", "relative_error",
                  "bytes_in", "bytes_carried"]
 
@@ -104,19 +104,22 @@ class StatsRecorder:
         widths = [max(len(row[i]) for row in cells) for i in range(len(STATS_COLUMNS))]
         return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells) + "\n"
 
-    def of_codes(self, x, row, pos: int, shift: int, fmt) -> "TensorStats | None":
+    def of_codes(self, x, row, pos: int, shift: int, fmt, whole: int = 0, at: int = 0) -> "TensorStats | None":
         """Stats of float32 values x encoded into codes pos .. pos + x.size of the packed stream
-        `row` in `fmt` at `shift` (row None: they held NaN/Inf); None when stats are off. Only the
-        sampled codes are read."""
+        `row` in `fmt` at `shift` (row None: they held NaN/Inf); None when stats are off. x is
+        elements at .. at + x.size of a tensor of `whole` elements (0: x is all of it): the sample
+        stride comes from the whole tensor, so a tensor is sampled about `sample` times however the
+        exchange cut it into pieces. Only the sampled codes are read."""
         if not self.enabled:
             return None
         xp = _arrays.array_module(x)
         if row is None:
             return TensorStats(elements=x.size, bytes_in=4 * x.size, finite=False, fmt=str(fmt))
-        step = _arrays.sample_stride(x.size, self.sample)
-        sent = codec.decode(codec.codes_at(row, fmt, xp.arange(pos, pos + x.size, step)), fmt, shift)
-        return measure(xp, x.ravel()[::step], sent, np.float32(np.ldexp(fmt.max, -shift)), shift, x.size,
-                       codec.packed_size(x.size, fmt), str(fmt))
+        step = _arrays.sample_stride(whole or x.size, self.sample)
+        first = -at % step  # the piece's first element on the tensor's sampling grid
+        sent = codec.decode(codec.codes_at(row, fmt, xp.arange(pos + first, pos + x.size, step)), fmt, shift)
+        return measure(xp, x.ravel()[first::step], sent, np.float32(np.ldexp(fmt.max, -shift)), shift, x.size,
+                       codec.packed_size(x.size, fmt), str(fmt), scale=step)
 
     def of_values(self, x, sent, shift: int, fmt, limit, carried: int) -> "TensorStats | None":
         """Stats of x against the values `sent` for it (both sampled alike here), limit None where
@@ -128,11 +131,15 @@ class StatsRecorder:
         return measure(xp, x.ravel()[::step], sent(step), limit, shift, x.size, carried, str(fmt))
 
 
-def measure(xp, x, sent, limit, shift: int, elements: int, bytes_carried: int, fmt: str) -> TensorStats:
+def measure(xp, x, sent, limit, shift: int, elements: int, bytes_carried: int, fmt: str,
+            scale: float = None) -> TensorStats:
     """TensorStats of a tensor of `elements` float32 values from x (all of them, or a sample)
-    against the values sent for x, unscaled; counts and sums scaled up to the whole tensor
-    (limit None: it held NaN/Inf and went unscaled, so there is no error to speak of)."""
-    scale, finite = elements / x.size if x.size else 1.0, limit is not None
+    against the values sent for x, unscaled; counts and sums scaled up to the whole tensor by
+    `scale` (default elements / x.size; a strided sample's stride) (limit None: it held NaN/Inf
+    and went unscaled, so there is no error to speak of)."""
+    finite = limit is not None
+    if scale is None:
+        scale = elements / x.size if x.size else 1.0
     nonzero = int(xp.count_nonzero(x))
     saturated = int(xp.count_nonzero((x > limit) | (x < -limit))) if finite else 0
     x64 = x.astype(xp.float64)

@@ -53,7 +53,10 @@ class APSCompressor:
             `reset_stats()`, `stats_table()` both as text or CSV; `bytes_sent` counts the codes
             exchanges' bytes sent by this rank.
         stats_sample: the stats of a tensor come from an evenly strided sample of about this many
-            of its elements, scaled up (0: every element).
+            of its elements, scaled up (0: every element: a full pass over every gradient, which
+            on a CPU costs about as much as the encode itself). The default keeps their cost
+            below what a step's timing resolves; rare events (saturation) resolve to about
+            1 / stats_sample of a tensor.
 
     Every rank must use an equal compressor and hand it the same tensors in the same order: the
     metadata allreduce checks the configuration and every tensor's size, and raises on a mismatch.
