@@ -44,11 +44,13 @@ def measure(step, args, phases, params, allgather_object, rank, size, compressor
     step's forward, backward and optimizer (or of the whole step, {"step": s}, where they cannot
     be told apart)."""
     timed(step, args.num_warmup_batches)
+    steps_run = args.num_warmup_batches + args.num_iters  # all of them: examples/profile_split.py --steps
     for _ in range(MAX_TUNING_STEPS):
         settled = compressor is None or all(row["chosen"] for row in compressor.schedule_report())
         if all(allgather_object(settled)):  # every rank steps alike
             break
         step()
+        steps_run += 1
     before, codes_before = tx_bytes(args.iface), compressor.bytes_sent if compressor is not None else 0
     times = timed(step, args.num_iters)
     sent = (tx_bytes(args.iface) - before) / args.num_iters
@@ -57,6 +59,7 @@ def measure(step, args, phases, params, allgather_object, rank, size, compressor
                                  "phases": phases, "codec_gbps": codec_gbps(params)})
     if rank == 0:
         print(json.dumps({"compression": args.compression, "profile": args.profile, "ranks": size, "params": params,
+                          "steps_run": steps_run,
                           "step_median": max(r["step"] for r in per_rank),
                           "tx_bytes_per_step": statistics.mean(r["tx_bytes_per_step"] for r in per_rank),
                           "compute": statistics.median(sum(r["phases"].values()) for r in per_rank),

@@ -4,12 +4,12 @@ as milliseconds per step.
 
     horovodrun -np 2 -H localhost:2 --gloo py-spy record --idle --threads -r 200 -f raw -o prof.txt -- \\
         python examples/pytorch_synthetic_benchmark.py --profile resnet18 --batch-size 2 \\
-        --compression aps-e4m3 --num-iters 30
-    python examples/profile_split.py prof.txt --rate 200 --steps 32
+        --compression aps-e4m3 --stats --num-iters 30
+    python examples/profile_split.py prof.txt --rate 200 --steps 39   # the JSON line's steps_run
 
 (one file per rank: run py-spy through a wrapper that names it by $HOROVOD_RANK or $RANK.)
---steps: the steps the main thread ran inside benchmark_common.timed (the warm-up's and the timed
-ones: --num-warmup-batches + --num-iters). Main thread, first match wins: waiting for the
+--steps: the steps the main thread ran (the benchmark's JSON line says: steps_run, the warm-up's,
+the schedule's tuning and the timed ones). Main thread, first match wins: waiting for the
 exchange (a future's result, Horovod's synchronize or poll, a sleep), hvd_aps's Python
 (compress/decompress, hooks), Horovod's Python (its hooks, enqueueing), backward (torch's engine),
 the optimizer, forward, other. Exchange threads (hvd_aps_*, the DDP lanes), idle time in their

@@ -35,7 +35,7 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1 && ! docker pull "$BASE" >/dev
   say "$BASE cannot be pulled: building a stand-in with debootstrap (Debian bookworm and its python3)"
   command -v debootstrap >/dev/null || fail "debootstrap is needed for the stand-in base (apt-get install debootstrap)"
   debootstrap --variant=minbase --include=python3,python3-venv,python3-dev,ca-certificates bookworm \
-    "$WORK/rootfs" http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 \
+    "$WORK/rootfs" >"$WORK/debootstrap.log" 2>&1 \
     || { tail -20 "$WORK/debootstrap.log"; fail "debootstrap failed"; }
   tar -C "$WORK/rootfs" -c . | docker import --change 'ENV PATH=/usr/local/bin:/usr/bin:/bin' - "$BASE" >/dev/null
   rm -rf "$WORK/rootfs"
