@@ -3,6 +3,7 @@ examples/netns_cluster.py's performance model uses, and rank 0's JSON line."""
 import json
 import statistics
 import time
+import timeit
 
 import numpy as np
 
@@ -31,7 +32,7 @@ def codec_gbps(params):
     return 4 * params / statistics.median(timed(lambda: hvd_aps.quantize(flat, "e4m3"), 3)) / 1e9
 
 
-PROFILES = ("mlp", "large", "resnet50", "resnet18", "transformer")  # see synthetic_models.py
+PROFILES = ("mlp", "large", "resnet50", "resnet18", "transformer", "lm")  # see synthetic_models.py
 
 
 MAX_TUNING_STEPS = 40  # warm-up steps at most while a compressor's schedule is still being chosen
@@ -44,7 +45,7 @@ def measure(step, args, phases, params, allgather_object, rank, size, compressor
     step's forward, backward and optimizer (or of the whole step, {"step": s}, where they cannot
     be told apart)."""
     timed(step, args.num_warmup_batches)
-    steps_run = args.num_warmup_batches + args.num_iters  # all of them: examples/profile_split.py --steps
+    steps_run = args.num_warmup_batches  # all of them: examples/profile_split.py --steps
     for _ in range(MAX_TUNING_STEPS):
         settled = compressor is None or all(row["chosen"] for row in compressor.schedule_report())
         if all(allgather_object(settled)):  # every rank steps alike
@@ -52,14 +53,14 @@ def measure(step, args, phases, params, allgather_object, rank, size, compressor
         step()
         steps_run += 1
     before, codes_before = tx_bytes(args.iface), compressor.bytes_sent if compressor is not None else 0
-    times = timed(step, args.num_iters)
-    sent = (tx_bytes(args.iface) - before) / args.num_iters
-    codes = ((compressor.bytes_sent - codes_before) / args.num_iters) if compressor is not None else None
+    times, timed_steps = HARNESSES[args.harness](step, args)
+    sent = (tx_bytes(args.iface) - before) / timed_steps
+    codes = ((compressor.bytes_sent - codes_before) / timed_steps) if compressor is not None else None
     per_rank = allgather_object({"step": statistics.median(times), "tx_bytes_per_step": sent, "codes": codes,
                                  "phases": phases, "codec_gbps": codec_gbps(params)})
     if rank == 0:
         print(json.dumps({"compression": args.compression, "profile": args.profile, "ranks": size, "params": params,
-                          "steps_run": steps_run,
+                          "steps_run": steps_run + timed_steps, "harness": args.harness, "threads": args.threads,
                           "step_median": max(r["step"] for r in per_rank),
                           "tx_bytes_per_step": statistics.mean(r["tx_bytes_per_step"] for r in per_rank),
                           "compute": statistics.median(sum(r["phases"].values()) for r in per_rank),
@@ -70,6 +71,14 @@ def measure(step, args, phases, params, allgather_object, rank, size, compressor
                           **(extra or {})}), flush=True)
 
 
+def horovod_harness(step, args):
+    """Horovod's own synthetic-benchmark loop: --num-iters iterations, each `timeit` over
+    --num-batches-per-iter steps -> (seconds per step of every iteration, steps run)."""
+    n = args.num_batches_per_iter
+    return [timeit.timeit(step, number=n) / n for _ in range(args.num_iters)], n * args.num_iters
+
+
+HARNESSES = {"steps": lambda step, args: (timed(step, args.num_iters), args.num_iters), "horovod": horovod_harness}
 HIERARCHICAL = {"auto": None, "on": True, "off": False}
 
 
@@ -83,12 +92,19 @@ def compressor_options(args):
 def add_arguments(parser):
     parser.add_argument("--compression", default="none")
     parser.add_argument("--profile", choices=PROFILES, default="mlp",
-                        help="mlp (4 x hidden^2), large (two 8M layers), resnet50 (161 tensors, no real compute), "
-                             "resnet18 and transformer (real compute); see synthetic_models.py")
+                        help="mlp (4 x hidden^2), large (two 8.4M layers), resnet50 (161 tensors, no real compute), "
+                             "resnet18, transformer and lm (real compute); see synthetic_models.py")
     parser.add_argument("--hidden", type=int, default=2048,
                         help="mlp: 4 x hidden^2 parameters (2048: 16.8M); transformer: the width")
     parser.add_argument("--blocks", type=int, default=6, help="transformer: blocks")
+    parser.add_argument("--vocab", type=int, default=16384, help="lm: tokens in the embedding and the LM head")
     parser.add_argument("--image-size", type=int, default=112, help="resnet18: square images of this side")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads per rank (default 0: the framework's own choice)")
+    parser.add_argument("--harness", choices=sorted(HARNESSES), default="steps",
+                        help="steps: each step timed alone; horovod: Horovod's benchmark loop (timeit over "
+                             "--num-batches-per-iter steps, --num-iters times)")
+    parser.add_argument("--num-batches-per-iter", type=int, default=10, help="--harness horovod: steps per timeit")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--chunk-bytes", type=lambda v: v if v == "auto" else int(v),
                         help="APSCompressor's chunk_bytes (0: no pipelining; default auto: tuned at run time)")
@@ -96,6 +112,8 @@ def add_arguments(parser):
                         help="APSCompressor's hierarchical: auto (two levels where hosts hold several ranks), on, off")
     parser.add_argument("--stats", action="store_true",
                         help="APSCompressor's per-tensor stats on (its default; off here to time the exchange alone)")
+    parser.add_argument("--dynamic-process-sets", action="store_true",
+                        help="Horovod: hvd.init(process_sets='dynamic') (default: a plain hvd.init())")
     parser.add_argument("--num-warmup-batches", type=int, default=2)
     parser.add_argument("--num-iters", type=int, default=8)
     parser.add_argument("--iface", default="", help="network interface whose tx counter to read")

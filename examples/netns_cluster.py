@@ -101,13 +101,14 @@ def serve_rendezvous(hosts, per_host):
 
 def rank_env(host, local, hosts, per_host, port):
     """What horovodrun and torchrun would give rank (host, local): Horovod's rendezvous and
-    topology, torch.distributed's RANK / LOCAL_RANK / GROUP_RANK."""
+    topology, torch.distributed's RANK / LOCAL_RANK / GROUP_RANK. Threads stay the frameworks'
+    and the codec's own choice (--benchmark-args '--threads 1' for one intra-op thread a rank)."""
     rank = host * per_host + local
     return dict(os.environ, HOROVOD_HOSTNAME=f"host{host}", HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(hosts * per_host),
                 HOROVOD_LOCAL_RANK=str(local), HOROVOD_LOCAL_SIZE=str(per_host), HOROVOD_CROSS_RANK=str(host),
                 HOROVOD_CROSS_SIZE=str(hosts), HOROVOD_GLOO_RENDEZVOUS_ADDR=SERVER_IP,
                 HOROVOD_GLOO_RENDEZVOUS_PORT=port, HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
-                HOROVOD_GLOO_IFACE="hvd0", OMP_NUM_THREADS="1", HVD_APS_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
+                HOROVOD_GLOO_IFACE="hvd0", TF_CPP_MIN_LOG_LEVEL="2",
                 PYTHONFAULTHANDLER="1",  # a rank that crashes prints its threads' Python stacks
                 # torch.distributed's Gloo finds its address through the hostname (/etc/netns/<ns>/hosts);
                 # GLOO_SOCKET_IFNAME=hvd0 crashed it (SIGSEGV) inside the namespaces
@@ -126,7 +127,8 @@ def run_job(names, compression, args):
         framework, _, name = compression.rpartition(":")
         for host, ns in enumerate(names):
             for local in range(per_host):
-                cmd = ["ip", "netns", "exec", ns, sys.executable, str(EXAMPLES / BENCHMARKS[framework]),
+                prefix = args.rank_prefix.format(rank=host * per_host + local, compression=name).split()
+                cmd = ["ip", "netns", "exec", ns, *prefix, sys.executable, str(EXAMPLES / BENCHMARKS[framework]),
                        "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden), "--profile",
                        args.profile, "--num-iters", str(args.iters), "--batch-size", str(args.batch_size),
                        "--hierarchical", args.hierarchical]
@@ -258,6 +260,9 @@ def main():
     parser.add_argument("--hierarchical", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--benchmark-args", default="", help="further arguments for every benchmark script "
                         "(e.g. '--no-reshard' for fsdp: rows, '--image-size 64')")
+    parser.add_argument("--rank-prefix", default="", help="a command every rank runs under, {rank} and "
+                        "{compression} filled in (e.g. 'py-spy record --idle --threads -r 100 -f raw -o "
+                        "prof.{compression}.{rank}.txt --' for examples/profile_split.py)")
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of every compression")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per job")

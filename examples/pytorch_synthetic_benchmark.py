@@ -7,8 +7,9 @@ synthetic_models.py.
 --compression (examples/recipes.py): none | fp16 (Horovod's own) | an hvd_aps recipe such as
 aps-e4m3 (APSCompressor on horovod.torch.DistributedOptimizer, codes on the wire), aps-e4m3-values,
 aps-e4m3-auto (policy="auto") | codes-<rest> (the recipe aps-<rest> through
-hvd_aps.torch.DistributedOptimizer). Horovod starts with dynamic process sets, so the two-level
-exchange can make its groups where hosts hold several ranks. Rank 0 prints one JSON line:
+hvd_aps.torch.DistributedOptimizer). Horovod starts with a plain hvd.init(), as users write it
+(--dynamic-process-sets: hvd.init(process_sets="dynamic"), whose process sets the two-level
+exchange then uses). Rank 0 prints one JSON line:
 median step time, this job's per-rank bytes sent on --iface during the timed steps (from the
 interface counters), the compute-only phase times, the codec throughput and the schedule chosen.
 """
@@ -38,7 +39,7 @@ def main():
     add_arguments(parser)
     args = parser.parse_args()
 
-    hvd.init(process_sets="dynamic")
+    hvd.init(process_sets="dynamic") if args.dynamic_process_sets else hvd.init()
     model, opt, x, y, params, phases = prepared(args)
     opt, comp = wrap(opt, model, args.compression, compressor_options(args))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

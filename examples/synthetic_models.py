@@ -6,10 +6,13 @@ backward still runs, so the exchange competes with it for the cores):
   resnet18: ResNet-18 written in torch.nn (convolutions, BatchNorm, 11.7M parameters in 62
     tensors), on --image-size square images (default 112), batch --batch-size;
   transformer: --blocks of the accuracy study's pre-norm causal transformer blocks, width
-    --hidden (512: 3.1M parameters a block), sequences of 128, batch --batch-size.
+    --hidden (512: 3.1M parameters a block), sequences of 128, batch --batch-size;
+  lm: a language model dominated by two huge tensors: a token embedding and an untied LM head of
+    --vocab x --hidden (16384 x 512: 8.4M parameters each) around --blocks transformer blocks,
+    cross-entropy over sequences of 128 tokens.
 Communication-bound (little compute):
   mlp: four Linear(hidden, hidden) layers (--hidden 2048: 16.8M parameters in 4 large tensors);
-  large: two 8M-parameter Linear layers (2048 -> 4096 -> 2048), few and large;
+  large: two 8.4M-parameter Linear layers (2048 -> 4096 -> 2048), a few huge tensors;
   resnet50: ResNet-50's 161 parameter tensors (25.6M parameters), most of them small, so
     per-tensor costs show; its compute is an elementwise product of every parameter with a fixed
     tensor of its shape, so every gradient is ready at once.
@@ -102,6 +105,22 @@ class Transformer(torch.nn.Module):
         return self.ln(self.blocks(x))
 
 
+class LanguageModel(Transformer):
+    """Token embedding, transformer blocks, an untied LM head: most parameters in two tensors."""
+
+    def __init__(self, vocab, width, blocks):
+        super().__init__(width, blocks)
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens):
+        return self.head(super().forward(self.embed(tokens)))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def model(profile, args):
     """(model, input shape after the batch, output shape after the batch)."""
     hidden = args.hidden
@@ -115,24 +134,33 @@ def model(profile, args):
         return ResNet18(), (3, args.image_size, args.image_size), (1000,)
     if profile == "transformer":
         return Transformer(hidden, args.blocks), (SEQUENCE, hidden), (SEQUENCE, hidden)
+    if profile == "lm":
+        return LanguageModel(args.vocab, hidden, args.blocks), (SEQUENCE,), (SEQUENCE,)
     return Shaped(resnet50_shapes()), (1,), (1,)
 
 
+def loss_fn(x):
+    """The profile's loss: cross-entropy over tokens for the language model, else mean squares."""
+    return lm_loss if x.dtype == torch.long else F.mse_loss
+
+
 def step_fn(model, opt, x, y):
+    loss = loss_fn(x)
+
     def step():
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        loss(model(x), y).backward()
         opt.step()
     return step
 
 
 def phases(model, opt, x, y, repeats=3):
     """Median seconds of forward, backward and the optimizer step, without communication."""
-    times = {"forward": [], "backward": [], "optimizer": []}
+    times, loss_of = {"forward": [], "backward": [], "optimizer": []}, loss_fn(x)
     for _ in range(repeats):
         opt.zero_grad()
         start = time.perf_counter()
-        loss = F.mse_loss(model(x), y)
+        loss = loss_of(model(x), y)
         mid = time.perf_counter()
         loss.backward()
         end = time.perf_counter()
@@ -143,12 +171,21 @@ def phases(model, opt, x, y, repeats=3):
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def inputs(args, shape_in, shape_out):
+    """Random inputs and targets (token ids for the language model)."""
+    if args.profile == "lm":
+        return (torch.randint(args.vocab, (args.batch_size, *shape_in)),
+                torch.randint(args.vocab, (args.batch_size, *shape_out)))
+    return torch.randn(args.batch_size, *shape_in), torch.randn(args.batch_size, *shape_out)
+
+
 def prepared(args):
     """(model, optimizer, x, y, parameter count, compute-only phase seconds), seeded alike on
-    every rank, one thread per rank."""
-    torch.set_num_threads(1)
+    every rank, with --threads intra-op threads per rank (default: the framework's own choice)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     net, shape_in, shape_out = model(args.profile, args)
-    x, y = torch.randn(args.batch_size, *shape_in), torch.randn(args.batch_size, *shape_out)
+    x, y = inputs(args, shape_in, shape_out)
     opt = torch.optim.SGD(net.parameters(), lr=1e-6)
     return net, opt, x, y, sum(p.numel() for p in net.parameters()), phases(net, opt, x, y)

@@ -48,7 +48,7 @@ def main():
 
     if args.profile != "mlp":
         parser.error("the TensorFlow benchmark has the mlp profile only")
-    hvd.init(process_sets="dynamic")
+    hvd.init(process_sets="dynamic") if args.dynamic_process_sets else hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.random.set_seed(0)
     h = args.hidden

@@ -62,6 +62,8 @@ def _load():
     lib.hvd_amax_blocks.argtypes = [ptr, i64, i64, ptr]
     for name in ("hvd_encode_row_blocks", "hvd_sum_rows_blocks", "hvd_decode_row_blocks", "hvd_amax_blocks"):
         getattr(lib, name).restype = None
+    lib.hvd_store_release.argtypes, lib.hvd_store_release.restype = [ptr, i64], None
+    lib.hvd_load_acquire.argtypes, lib.hvd_load_acquire.restype = [ptr], i64
     return lib
 
 
@@ -72,10 +74,11 @@ _LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_L
 
 def _thread_count():
     """HVD_APS_THREADS, else this process's cores shared by the ranks on this machine: each of
-    2 ranks on 16 cores gets 8, not 16 (which would put two codec threads on every core)."""
-    if "HVD_APS_THREADS" in os.environ:
-        return max(1, int(os.environ["HVD_APS_THREADS"]))
+    2 ranks on 16 cores gets 8, not 16 (which would put two codec threads on every core); never
+    more than the cores this process may use."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if "HVD_APS_THREADS" in os.environ:
+        return max(1, min(cores, int(os.environ["HVD_APS_THREADS"])))
     local = next((int(os.environ[v]) for v in _LOCAL_SIZE_VARS if os.environ.get(v, "").isdigit()), 1)
     return max(1, cores // max(1, local))
 
@@ -214,6 +217,16 @@ def unpack(packed, bits, n, dtype):
         fn = _lib.hvd_unpack_u8 if dtype.itemsize == 1 else _lib.hvd_unpack_u16
         _run(lambda lo, hi: fn(pp, bits, op, lo, hi), n)
     return out
+
+
+def store_release(address: int, value: int) -> None:
+    """An int64 counter in shared memory set after the data it publishes (hvd_aps._host_memory)."""
+    _lib.hvd_store_release(address, value)
+
+
+def load_acquire(address: int) -> int:
+    """An int64 counter in shared memory read before the data it guards."""
+    return _lib.hvd_load_acquire(address)
 
 
 def amax(x):

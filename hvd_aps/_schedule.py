@@ -8,17 +8,18 @@ on the bucket's next metadata Max-allreduce, so every rank records the slowest r
 makes the same choice: the least median, fixed from then on.
 
 Policy "auto" (opt-in: it changes what is sent): once every bucket's chunking is fixed, the
-schedule times STEP_TRIALS whole steps with codes and STEP_TRIALS with every bucket on the
-framework's own allreduce (NATIVE), each phase after WARMUP_STEPS untimed steps (the first steps
-after a switch renegotiate names in Horovod's response cache and fill new buffers: on a 2-core
-netns cluster they ran up to 2x the steady step). Whole steps, not exchanges: codes cost CPU that
-backward would have used, which an exchange's own time does not show. Steps there vary by a
-quarter from one to the next, so STEP_TRIALS is 5 (with 3, the native phase's median came out
-above the steady native step by a third in some runs and chose codes where they were slower),
-and codes must be CODES_MARGIN faster to be kept. The next step's exchanges carry both medians on
-their metadata Max-allreduce, and when that step commits every rank decides alike, for every
-bucket (never within a step, whose exchanges must all run the same way). The decisions are in the
-compressor's state_dict, so a resumed run keeps them (and a run can pin them).
+schedule times whole steps with codes and whole steps with every bucket on the framework's own
+allreduce (NATIVE), in blocks that alternate (codes, native, codes, native: a machine whose speed
+drifts over the trials slows both alike; two phases one after the other once kept codes that
+were 12 % slower). Each block starts with WARMUP_STEPS untimed steps (the first steps after a
+switch renegotiate names in Horovod's response cache and fill new buffers: on a 2-core netns
+cluster they ran up to 2x the steady step). Whole steps, not exchanges: codes cost CPU that
+backward would have used, which an exchange's own time does not show. Steps vary by a quarter
+from one to the next, so codes must be CODES_MARGIN faster over STEP_TRIALS steps each to be
+kept. The next step's exchanges carry both medians on their metadata Max-allreduce, and when
+that step commits every rank decides alike, for every bucket (never within a step, whose
+exchanges must all run the same way). The decisions are in the compressor's state_dict, so a
+resumed run keeps them (and a run can pin them).
 """
 import dataclasses
 import logging
@@ -31,8 +32,11 @@ import numpy as np
 NATIVE = -1
 ENTRIES = 4       # timing entries on the metadata vector (Schedule.entries)
 TRIALS = 2        # timed exchanges per chunking
-STEP_TRIALS = 5   # timed steps per policy
-WARMUP_STEPS = 1  # untimed steps at the start of each policy's phase
+TRIAL_ORDER = ("codes", "native") * 2  # policy="auto"'s blocks of trial steps
+BLOCK_STEPS = 3   # timed steps per block: STEP_TRIALS per policy
+STEP_TRIALS = BLOCK_STEPS * TRIAL_ORDER.count("codes")
+WARMUP_STEPS = 1  # untimed steps at the start of each block
+TRIAL_STEPS = len(TRIAL_ORDER) * (WARMUP_STEPS + BLOCK_STEPS)  # from the fixed chunking to the deciding step
 # policy="auto" keeps codes only where their median step is this much shorter than the native one:
 # the medians of five steps that vary by a quarter differ by about that much for equal policies
 CODES_MARGIN = 0.05
@@ -50,13 +54,20 @@ class _Bucket:
 
 
 class _Policy:
-    """policy="auto"'s step trials: codes steps, then native steps, then the agreed decision."""
-    PHASES = ("chunking", "codes", "native", "deciding", "decided")
+    """policy="auto"'s step trials: blocks of codes and native steps (TRIAL_ORDER), then the
+    agreed decision."""
+    PHASES = ("chunking", "trials", "deciding", "decided")
 
     def __init__(self):
         self.phase, self.steps, self.chosen, self.last_commit = "chunking", {"codes": [], "native": []}, None, None
         self.medians = None  # the agreed (codes, native) step medians behind the decision
-        self.warming = WARMUP_STEPS  # steps of the current phase still left untimed
+        self.block, self.timed = 0, 0  # the trial block under way, its timed steps so far
+        self.warming = WARMUP_STEPS  # steps of the current block still left untimed
+
+    @property
+    def trying(self) -> "str | None":
+        """The policy the trial steps run now ("codes" or "native"), None outside the trials."""
+        return TRIAL_ORDER[self.block] if self.phase == "trials" else None
 
 
 class Schedule:
@@ -102,7 +113,7 @@ class Schedule:
             return NATIVE if self._policy_native() else self._bucket(name).chosen
 
     def _native_now(self) -> bool:
-        return self._policy is not None and (self._policy.phase == "native" or self._policy_native())
+        return self._policy is not None and (self._policy.trying == "native" or self._policy_native())
 
     def _policy_native(self) -> bool:
         return self._policy is not None and self._policy.chosen == "native"
@@ -169,24 +180,26 @@ class Schedule:
                     self._policy.medians = None
 
     def _step_ended(self, now: float) -> None:
-        """policy="auto": a step committed; its time counts for the phase it ran in."""
+        """policy="auto": a step committed; its time counts for the trial block it ran in."""
         p = self._policy
         took, p.last_commit = (None if p.last_commit is None else now - p.last_commit), now
         if p.phase == "deciding" and p.medians is not None:
             self._decide(*p.medians)
             return
         if p.phase == "chunking" and self._buckets and all(b.chosen is not None for b in self._buckets.values()):
-            p.phase = "codes"
-            p.last_commit = now  # the first codes step starts here
+            p.phase = "trials"  # the first trial step starts here
             return
-        if p.phase in ("codes", "native") and took is not None:
-            log.debug("hvd_aps schedule: a %s step took %.1f ms%s", p.phase, 1e3 * took, " (warm-up)" if p.warming else "")
+        if p.phase == "trials" and took is not None:
+            log.debug("hvd_aps schedule: a %s step took %.1f ms%s", p.trying, 1e3 * took, " (warm-up)" if p.warming else "")
             if p.warming:
                 p.warming -= 1
                 return
-            p.steps[p.phase].append(took)
-            if len(p.steps[p.phase]) >= STEP_TRIALS:
-                p.phase, p.warming = ("native" if p.phase == "codes" else "deciding"), WARMUP_STEPS
+            p.steps[p.trying].append(took)
+            p.timed += 1
+            if p.timed == BLOCK_STEPS:
+                p.block, p.timed, p.warming = p.block + 1, 0, WARMUP_STEPS
+                if p.block == len(TRIAL_ORDER):
+                    p.phase = "deciding"
 
     def _record(self, name: str, b: _Bucket, candidate: int, seconds: float) -> None:
         b.runs += 1
@@ -228,8 +241,9 @@ class Schedule:
             state = {name: {"times": {str(c): list(t) for c, t in b.times.items()}, "runs": b.runs, "chosen": b.chosen}
                      for name, b in self._buckets.items()}
             if self._policy is not None:
-                state["(policy)"] = {"phase": self._policy.phase, "chosen": self._policy.chosen,
-                                     "steps": {k: list(v) for k, v in self._policy.steps.items()}}
+                p = self._policy
+                state["(policy)"] = {"phase": p.phase, "chosen": p.chosen, "block": p.block, "timed": p.timed,
+                                     "steps": {k: list(v) for k, v in p.steps.items()}}
             return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -239,10 +253,11 @@ class Schedule:
             self._buckets = {name: _Bucket({int(c): list(t) for c, t in s["times"].items()}, s["runs"], s["chosen"])
                              for name, s in state.items()}
             if self._policy is not None and policy is not None:
-                self._policy.phase, self._policy.chosen = policy["phase"], policy["chosen"]
-                self._policy.steps = {k: list(v) for k, v in policy["steps"].items()}
-                if self._policy.phase in ("codes", "native"):  # timing a step begun before the checkpoint
-                    self._policy.last_commit = None
+                p = self._policy
+                p.phase, p.chosen, p.block, p.timed = policy["phase"], policy["chosen"], policy.get("block", 0), policy.get("timed", 0)
+                p.steps = {k: list(v) for k, v in policy["steps"].items()}
+                if p.phase == "trials":  # timing a step begun before the checkpoint
+                    p.last_commit = None
 
 
 def describe(candidate: int) -> str:

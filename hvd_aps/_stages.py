@@ -22,6 +22,7 @@ everywhere (a GradScaler skips the step) at no extra collective.
 """
 import dataclasses
 import threading
+from typing import Optional
 
 import numpy as np
 
@@ -115,11 +116,12 @@ class CodesExchange:
 
     # 2. agreement ---------------------------------------------------------------------------------
     def agree(self, bucket: Bucket, agreed, data: list, outs, divisor: float, xp, candidate: int,
-              padded: bool = True) -> Agreement:
+              padded: bool = True, chunked: Optional[int] = None) -> Agreement:
         """The metadata allreduce's result -> the exchange's Agreement: every tensor's format and
         shift, the lanes and their chunks for `candidate` (chunk bytes), the result arrays
         (`outs`, else reused buffers), NaN-filled already for the tensors in the fallback.
-        padded: the allgather needs messages of equal sizes."""
+        padded: the allgather needs messages of equal sizes. chunked: the elements the chunk count
+        is cut from, where other groups must cut as many (default: the finite ones held here)."""
         amaxes, errors = self.check(bucket, agreed)
         finite = np.isfinite(amaxes)
         wide = (~(errors <= self.config.hybrid_threshold) if self.config.hybrid is not None
@@ -133,7 +135,7 @@ class CodesExchange:
         fallback = [k for k, seg in enumerate(bucket.segments) if not finite[seg.tensor]]
         for k in fallback:
             outs[k].fill(np.nan)
-        total = sum(seg.size for seg in bucket.segments if finite[seg.tensor])
+        total = sum(seg.size for seg in bucket.segments if finite[seg.tensor]) if chunked is None else chunked
         count = max(1, -(-total // (candidate // 4))) if candidate > 0 else 1
         lanes = [self._lane(fmt, bucket, [finite[s.tensor] and wide[s.tensor] == bool(n) for s in bucket.segments],
                             count) for n, fmt in enumerate(self.fmts)]

@@ -22,7 +22,7 @@ from ._stages import CodesExchange
 from ._state import ExchangeState
 from ._stats import STATS_SAMPLE, StatsRecorder, TensorStats
 from .config import (AUTO, DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS, APSConfig,
-                     recipe)
+                     Fallback, recipe)
 from .formats import FloatFormat
 
 _ADAPTERS = {"torch": "hvd_aps.torch.adapter", "tensorflow": "hvd_aps.tensorflow.adapter"}
@@ -121,12 +121,16 @@ class APSCompressor:
             return adapter.compress_values(tensor, self)
         if adapter.numel(tensor) < self.config.min_elements:  # the framework's plain allreduce carries it
             self.recorder.passed_through(adapter.label(tensor), adapter.numel(tensor))
-            return tensor, None
+            if adapter.reducible(tensor):
+                return tensor, None
+            return adapter.native_wire(tensor, Fallback.FLOAT32), _Cast(tensor)
         return self._batches.add(adapter, tensor)
 
     def decompress(self, tensor, ctx):
         if ctx is None:  # passed through, or Horovod's sparse path calling without a context
             return tensor
+        if isinstance(ctx, _Cast):
+            return _adapter(tensor).native_result(tensor, ctx.like)
         if isinstance(ctx, _tokens.Context):
             return self._batches.result(tensor, ctx)
         return _adapter(tensor).decompress_values(tensor, ctx, self)
@@ -207,6 +211,14 @@ class APSCompressor:
 
     def reset_stats(self) -> None:
         self.recorder.reset()
+
+
+class _Cast:
+    """decompress()'s context for a small gradient that went through the framework's allreduce
+    in float32, its own dtype being one the framework cannot reduce (bfloat16 on Gloo)."""
+
+    def __init__(self, like):
+        self.like = like
 
 
 def _shown(value) -> str:

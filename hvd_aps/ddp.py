@@ -6,9 +6,10 @@
 The bucket goes through the same exchange driver as every Horovod path (hvd_aps.exchange), with
 torch.distributed collectives: a Max all_reduce of the metadata, all_to_all_single of the codes,
 an all_gather of the reduced ranges (equal sizes: the stages pad each to the longest, a few
-bytes), then decode into the bucket; with several ranks on each of several hosts, float32
-all_to_all and all_gather inside the host and codes only between hosts. Gloo on the CPU; NCCL
-with CUDA tensors through the CuPy engine. Importing this module does not import Horovod.
+bytes), then decode into the bucket; with several ranks on each of several hosts, float32 inside
+the host (through shared memory on the CPU, hvd_aps._host_memory; all_to_all and all_gather on
+CUDA tensors) and codes only between hosts. Gloo on the CPU; NCCL with CUDA tensors through the
+CuPy engine. Importing this module does not import Horovod.
 """
 import concurrent.futures
 import os
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from . import _arrays, exchange
+from . import _arrays, _host_memory, exchange
 from ._stages import Bucket
 from ._topology import Topology
 from .compressor import APSCompressor
@@ -77,27 +78,39 @@ class TorchDistributedCollectives(exchange.AsyncEager):
 
 
 def group_levels(process_group, hierarchical) -> tuple:
-    """(world, cross, local) process groups: a private copy of `process_group` (so the exchange's
+    """(world, cross, local, host memory): a private copy of `process_group` (so the exchange's
     collectives never interleave with DDP's own), and with two levels this rank's host and cross
-    groups (else cross is world and local None), made alike on every rank. Collective: every rank
-    of the process group calls it together."""
+    groups and, where the ranks of a host share /dev/shm, the HostMemory that carries float32
+    between them on the CPU (else cross is world, local and host memory None), made alike on
+    every rank. Collective: every rank of the process group calls it together."""
     ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
     world = dist.new_group(ranks)
     if hierarchical is False or len(ranks) == 1:
-        return world, world, None
+        return world, world, None, None
     places = [None] * len(ranks)
-    dist.all_gather_object(places, _place(), group=world)
-    topology = Topology.from_places(places)
+    dist.all_gather_object(places, (*_place(), *_host_memory.place()), group=world)
+    topology = Topology.from_places([p[:2] for p in places])
     if not topology.two_levels(hierarchical):
-        return world, world, None
+        return world, world, None, None
     me = dist.get_rank(world)
     groups = {g: dist.new_group([ranks[r] for r in g]) for g in topology.groups()}
-    return world, groups[topology.cross_group(me)], groups[topology.local_group(me)]
+    memory = _host_memory.connect(topology, places, me, lambda obj: _all_gather_object(obj, world))
+    return world, groups[topology.cross_group(me)], groups[topology.local_group(me)], memory
+
+
+def _all_gather_object(obj, group) -> list:
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def levels_on(groups: tuple, device) -> exchange.Levels:
-    """exchange.Levels over (world, cross, local) groups, for tensors on `device`."""
-    world, cross, local = (None if g is None else TorchDistributedCollectives(g, device) for g in groups)
+    """exchange.Levels over (world, cross, local, host memory), for tensors on `device`: the host
+    level through shared memory for CPU tensors where there is one."""
+    memory = groups[3]
+    world, cross, local = (None if g is None else TorchDistributedCollectives(g, device) for g in groups[:3])
+    if memory is not None and torch.device(device).type == "cpu":
+        local = memory
     return exchange.Levels(world, cross if groups[1] is not groups[0] else world, local)
 
 
@@ -188,8 +201,10 @@ class APSState:
         self._levels.clear()
         for groups, thread in lanes:
             thread.shutdown(wait=True)
-            for group in {id(g): g for g in groups if g is not None}.values():
+            for group in {id(g): g for g in groups[:3] if g is not None}.values():
                 dist.destroy_process_group(group)
+            if groups[3] is not None:
+                groups[3].close()
 
     def __enter__(self) -> "APSState":
         return self

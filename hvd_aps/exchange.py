@@ -9,7 +9,8 @@ inside a TF graph). The stages themselves are hvd_aps._stages.CodesExchange's.
 Steps, for one bucket of flat float32 gradients (`Levels`: flat, or two levels where hosts hold
 several ranks: float32 inside a host, codes between hosts):
 0. two levels: the bucket cut into one slice per local rank; alltoall of the slices inside the
-   host, each local rank sums the host's copies of its slice in local-rank order (float32);
+   host (shared memory on the CPU: hvd_aps._host_memory), each local rank sums the host's copies
+   of its slice in local-rank order (float32);
 1. stage: each tensor's max |g| and size, the signature;        collective: Max-allreduce (all ranks)
 2. stage: APS shifts and formats agreed, the chunks laid out;
 then for every chunk, pipelined (chunk k is encoded while k-1's codes travel and k-2 is decoded):
@@ -104,6 +105,69 @@ class AsyncEager(Eager):
         return self.wait(self.allgather_start(message, name))
 
 
+class Subgroup(Collectives):
+    """Collectives among `members` (ranks of `whole`, ascending) carried by `whole`'s own
+    alltoall: a rank's messages to non-members are empty, so only members' bytes move. What a
+    framework without subgroups (Horovod without dynamic process sets) runs two levels on. An
+    allgather is an alltoall of the message to every member; every rank of `whole` must call
+    each collective, as it calls every other collective of the exchange."""
+
+    equal_allgather = False
+
+    def __init__(self, whole: Collectives, members: Sequence[int]):
+        if list(members) != sorted(members):
+            raise ValueError(f"a Subgroup's members must be ascending ranks, got {list(members)}")
+        self.whole, self.members = whole, tuple(members)
+        self.world, self.rank = len(self.members), self.members.index(whole.rank)
+
+    @property
+    def eager(self):
+        return self.whole.eager
+
+    def stage(self, fn, inputs, dtypes):
+        return self.whole.stage(fn, inputs, dtypes)
+
+    def _spread(self, splits):
+        full, = self.whole.stage(lambda s: (_spread(s, self.members, self.whole.world),), [splits], [np.int32])
+        return full
+
+    def _to_members(self, message):
+        """(message repeated once per member, the splits sending one copy to each)."""
+        def tile(m):
+            xp = _arrays.array_module(m)
+            return xp.concatenate([m] * self.world), _spread([m.size] * self.world, self.members, self.whole.world)
+        dtype = np.dtype(getattr(message.dtype, "as_numpy_dtype", message.dtype))  # a tf.DType in a graph
+        return self.whole.stage(tile, [message], [dtype, np.int32])
+
+    def max_allreduce(self, vector, name):
+        send, splits = self._to_members(vector)
+        rows = self.whole.alltoall(send, splits, name)
+        out, = self.whole.stage(lambda r: (r.reshape(self.world, -1).max(axis=0),), [rows], [np.float64])
+        return out
+
+    def alltoall(self, send, splits, name):
+        return self.whole.alltoall(send, self._spread(splits), name)
+
+    def allgather(self, message, name):
+        return self.whole.alltoall(*self._to_members(message), name)
+
+    def alltoall_start(self, send, splits, name):
+        return self.whole.alltoall_start(send, self._spread(splits), name)
+
+    def allgather_start(self, message, name):
+        return self.whole.alltoall_start(*self._to_members(message), name)
+
+    def wait(self, handle):
+        return self.whole.wait(handle)
+
+
+def _spread(splits, members, world: int) -> np.ndarray:
+    """Per-member splits -> per-rank splits of the whole group (0 for every other rank)."""
+    full = np.zeros(world, np.int32)
+    full[list(members)] = np.asarray(splits, np.int32)
+    return full
+
+
 @dataclasses.dataclass(frozen=True)
 class Levels:
     """The groups one exchange uses: `world` (every rank: the metadata, the native allreduce),
@@ -135,8 +199,11 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     started = time.perf_counter()
     if levels.local is not None:
         held_bucket, data, slice_outs, slice_message = _scatter(bucket, flats, levels.local, stages.state.buffers)
+        # every cross group cuts as many chunks (Subgroups of one whole group call its collectives together)
+        chunked = max(sum(s.size for s in segs) for segs in _layout.slices(bucket.sizes, levels.local.world))
     else:
         held_bucket, data, slice_outs, slice_message = bucket, flats, outs, None
+        chunked = None
     held = {}  # what one stage hands the next: plain Python, so graph stages share it too
 
     def metadata(*arrays):
@@ -149,11 +216,12 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     def agree(agreed):
         xp = _arrays.array_module(data[0]) if data else np  # NumPy for graph tensors: their stages see NumPy
         held["a"] = stages.agree(held_bucket, agreed, held.pop("data"), slice_outs, divisor, xp, candidate,
-                                 coll.equal_allgather)
+                                 coll.equal_allgather, chunked)
         return (_TOKEN,)
 
     token, = levels.world.stage(agree, [agreed], [np.uint8])
-    chunks = held["a"].count if coll.eager else _graph_chunks(held_bucket, graph_chunk_bytes)
+    chunks = held["a"].count if coll.eager else _graph_chunks(chunked or sum(s.size for s in held_bucket.segments),
+                                                               graph_chunk_bytes)
     results = _pipeline(stages, held, token, data, coll, bucket.name, chunks, len(held_bucket.segments))
     if levels.local is not None:
         results = _gather(bucket, results, levels.local, outs, slice_message)
@@ -202,11 +270,10 @@ def _pipeline(stages, held, token, data, coll, name, chunks, segments) -> list:
     return list(coll.stage(lambda *done: tuple(stages.done(held.pop("a"))), finished, [np.float32] * segments))
 
 
-def _graph_chunks(bucket: Bucket, chunk_bytes: int) -> int:
-    """A graph's chunk count, fixed when traced: from every segment (a tensor left out for NaN
-    leaves its chunks' ranges empty, not fewer chunks)."""
-    total = sum(seg.size for seg in bucket.segments)
-    return max(1, -(-total // (chunk_bytes // 4))) if chunk_bytes > 0 else 1
+def _graph_chunks(elements: int, chunk_bytes: int) -> int:
+    """A graph's chunk count, fixed when traced: from every element held (a tensor left out for
+    NaN leaves its chunks' ranges empty, not fewer chunks)."""
+    return max(1, -(-elements // (chunk_bytes // 4))) if chunk_bytes > 0 else 1
 
 
 def _scatter(bucket: Bucket, flats: list, local: Collectives, buffers) -> tuple:

@@ -278,3 +278,9 @@ HVD_CLONES float hvd_amax(const float *x, int64_t n) {
 void hvd_amax_blocks(const float *x, int64_t n, int64_t block, float *peaks) {
   for (int64_t k = 0; k * block < n; ++k) peaks[k] = hvd_amax(x + k * block, n - k * block < block ? n - k * block : block);
 }
+
+/* Counters in memory shared between the processes of one host (hvd_aps._host_memory): a release
+ * store after the data it publishes, an acquire load before the data it guards. */
+void hvd_store_release(int64_t *counter, int64_t value) { __atomic_store_n(counter, value, __ATOMIC_RELEASE); }
+
+int64_t hvd_load_acquire(const int64_t *counter) { return __atomic_load_n(counter, __ATOMIC_ACQUIRE); }

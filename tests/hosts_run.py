@@ -9,7 +9,7 @@ import sys
 from horovod_run import WORKERS, free_port
 
 
-def launch(script, tmp_path, hosts=2, per_host=2, horovod=True, timeout=300):
+def launch(script, tmp_path, hosts=2, per_host=2, horovod=True, timeout=300, args=()):
     server = None
     env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1", HVD_APS_THREADS="1",
                TF_CPP_MIN_LOG_LEVEL="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -30,7 +30,7 @@ def launch(script, tmp_path, hosts=2, per_host=2, horovod=True, timeout=300):
             for local in range(per_host):
                 rank = h * per_host + local
                 procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKERS / script), str(tmp_path)], stdout=subprocess.PIPE,
+                    [sys.executable, str(WORKERS / script), str(tmp_path), *args], stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, text=True,
                     env=dict(env, RANK=str(rank), LOCAL_RANK=str(local), GROUP_RANK=str(h), HOROVOD_RANK=str(rank),
                              HOROVOD_LOCAL_RANK=str(local), HOROVOD_CROSS_RANK=str(h), HOROVOD_HOSTNAME=f"host{h}")))

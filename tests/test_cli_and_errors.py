@@ -72,5 +72,7 @@ def test_codec_threads_share_the_cores_between_the_ranks_on_a_machine(monkeypatc
     assert _host_engine._thread_count() == cores
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's
     assert _host_engine._thread_count() == max(1, cores // 2)
-    monkeypatch.setenv("HVD_APS_THREADS", "3")
-    assert _host_engine._thread_count() == 3
+    monkeypatch.setenv("HVD_APS_THREADS", "1")
+    assert _host_engine._thread_count() == 1
+    monkeypatch.setenv("HVD_APS_THREADS", str(cores + 5))  # never more than the cores
+    assert _host_engine._thread_count() == cores

@@ -227,16 +227,18 @@ def test_policy_auto_switches_only_between_steps():
     """The step trials' verdict rides on the deciding step's exchanges, and only the step's commit
     applies it: a step whose first exchange had agreed while another rank was still forming its
     next batch would otherwise send that batch differently there (and hang)."""
-    from hvd_aps._schedule import STEP_TRIALS, UNMEASURED, WARMUP_STEPS, Schedule
+    from hvd_aps._schedule import STEP_TRIALS, TRIAL_ORDER, TRIAL_STEPS, UNMEASURED, Schedule
     schedule = Schedule((0,), auto=True)
     assert not schedule.native("b")  # its chunking is fixed at once (one candidate)
-    schedule.commit()  # every bucket's chunking fixed: the codes steps start
+    schedule.commit()  # every bucket's chunking fixed: the trial steps start
     phases = []
-    phase = WARMUP_STEPS + STEP_TRIALS  # steps per policy's phase
-    for _ in range(2 * phase):
+    for _ in range(TRIAL_STEPS):
         schedule.commit()
         phases.append(schedule.native("b"))
-    assert phases == [False] * (phase - 1) + [True] * phase + [False]  # codes, native, deciding
+    block = TRIAL_STEPS // len(TRIAL_ORDER)  # steps per block, its warm-up included
+    # after the i-th commit the next step runs the block that step falls in; after the last, deciding
+    assert phases == [TRIAL_ORDER[i // block] == "native" for i in range(1, TRIAL_STEPS)] + [False]
+    assert TRIAL_ORDER[:2] == ("codes", "native") and len(TRIAL_ORDER) >= 4  # alternating blocks
     assert [len(v) for v in schedule.state_dict()["(policy)"]["steps"].values()] == [STEP_TRIALS] * 2
     codes, native = schedule.entries("b")[2:]
     assert codes > 0 and native > 0
@@ -248,7 +250,7 @@ def test_policy_auto_switches_only_between_steps():
 
 @pytest.mark.parametrize("codes, chosen", [(0.90, "codes"), (0.97, "native"), (1.10, "native")])
 def test_policy_auto_keeps_codes_only_where_they_are_clearly_faster(codes, chosen):
-    """Codes must beat the native step's median by CODES_MARGIN (5 %): closer than that, five
+    """Codes must beat the native step's median by CODES_MARGIN (5 %): closer than that, a few
     noisy steps cannot tell the two apart, and the framework's own allreduce is kept."""
     from hvd_aps._schedule import Schedule
     schedule = Schedule((0,), auto=True)

@@ -89,6 +89,13 @@ def test_zeros_and_non_finite_on_one_rank_show_on_all(ranks):
 def test_dtypes_pass_through(ranks):
     n = len(ranks)
     assert bool(ranks[0]["bf16_dtype_ok"])
+    # bfloat16 under min_elements (Horovod's Gloo allreduce refuses bfloat16): the average of the
+    # bfloat16 inputs to bfloat16's precision (Horovod scales by 1/N in float32), alike on every rank
+    mean = np.mean([r["bf16_small_in"].astype(np.float64) for r in ranks], axis=0)
+    want = mean.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    for r in ranks:
+        assert np.allclose(r["bf16_small"], want, rtol=2 ** -8, atol=0)
+        assert r["bf16_small"].tobytes() == ranks[0]["bf16_small"].tobytes()
     assert ranks[0]["ints"].tolist() == [k * n * (n + 1) // 2 for k in range(5)]  # integers are not compressed
 
 

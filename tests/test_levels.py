@@ -19,25 +19,30 @@ def want(order, sizes, fmt="e4m3"):
     return dict(zip(order, model.two_levels(grads, fmt, HOSTS)))
 
 
-@pytest.fixture(scope="module")
-def torch_ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=["dynamic", "plain", "plain-tcp"])
+def torch_ranks(tmp_path_factory, request):
+    """Two levels on Horovod's dynamic process sets, and on a plain hvd.init() (Subgroups of the
+    global process set), float32 inside a host through shared memory, or with
+    HVD_APS_HOST_MEMORY=0 through Horovod's alltoall."""
     tmp = tmp_path_factory.mktemp("levels_torch")
-    launch("levels_torch_checks.py", tmp)
-    return load(tmp, "levels_torch", 4)
+    launch("levels_torch_checks.py", tmp, args=[request.param])
+    return request.param, load(tmp, f"levels_torch_{request.param}", 4)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1fn"])
 def test_horovod_allreduce_on_two_levels_is_bit_exact(torch_ranks, fmt):
+    mode, ranks = torch_ranks
     expected = want(BIG, CODES_SIZES, fmt)  # Horovod's grouped allreduce compresses in order
-    for r in torch_ranks:
-        assert bool(r[f"levels_{fmt}"])
+    for r in ranks:
+        assert bool(r[f"levels_{fmt}"]) and bool(r[f"subgroups_{fmt}"]) == mode.startswith("plain")
+        assert bool(r[f"host_memory_{fmt}"]) == (mode != "plain-tcp")
         for i in BIG:
             assert r[f"grouped_{fmt}_{i}"].tobytes() == expected[i].reshape(CODES_SIZES[i]).tobytes(), (fmt, i)
 
 
 def test_codes_optimizer_on_two_levels_is_bit_exact(torch_ranks):
     expected = want(BIG[::-1], CODES_SIZES)  # its bucket holds them in reverse order
-    for r in torch_ranks:
+    for r in torch_ranks[1]:
         for i in BIG:
             assert r[f"optimizer_{i}"].tobytes() == expected[i].reshape(CODES_SIZES[i]).tobytes(), i
 
@@ -46,8 +51,8 @@ def test_each_rank_sends_codes_of_its_slice_only(torch_ranks):
     """Two levels: a rank's codes cover its 1/L slice and go to one rank (the other host):
     about half of what the flat exchange sends among 4 ranks (2 (N-1)/N of the whole bucket)."""
     elements = sum(int(np.prod(CODES_SIZES[i])) for i in BIG)
-    two = np.mean([int(r["bytes_e4m3"]) for r in torch_ranks])
-    flat = np.mean([int(r["bytes_flat"]) for r in torch_ranks])
+    two = np.mean([int(r["bytes_e4m3"]) for r in torch_ranks[1]])
+    flat = np.mean([int(r["bytes_flat"]) for r in torch_ranks[1]])
     assert two < 0.5 * flat and elements / 2 * 0.9 <= two <= elements / 2 + 2 * model.BLOCK
 
 
@@ -56,6 +61,7 @@ def test_horovod_tensorflow_on_two_levels_is_bit_exact(tmp_path):
     ranks = load(tmp_path, "levels_tf", 4)
     in_order, reverse = want(BIG, CODES_SIZES), want(BIG[::-1], CODES_SIZES)
     for r in ranks:
+        assert bool(r["subgroups"])
         for i in BIG:
             assert r[f"grouped_{i}"].tobytes() == in_order[i].reshape(CODES_SIZES[i]).tobytes(), i
             assert r[f"tape_{i}"].tobytes() == reverse[i].reshape(CODES_SIZES[i]).tobytes(), i
@@ -66,7 +72,7 @@ def test_ddp_hook_and_fsdp_hsdp_on_two_levels(tmp_path):
     ranks = load(tmp_path, "levels_ddp", 4)
     expected = want(list(range(len(DDP_SIZES)))[::-1], DDP_SIZES)
     for r in ranks:
-        assert bool(r["ddp_two_levels"])
+        assert bool(r["ddp_two_levels"]) and bool(r["ddp_host_memory"])
         for i in range(len(DDP_SIZES)):
             assert r[f"ddp_{i}"].tobytes() == expected[i].reshape(DDP_SIZES[i]).tobytes(), i
         assert r["hsdp"].tobytes() == ranks[0]["hsdp"].tobytes() and np.isfinite(r["hsdp"]).all()

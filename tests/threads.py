@@ -13,7 +13,8 @@ class Group:
     """A group of thread ranks: where they post their parts and wait for each other."""
 
     def __init__(self, size):
-        self.size, self.board, self.barrier = size, {}, threading.Barrier(size)
+        # a timeout: ranks that call different collectives fail instead of hanging
+        self.size, self.board, self.barrier = size, {}, threading.Barrier(size, timeout=60)
 
 
 class ThreadCollectives(exchange.Eager):
@@ -63,6 +64,19 @@ def host_levels(hosts, ranks_per_host):
     return [exchange.Levels(ThreadCollectives(world, r), ThreadCollectives(cross[r % ranks_per_host], r // ranks_per_host),
                             ThreadCollectives(local[r // ranks_per_host], r % ranks_per_host))
             for r in range(hosts * ranks_per_host)]
+
+
+def subgroup_levels(hosts, ranks_per_host):
+    """Two levels whose host and cross groups are exchange.Subgroup views of one group of every
+    rank (Horovod without dynamic process sets): every rank takes part in every collective."""
+    world, n = Group(hosts * ranks_per_host), hosts * ranks_per_host
+    levels = []
+    for r in range(n):
+        whole = ThreadCollectives(world, r, equal_allgather=False)
+        host, local = divmod(r, ranks_per_host)
+        levels.append(exchange.Levels(whole, exchange.Subgroup(whole, range(local, n, ranks_per_host)),
+                                      exchange.Subgroup(whole, range(host * ranks_per_host, (host + 1) * ranks_per_host))))
+    return levels
 
 
 def run_ranks(fn, world):

@@ -148,6 +148,12 @@ def settle(handle):
     """Nothing to wait for: eager exchanges have ended, graph ones end with their step."""
 
 
+def reducible(tensor):
+    """Whether Horovod's own allreduce takes this dtype: not bfloat16 (a small bfloat16 gradient
+    goes in float32)."""
+    return tensor.dtype != tf.bfloat16
+
+
 def native_wire(tensor, fallback):
     return tf.cast(tensor, tf.as_dtype(str(fallback)))
 

@@ -58,7 +58,7 @@ def wait(handle):
     return hvd.synchronize(handle)
 
 
-_LEVELS = HorovodLevels(hvd, HorovodCollectives)
+_LEVELS = HorovodLevels(hvd, HorovodCollectives, host_memory=True)
 
 
 def levels(hierarchical) -> exchange.Levels:
@@ -77,6 +77,12 @@ def is_dense_float(tensor):
 
 def numel(tensor):
     return tensor.numel()
+
+
+def reducible(tensor):
+    """Whether Horovod's own allreduce takes this dtype: bfloat16 only with NCCL (Gloo refuses it:
+    Horovod #4047), so a small bfloat16 gradient goes in float32 on the CPU."""
+    return tensor.dtype != torch.bfloat16 or tensor.is_cuda
 
 
 def label(tensor):

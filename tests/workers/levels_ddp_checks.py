@@ -9,6 +9,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_aps
+import hvd_aps._host_memory
 import hvd_aps.ddp
 import hvd_aps.fsdp
 from common import DDP_SIZES, codes_grads, leave_torchrun
@@ -35,6 +36,7 @@ ddp([torch.from_numpy(g) for g in codes_grads(rank, DDP_SIZES)]).backward()
 for i, p in enumerate(model.ps):
     out[f"ddp_{i}"] = p.grad.numpy().copy()
 out["ddp_two_levels"] = np.array(state.lane(0, "cpu")[0].local is not None)
+out["ddp_host_memory"] = np.array(isinstance(state.lane(0, "cpu")[0].local, hvd_aps._host_memory.HostMemory))
 state.close()
 
 shard_mesh, replicate = hvd_aps.fsdp.host_mesh()

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import hvd_aps
-from hvd_aps._schedule import STEP_TRIALS, WARMUP_STEPS
+from hvd_aps._schedule import TRIAL_STEPS
 from common import codes_grads, poisoned, rank_data, spiked
 
 hvd.init()
@@ -47,6 +47,10 @@ out["hybrid_formats"] = np.array([s.fmt for s in hybrid.stats.values()])
 chunked = hvd_aps.APSCompressor("e4m3", min_elements=16, chunk_bytes=4 * 300)  # 4 chunks, async collectives
 out["chunked"] = reduce(rank_data(rank, seed=6), chunked, name="chunked")
 out["bf16_dtype_ok"] = np.array(half.dtype == torch.bfloat16 and half.shape == (1000,))
+# a bfloat16 tensor too small for codes: Horovod's Gloo allreduce refuses bfloat16, so it goes in float32
+small = torch.from_numpy(rank_data(rank)[:8]).bfloat16()
+out["bf16_small"] = hvd.allreduce(small, compression=e4m3, name="bf16_small").float().numpy()
+out["bf16_small_in"] = small.float().numpy()
 out["ints"] = hvd.allreduce(torch.arange(5) * (rank + 1), op=hvd.Sum, compression=e4m3, name="ints").numpy()
 
 # wire="values": the float16 carrier through Horovod's allreduce
@@ -161,8 +165,8 @@ def auto_policy():
         out[f"stock_{fallback}"] = hvd.allreduce(x, compression=stock, name=f"stock_{fallback}").numpy()
         out[f"native_{fallback}_bytes"] = np.array(comp.bytes_sent)
     comp = hvd_aps.APSCompressor("e4m3", policy="auto", min_elements=16, chunk_bytes=0)
-    # both phases (each an untimed step and STEP_TRIALS timed ones), then a step to agree on medians
-    for step in range(2 * (STEP_TRIALS + WARMUP_STEPS) + 4):
+    # the trial blocks (each an untimed step and timed ones), then a step to agree on medians
+    for step in range(TRIAL_STEPS + 4):
         hvd.allreduce(torch.from_numpy(rank_data(rank, seed=step)), compression=comp, name="tried")
     out["auto_decision"] = np.array(str(comp.schedule_report()[-1]["chosen"]))
 

@@ -1,0 +1,289 @@
+"""Float32 between the ranks of one host through shared memory: the inner level of the two-level
+exchange on the CPU, in place of the framework's collectives over the host's own TCP stack
+(which copy every byte through the kernel twice, on the cores the ranks' backward passes need).
+
+Each rank writes what it sends into its own *box*, one per collective name (exchanges of
+different buckets run at once on the compressor's threads), and publishes it with a counter;
+every peer copies its part out of the box and acknowledges; a box is written again only once
+every peer acknowledged its last message. Boxes are sparse files under /dev/shm (tmpfs keeps
+only the pages written), reserved with posix_fallocate before they are written, so a /dev/shm
+too small for a bucket (Docker's default is 64 MiB) raises an error that says so instead of a
+SIGBUS. A box's file is unlinked once every peer has mapped it, so a job leaves nothing behind
+however it ends; the files of a process that died before that are removed by the next job that
+opens boxes on the host. A rank waiting for a peer that exited raises instead of hanging.
+
+CUDA arrays never come here: they go through `fallback`, the framework's own collectives of the
+same ranks (NCCL over NVLink).
+"""
+import mmap
+import os
+import re
+import secrets
+import threading
+import time
+import warnings
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from . import _arrays, _host_engine, exchange
+
+ENV = "HVD_APS_HOST_MEMORY"  # 0: float32 inside a host through the framework's collectives instead
+DIRECTORY = "/dev/shm"
+PREFIX = "hvd_aps"
+CAPACITY = 1 << 36  # virtual bytes of one box's data; sparse: only what is written takes memory
+LINE = 64           # bytes: each counter on its own cache line
+PAGE = 4096
+POLL_FIRST, POLL_MAX = 20e-6, 1e-3  # seconds between looks at a peer's counter, growing
+LIVENESS_SECONDS = 1.0              # how often a rank that waits checks that its peers still run
+_FILE = re.compile(rf"^{PREFIX}\.\w+\.h\d+\.(\d+)\.")
+
+
+def available() -> bool:
+    """Shared memory boxes can work here: a /dev/shm and the host engine's atomic counters, and
+    HVD_APS_HOST_MEMORY is not 0."""
+    return os.environ.get(ENV, "1") != "0" and _host_engine.available and os.path.isdir(DIRECTORY)
+
+
+class _Box:
+    """One rank's outgoing messages under one name: a header of counters, then the data.
+
+    Header words: [0] the number of the last message published; from word LINE / 8 on, per
+    reader j its acknowledged message number (a cache line each); then per destination d the
+    (first, last) byte of its part of the message."""
+
+    def __init__(self, path: str, world: int, create: bool):
+        self.path, self.world = path, world
+        self.header = -(-(LINE * (1 + world) + 16 * world) // PAGE) * PAGE
+        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        if create:
+            os.ftruncate(self.fd, self.header + CAPACITY)
+        self.map = mmap.mmap(self.fd, self.header + CAPACITY)
+        self.words = np.frombuffer(self.map, np.int64, count=self.header // 8)
+        self.data = np.frombuffer(self.map, np.uint8, offset=self.header)
+        self.address = self.words.ctypes.data
+        self.reserved = 0
+        self.linked = True
+
+    def counter(self, word: int) -> int:
+        return _host_engine.load_acquire(self.address + 8 * word)
+
+    def publish(self, word: int, value: int) -> None:
+        _host_engine.store_release(self.address + 8 * word, value)
+
+    def ack_word(self, reader: int) -> int:
+        return LINE // 8 * (1 + reader)
+
+    def part_words(self, destination: int) -> int:
+        return LINE // 8 * (1 + self.world) + 2 * destination
+
+    def reserve(self, nbytes: int) -> None:
+        """Pages for nbytes of data taken now, where running out can still be reported."""
+        if nbytes > CAPACITY:
+            raise ValueError(f"hvd_aps: a host-level message of {nbytes} bytes exceeds the shared memory box's "
+                             f"{CAPACITY} bytes: use smaller buckets (bucket_bytes)")
+        if nbytes > self.reserved:
+            try:
+                os.posix_fallocate(self.fd, 0, self.header + nbytes)
+            except OSError as err:
+                raise RuntimeError(f"hvd_aps: {DIRECTORY} has no room for a {nbytes}-byte host-level message "
+                                   f"({err.strerror}); give it more (docker run --shm-size=...), or pass "
+                                   "hierarchical=False") from err
+            self.reserved = nbytes
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.unlink()
+        del self.words, self.data
+        self.map.close()
+        os.close(self.fd)
+
+
+class HostMemory(exchange.Eager):
+    """Collectives among the ranks of one host (`pids` in local-rank order, this process at
+    `rank`) through shared memory boxes; CUDA arrays through `fallback`. `job`: a token equal on
+    every rank of the job and unique to it, `host`: this host's index (both name the files)."""
+
+    equal_allgather = False
+
+    def __init__(self, job: str, host: int, pids: Sequence[int], rank: int,
+                 fallback: Optional[exchange.Collectives] = None):
+        self.job, self.host, self.pids = job, host, tuple(int(p) for p in pids)
+        self.world, self.rank, self.fallback = len(self.pids), rank, fallback
+        self._own, self._peers, self._sent, self._lock = {}, {}, {}, threading.Lock()
+        sweep()
+
+    def path(self, rank: int, name: str) -> str:
+        return os.path.join(DIRECTORY, f"{PREFIX}.{self.job}.h{self.host}.{self.pids[rank]}.{_safe(name)}")
+
+    # collectives -------------------------------------------------------------------------------
+    def alltoall(self, send, splits, name):
+        if _arrays.array_module(send) is not np:
+            return self.fallback.alltoall(send, splits, name)
+        bounds = np.cumsum([0] + [int(s) for s in splits]) * send.itemsize
+        return self._exchange(name, send, [(bounds[d], bounds[d + 1]) for d in range(self.world)])
+
+    def allgather(self, message, name):
+        if _arrays.array_module(message) is not np:
+            return self.fallback.allgather(message, name)
+        return self._exchange(name, message, [(0, message.nbytes)] * self.world)
+
+    def max_allreduce(self, vector, name):
+        if _arrays.array_module(vector) is not np:
+            return self.fallback.max_allreduce(vector, name)
+        return self.allgather(np.asarray(vector, np.float64), name).reshape(self.world, -1).max(axis=0)
+
+    def _exchange(self, name: str, send: np.ndarray, parts: list) -> np.ndarray:
+        """Publish `send` with parts[d] (its bytes for local rank d), then every rank's part for
+        this one, concatenated in local-rank order, as an array of send's dtype."""
+        box, count = self._outbox(name), self._sent.get(name, 0) + 1
+        for reader in range(self.world):  # the last message must have been read before it is overwritten
+            if reader != self.rank:
+                self._wait(box, box.ack_word(reader), count - 1, reader, name)
+        if count == 2:  # every peer has acknowledged a message, so has the box mapped: its name can go
+            box.unlink()
+        raw = np.ascontiguousarray(send).reshape(-1).view(np.uint8)
+        box.reserve(raw.size)
+        box.data[:raw.size] = raw
+        for d, (lo, hi) in enumerate(parts):
+            box.words[box.part_words(d):box.part_words(d) + 2] = (lo, hi)
+        box.publish(0, count)
+        self._sent[name] = count
+        boxes = [box if writer == self.rank else self._inbox(name, writer) for writer in range(self.world)]
+        spans = []
+        for writer, peer in enumerate(boxes):
+            self._wait(peer, 0, count, writer, name)
+            spans.append(peer.words[peer.part_words(self.rank):peer.part_words(self.rank) + 2])
+        out, at = np.empty(sum(int(hi - lo) for lo, hi in spans), np.uint8), 0
+        for writer, (peer, (lo, hi)) in enumerate(zip(boxes, spans)):
+            out[at:at + hi - lo] = peer.data[lo:hi]
+            at += hi - lo
+            if writer != self.rank:
+                peer.publish(peer.ack_word(self.rank), count)
+        return out.view(send.dtype)
+
+    # boxes -------------------------------------------------------------------------------------
+    def _outbox(self, name: str) -> _Box:
+        with self._lock:
+            if name not in self._own:
+                self._own[name] = _Box(self.path(self.rank, name), self.world, create=True)
+            return self._own[name]
+
+    def _inbox(self, name: str, writer: int) -> _Box:
+        """A peer's box, opened once it exists (its first message may not have been written yet)."""
+        key = (name, writer)
+        with self._lock:
+            box = self._peers.get(key)
+        if box is None:
+            path, delay, checked = self.path(writer, name), POLL_FIRST, time.monotonic()
+            while not os.path.exists(path):
+                checked = self._pause(delay, checked, writer, name)
+                delay = min(2 * delay, POLL_MAX)
+            box = _Box(path, self.world, create=False)
+            with self._lock:
+                self._peers[key] = box
+        return box
+
+    def _wait(self, box: _Box, word: int, value: int, peer: int, name: str) -> None:
+        """Until the counter at `word` of `box` reaches `value`; raises if `peer` exits meanwhile."""
+        delay, checked = POLL_FIRST, time.monotonic()
+        while box.counter(word) < value:
+            checked = self._pause(delay, checked, peer, name)
+            delay = min(2 * delay, POLL_MAX)
+
+    def _pause(self, delay: float, checked: float, peer: int, name: str) -> float:
+        time.sleep(delay)
+        now = time.monotonic()
+        if now - checked < LIVENESS_SECONDS:
+            return checked
+        if not _alive(self.pids[peer]):
+            raise RuntimeError(f"hvd_aps: local rank {peer} of this host (pid {self.pids[peer]}) exited while this "
+                               f"rank waited for it in {name}")
+        return now
+
+    def close(self) -> None:
+        """Unmap every box and remove this rank's files."""
+        with self._lock:
+            boxes = list(self._own.values()) + list(self._peers.values())
+            self._own, self._peers, self._sent = {}, {}, {}
+        for box in boxes:
+            box.close()
+
+    def __del__(self):
+        for box in getattr(self, "_own", {}).values():
+            box.unlink()
+
+
+def place() -> tuple:
+    """This process's (pid, a fresh token): what connect() needs of every rank, gathered with its
+    host and local rank (the token of the group's first rank names the job's files)."""
+    return os.getpid(), secrets.token_hex(6)
+
+
+def connect(topology, places: list, rank: int, allgather_object: Callable,
+            fallback: Optional[exchange.Collectives] = None) -> Optional[HostMemory]:
+    """HostMemory for `rank`'s host (ranks numbered as in `places`, each place ending in
+    place()'s pair) where every rank of it sees the others' files in /dev/shm, else None (with a
+    warning where it was possible but the ranks do not share a /dev/shm: containers with one
+    hostname on different machines). Collective: every rank of the group calls it together."""
+    local = topology.local_group(rank)
+    memory = HostMemory(places[0][-1], topology.hosts.index(local), [places[r][-2] for r in local],
+                        local.index(rank), fallback)
+    probe = memory.path(memory.rank, "probe") if available() else None
+    if probe:
+        open(probe, "w").close()
+    try:
+        allgather_object(None)  # every probe written
+        seen = bool(probe) and all(os.path.exists(memory.path(j, "probe")) for j in range(memory.world))
+        shared = all(allgather_object(seen))
+    finally:
+        if probe:
+            os.unlink(probe)
+    if shared:
+        return memory
+    if available():
+        warnings.warn("hvd_aps: the ranks of a host do not share /dev/shm, so float32 inside the host goes "
+                      "through the framework's collectives", RuntimeWarning, stacklevel=3)
+    return None
+
+
+def sweep() -> None:
+    """Remove the boxes of processes that no longer run (a job that died before its boxes were
+    unlinked)."""
+    try:
+        names = os.listdir(DIRECTORY)
+    except OSError:
+        return
+    for name in names:
+        match = _FILE.match(name)
+        if match and not _alive(int(match[1])):
+            try:
+                os.unlink(os.path.join(DIRECTORY, name))
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs: exists, and is no zombie (exited, its parent not yet told)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:  # no /proc: kill's answer stands
+        return True
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)

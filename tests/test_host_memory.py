@@ -1,0 +1,113 @@
+"""Float32 inside a host through shared memory (hvd_aps._host_memory), with real processes: every
+local rank's alltoall and allgather results against NumPy, message after message; nothing left
+in /dev/shm; a peer that dies is reported, not waited for; a full /dev/shm is an error that says
+what to do; files of dead processes are swept."""
+import errno
+import multiprocessing
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+from hvd_aps import _host_memory
+from hvd_aps._host_memory import HostMemory
+
+pytestmark = pytest.mark.skipif(not _host_memory.available(), reason="needs /dev/shm and the host engine")
+ROUNDS = 4  # more than the two messages after which a box's file is unlinked
+WORLD = 3
+
+
+def message(rank, step, n):
+    return np.random.default_rng([rank, step]).standard_normal(n).astype(np.float32)
+
+
+def splits_of(step):
+    return [step + 1, 7, 2 * step]  # per destination, the same on every rank (the exchange's host scatter)
+
+
+def local_rank(job, pids, rank, results):
+    memory = HostMemory(job, 0, pids, rank)
+    for step in range(ROUNDS):
+        send = message(rank, step, sum(splits_of(step)))
+        results.put((rank, step, "alltoall", memory.alltoall(send, splits_of(step), "scatter")))
+        results.put((rank, step, "allgather", memory.allgather(message(rank, step, 5 + rank), "gather")))
+    memory.close()
+
+
+def launch(target, *extra):
+    """WORLD processes running target(job, pids, rank, results, *extra) -> (procs, results queue, job)."""
+    ctx = multiprocessing.get_context("fork")
+    job, results, pid_queue = secrets.token_hex(4), ctx.Queue(), ctx.Queue()
+    barrier = ctx.Barrier(WORLD)
+    shared = ctx.Array("q", WORLD)  # every rank's pid
+
+    def child(rank):
+        shared[rank] = os.getpid()
+        barrier.wait()
+        target(job, list(shared), rank, results, *extra)
+
+    procs = [ctx.Process(target=child, args=(r,)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    return procs, results, job
+
+
+def leftovers(job):
+    return [f for f in os.listdir(_host_memory.DIRECTORY) if f".{job}." in f]
+
+
+def test_alltoall_and_allgather_match_numpy_every_message_and_leave_nothing():
+    procs, results, job = launch(local_rank)
+    got = {}
+    for _ in range(WORLD * ROUNDS * 2):
+        rank, step, kind, value = results.get(timeout=60)
+        got[rank, step, kind] = value
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for step in range(ROUNDS):
+        bounds = np.cumsum([0] + splits_of(step))
+        for rank in range(WORLD):
+            want = np.concatenate([message(w, step, bounds[-1])[bounds[rank]:bounds[rank + 1]] for w in range(WORLD)])
+            assert got[rank, step, "alltoall"].tobytes() == want.tobytes()
+            gathered = np.concatenate([message(w, step, 5 + w) for w in range(WORLD)])
+            assert got[rank, step, "allgather"].tobytes() == gathered.tobytes()
+    assert leftovers(job) == []
+
+
+def dies_after_one(job, pids, rank, results):
+    memory = HostMemory(job, 0, pids, rank)
+    memory.allgather(np.zeros(4, np.float32), "gather")
+    if rank == 1:
+        os._exit(3)  # no cleanup: as a crash
+    try:
+        memory.allgather(np.zeros(4, np.float32), "gather")
+        memory.allgather(np.zeros(4, np.float32), "gather")
+        results.put((rank, "no error"))
+    except RuntimeError as err:
+        results.put((rank, str(err)))
+
+
+def test_a_peer_that_exits_is_reported_and_its_files_are_swept():
+    procs, results, job = launch(dies_after_one)
+    errors = dict(results.get(timeout=60) for _ in range(WORLD - 1))
+    for p in procs:
+        p.join(timeout=30)
+    for rank in (0, 2):
+        assert "local rank 1" in errors[rank] and "exited" in errors[rank]
+    _host_memory.sweep()  # the dead rank's box was never unlinked
+    assert leftovers(job) == []
+
+
+def test_a_full_dev_shm_says_what_to_do(monkeypatch, tmp_path):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    box = _host_memory._Box(str(tmp_path / "box"), 2, create=True)
+    try:
+        with pytest.raises(RuntimeError, match="shm-size"):
+            box.reserve(1 << 20)
+    finally:
+        box.close()
