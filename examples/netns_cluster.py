@@ -138,9 +138,10 @@ def run_job(names, compression, args):
                 procs.append(subprocess.Popen(cmd, env=rank_env(host, local, len(names), per_host, port),
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=args.timeout) for p in procs]
-        for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
-            if p.returncode:
-                raise RuntimeError(f"{compression}: rank {rank} failed ({p.returncode}):\n{out[-1000:]}\n{err[-4000:]}")
+        failed = [f"rank {rank} failed ({p.returncode}):\n{out[-1000:]}\n{err[-3000:]}"
+                  for rank, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode]
+        if failed:  # every failed rank's own words: the first to fail is often not rank 0
+            raise RuntimeError(f"{compression}: " + "\n".join(failed))
         return json.loads(outs[0][0].strip().splitlines()[-1])
     finally:
         for p in procs:

@@ -55,9 +55,13 @@ class _Box:
     def __init__(self, path: str, world: int, create: bool):
         self.path, self.world = path, world
         self.header = -(-(LINE * (1 + world) + 16 * world) // PAGE) * PAGE
-        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        if create:
+        if create:  # made whole under another name, then renamed: a peer never maps a short file
+            making = f"{path}.making"
+            self.fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(self.fd, self.header + CAPACITY)
+            os.rename(making, path)
+        else:
+            self.fd = os.open(path, os.O_RDWR)
         self.map = mmap.mmap(self.fd, self.header + CAPACITY)
         self.words = np.frombuffer(self.map, np.int64, count=self.header // 8)
         self.data = np.frombuffer(self.map, np.uint8, offset=self.header)
