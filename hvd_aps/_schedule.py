@@ -19,7 +19,7 @@ from one to the next, so codes must be CODES_MARGIN faster over STEP_TRIALS step
 kept. The next step's exchanges carry both medians on their metadata Max-allreduce, and when
 that step commits every rank decides alike, for every bucket (never within a step, whose
 exchanges must all run the same way). The decisions are in the compressor's state_dict, so a
-resumed run keeps them (and a run can pin them).
+resumed run keeps them.
 """
 import dataclasses
 import logging
@@ -38,7 +38,7 @@ STEP_TRIALS = BLOCK_STEPS * TRIAL_ORDER.count("codes")
 WARMUP_STEPS = 1  # untimed steps at the start of each block
 TRIAL_STEPS = len(TRIAL_ORDER) * (WARMUP_STEPS + BLOCK_STEPS)  # from the fixed chunking to the deciding step
 # policy="auto" keeps codes only where their median step is this much shorter than the native one:
-# the medians of five steps that vary by a quarter differ by about that much for equal policies
+# the medians of six steps that vary by a quarter differ by about that much for equal policies
 CODES_MARGIN = 0.05
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
 log = logging.getLogger("hvd_aps")

@@ -40,7 +40,7 @@ class Wire(_Choice):
 
 class Policy(_Choice):
     CODES = "codes"  # every bucket sends codes
-    AUTO = "auto"    # a bucket whose codes take longer than the framework's own allreduce sends that instead
+    AUTO = "auto"    # whole steps timed both ways; every bucket sends codes only if their steps are clearly shorter
 
 
 class Fallback(_Choice):
@@ -76,7 +76,9 @@ class APSConfig:
             lets the framework's allreduce carry the values in float16 (float32 for formats
             float16 cannot hold): 2x less than fp32 at most.
         bucket_bytes: float32 gradient bytes fused into one codes exchange.
-        min_elements: on the codes path, smaller tensors take the framework's plain allreduce.
+        min_elements: through Horovod (its optimizers and allreduce, hvd_aps.torch's optimizer),
+            smaller tensors take the framework's plain allreduce; the DDP hook and FSDP exchange
+            the buckets and rows the framework hands them whole.
         error_feedback: on the codes path, each rank adds what the last step's encode lost (its
             residual) to the gradient before encoding, and each range's owner does the same for
             its re-encode of the sum (1-bit SGD, EF-SGD, two-sided); residuals are state.
@@ -90,9 +92,10 @@ class APSConfig:
             same bits whatever it is.
         hierarchical: None picks two levels (float32 inside a host, codes between hosts) where
             several hosts each hold several ranks, flat codes otherwise; True / False force it.
-        policy: Policy.CODES always sends codes; AUTO sends a bucket through the framework's own
-            allreduce (in `fallback`) where measured times say codes do not pay. AUTO changes
-            what is sent, so it is opt-in; its decisions are in state_dict() for reproducible runs.
+        policy: Policy.CODES always sends codes; AUTO times whole steps with codes and with the
+            framework's own allreduce (in `fallback`) and sends every bucket the faster way
+            (codes only if clearly faster). AUTO changes what is sent, so it is opt-in; its
+            decision is in state_dict(), so a resumed run keeps it.
         fallback: the dtype policy="auto" sends in (float32, or float16 / bfloat16 where the
             user allows the 16-bit cast).
     """
