@@ -49,7 +49,7 @@ def sh(*cmd, ns=None, check=True):
 
 
 @contextlib.contextmanager
-def cluster(hosts, rate):
+def cluster(hosts, rate, queue="100ms"):
     """Namespaces <RUN>-h0.. with address 10.77.0.(i+1) on iface hvd0, bridged in the switch
     namespace; both directions of every link capped at `rate` (None: uncapped)."""
     names = [f"{RUN}-h{i}" for i in range(hosts)]
@@ -72,7 +72,7 @@ def cluster(hosts, rate):
             if rate:
                 for dev, where in (("hvd0", ns), (f"{links[i]}s", SWITCH)):
                     sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "1mb",
-                       "latency", "100ms", ns=where)
+                       "latency", queue, ns=where)
             # Gloo contexts (Horovod's process sets, torch.distributed) resolve the machine's
             # hostname: map it to this host's address
             etc = pathlib.Path("/etc/netns") / ns
@@ -127,7 +127,8 @@ def run_job(names, compression, args):
         framework, _, name = compression.rpartition(":")
         for host, ns in enumerate(names):
             for local in range(per_host):
-                prefix = args.rank_prefix.format(rank=host * per_host + local, compression=name).split()
+                prefix = args.rank_prefix.format(rank=host * per_host + local,
+                                                 compression=compression.replace(":", "_")).split()
                 cmd = ["ip", "netns", "exec", ns, *prefix, sys.executable, str(EXAMPLES / BENCHMARKS[framework]),
                        "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden), "--profile",
                        args.profile, "--num-iters", str(args.iters), "--batch-size", str(args.batch_size),
@@ -142,7 +143,8 @@ def run_job(names, compression, args):
                   for rank, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode]
         if failed:  # every failed rank's own words: the first to fail is often not rank 0
             raise RuntimeError(f"{compression}: " + "\n".join(failed))
-        return json.loads(outs[0][0].strip().splitlines()[-1])
+        # the benchmark's JSON line: the last one, whatever a --rank-prefix command prints after it
+        return json.loads(next(line for line in reversed(outs[0][0].splitlines()) if line.startswith("{")))
     finally:
         for p in procs:
             p.kill()
@@ -253,6 +255,8 @@ def main():
     parser.add_argument("--hosts", default="2,4", help="host counts to run")
     parser.add_argument("--ranks-per-host", type=int, default=1)
     parser.add_argument("--rates", default="1gbit,10gbit,none", help="tc tbf rates; none = uncapped")
+    parser.add_argument("--queue", default="100ms", help="tc tbf latency: how long a packet may wait in a "
+                        "capped link's queue (a switch port's buffer; 100ms: deep)")
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS))
     parser.add_argument("--profile", default="mlp", help="the benchmarks' profile (examples/synthetic_models.py)")
     parser.add_argument("--hidden", type=int, default=2048, help="mlp: 4 x hidden^2 parameters; transformer: width")
@@ -281,7 +285,7 @@ def main():
     rows = []
     for hosts in (int(h) for h in args.hosts.split(",")):
         for rate in (None if r == "none" else r for r in args.rates.split(",")):
-            with cluster(hosts, rate) as names:
+            with cluster(hosts, rate, args.queue) as names:
                 results = repeated(names, args.compressions.split(","), args)
             rows += table(results, hosts, args.ranks_per_host, rate, args)
             if args.json:  # after every table: a long run that stops early keeps what it measured
