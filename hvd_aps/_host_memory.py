@@ -186,31 +186,29 @@ class HostMemory(exchange.Eager):
         with self._lock:
             box = self._peers.get(key)
         if box is None:
-            path, delay, checked = self.path(writer, name), POLL_FIRST, time.monotonic()
-            while not os.path.exists(path):
-                checked = self._pause(delay, checked, writer, name)
-                delay = min(2 * delay, POLL_MAX)
+            path = self.path(writer, name)
+            self._until(lambda: os.path.exists(path), writer, name)
             box = _Box(path, self.world, create=False)
             with self._lock:
                 self._peers[key] = box
         return box
 
     def _wait(self, box: _Box, word: int, value: int, peer: int, name: str) -> None:
-        """Until the counter at `word` of `box` reaches `value`; raises if `peer` exits meanwhile."""
-        delay, checked = POLL_FIRST, time.monotonic()
-        while box.counter(word) < value:
-            checked = self._pause(delay, checked, peer, name)
-            delay = min(2 * delay, POLL_MAX)
+        """Until the counter at `word` of `box` reaches `value`."""
+        self._until(lambda: box.counter(word) >= value, peer, name)
 
-    def _pause(self, delay: float, checked: float, peer: int, name: str) -> float:
-        time.sleep(delay)
-        now = time.monotonic()
-        if now - checked < LIVENESS_SECONDS:
-            return checked
-        if not _alive(self.pids[peer]):
-            raise RuntimeError(f"hvd_aps: local rank {peer} of this host (pid {self.pids[peer]}) exited while this "
-                               f"rank waited for it in {name}")
-        return now
+    def _until(self, done: Callable[[], bool], peer: int, name: str) -> None:
+        """Until done(), looking again after sleeps growing from POLL_FIRST to POLL_MAX; raises if
+        local rank `peer`, whom this rank waits for, exits meanwhile."""
+        delay, checked = POLL_FIRST, time.monotonic()
+        while not done():
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_MAX)
+            if time.monotonic() - checked >= LIVENESS_SECONDS:
+                if not _alive(self.pids[peer]):
+                    raise RuntimeError(f"hvd_aps: local rank {peer} of this host (pid {self.pids[peer]}) exited "
+                                       f"while this rank waited for it in {name}")
+                checked = time.monotonic()
 
     def close(self) -> None:
         """Unmap every box and remove this rank's files."""

@@ -127,7 +127,7 @@ class Subgroup(Collectives):
     def stage(self, fn, inputs, dtypes):
         return self.whole.stage(fn, inputs, dtypes)
 
-    def _spread(self, splits):
+    def _whole_splits(self, splits):
         full, = self.whole.stage(lambda s: (_spread(s, self.members, self.whole.world),), [splits], [np.int32])
         return full
 
@@ -146,13 +146,13 @@ class Subgroup(Collectives):
         return out
 
     def alltoall(self, send, splits, name):
-        return self.whole.alltoall(send, self._spread(splits), name)
+        return self.whole.alltoall(send, self._whole_splits(splits), name)
 
     def allgather(self, message, name):
         return self.whole.alltoall(*self._to_members(message), name)
 
     def alltoall_start(self, send, splits, name):
-        return self.whole.alltoall_start(send, self._spread(splits), name)
+        return self.whole.alltoall_start(send, self._whole_splits(splits), name)
 
     def allgather_start(self, message, name):
         return self.whole.alltoall_start(*self._to_members(message), name)
@@ -198,9 +198,11 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
         return _native(stages, bucket, flats, levels.world, outs, divisor)
     started = time.perf_counter()
     if levels.local is not None:
-        held_bucket, data, slice_outs, slice_message = _scatter(bucket, flats, levels.local, stages.state.buffers)
+        slices = _layout.slices(bucket.sizes, levels.local.world)
+        held_bucket, data, slice_outs, slice_message = _scatter(bucket, slices, flats, levels.local,
+                                                                stages.state.buffers)
         # every cross group cuts as many chunks (Subgroups of one whole group call its collectives together)
-        chunked = max(sum(s.size for s in segs) for segs in _layout.slices(bucket.sizes, levels.local.world))
+        chunked = max(sum(s.size for s in segs) for segs in slices)
     else:
         held_bucket, data, slice_outs, slice_message = bucket, flats, outs, None
         chunked = None
@@ -224,7 +226,7 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
                                                                graph_chunk_bytes)
     results = _pipeline(stages, held, token, data, coll, bucket.name, chunks, len(held_bucket.segments))
     if levels.local is not None:
-        results = _gather(bucket, results, levels.local, outs, slice_message)
+        results = _gather(bucket, slices, results, levels.local, outs, slice_message)
     if coll.eager:
         schedule.measured(bucket.name, candidate, time.perf_counter() - started)
     return results
@@ -276,11 +278,10 @@ def _graph_chunks(elements: int, chunk_bytes: int) -> int:
     return max(1, -(-elements // (chunk_bytes // 4))) if chunk_bytes > 0 else 1
 
 
-def _scatter(bucket: Bucket, flats: list, local: Collectives, buffers) -> tuple:
-    """Two levels, step 0: (this local rank's Bucket of slice segments, their host sums, where
-    the results of its slice go, and (eagerly) the one padded buffer they lie in, which the host's
-    allgather then sends as it is)."""
-    slices = _layout.slices(bucket.sizes, local.world)
+def _scatter(bucket: Bucket, slices: list, flats: list, local: Collectives, buffers) -> tuple:
+    """Two levels, step 0, `slices` the bucket's per local rank (_layout.slices): (this local
+    rank's Bucket of slice segments, their host sums, where the results of its slice go, and
+    (eagerly) the one padded buffer they lie in, which the host's allgather then sends as it is)."""
     mine = Bucket(bucket.name, bucket.keys, bucket.labels, bucket.sizes, slices[local.rank])
     lens = [sum(s.size for s in segs) for segs in slices]
     offsets = np.cumsum([0] + [s.size for s in mine.segments])
@@ -313,10 +314,9 @@ def _scatter(bucket: Bucket, flats: list, local: Collectives, buffers) -> tuple:
     return mine, data, [message[a:b] for a, b in zip(offsets[:-1], offsets[1:])], message
 
 
-def _gather(bucket: Bucket, results: list, local: Collectives, outs, message) -> list:
+def _gather(bucket: Bucket, slices: list, results: list, local: Collectives, outs, message) -> list:
     """Two levels, step 6: every local rank's result slice, into one flat per tensor. `message`:
     the padded buffer the results lie in (eager), else they are packed into one here."""
-    slices = _layout.slices(bucket.sizes, local.world)
     lens = [sum(s.size for s in segs) for segs in slices]
 
     def pack(*results):
