@@ -8,9 +8,10 @@ every peer copies its part out of the box and acknowledges; a box is written aga
 every peer acknowledged its last message. Boxes are sparse files under /dev/shm (tmpfs keeps
 only the pages written), reserved with posix_fallocate before they are written, so a /dev/shm
 too small for a bucket (Docker's default is 64 MiB) raises an error that says so instead of a
-SIGBUS. A box's file is unlinked once every peer has mapped it, so a job leaves nothing behind
-however it ends; the files of a process that died before that are removed by the next job that
-opens boxes on the host. A rank waiting for a peer that exited raises instead of hanging.
+SIGBUS. A box's file is unlinked once every peer has mapped it (at the second message, or when
+the rank closes and every peer has read the last one), so a job leaves nothing behind however
+it ends; the files of a process that died before that are removed by the next job that opens
+boxes on the host. A rank waiting for a peer that exited raises instead of hanging.
 
 CUDA arrays never come here: they go through `fallback`, the framework's own collectives of the
 same ranks (NCCL over NVLink).
@@ -36,6 +37,7 @@ LINE = 64           # bytes: each counter on its own cache line
 PAGE = 4096
 POLL_FIRST, POLL_MAX = 20e-6, 1e-3  # seconds between looks at a peer's counter, growing
 LIVENESS_SECONDS = 1.0              # how often a rank that waits checks that its peers still run
+CLOSE_SECONDS = 30.0                # how long close() waits for peers to read this rank's last messages
 _FILE = re.compile(rf"^{PREFIX}\.\w+\.h\d+\.(\d+)\.")
 
 
@@ -67,7 +69,7 @@ class _Box:
         self.data = np.frombuffer(self.map, np.uint8, offset=self.header)
         self.address = self.words.ctypes.data
         self.reserved = 0
-        self.linked = True
+        self.linked = create  # the writer's to remove: a reader's unlink could come before another's open
 
     def counter(self, word: int) -> int:
         return _host_engine.load_acquire(self.address + 8 * word)
@@ -103,8 +105,9 @@ class _Box:
             except FileNotFoundError:
                 pass
 
-    def close(self) -> None:
-        self.unlink()
+    def close(self, unlink: bool = True) -> None:
+        if unlink:
+            self.unlink()
         del self.words, self.data
         self.map.close()
         os.close(self.fd)
@@ -210,17 +213,31 @@ class HostMemory(exchange.Eager):
                                        f"while this rank waited for it in {name}")
                 checked = time.monotonic()
 
-    def close(self) -> None:
-        """Unmap every box and remove this rank's files."""
+    def close(self, wait: float = CLOSE_SECONDS) -> None:
+        """Unmap every box and remove this rank's files, once every peer has read the last message
+        (up to `wait` seconds: a peer may not have opened the box yet, and a file removed before
+        it does can never be found). A box still unread is left for the sweep of a later job."""
         with self._lock:
-            boxes = list(self._own.values()) + list(self._peers.values())
+            own, peers, sent = self._own, list(self._peers.values()), self._sent
             self._own, self._peers, self._sent = {}, {}, {}
-        for box in boxes:
+        deadline = time.monotonic() + wait
+        for name, box in own.items():
+            box.close(unlink=self._read(box, sent.get(name, 0), deadline))
+        for box in peers:
             box.close()
 
+    def _read(self, box: _Box, count: int, deadline: float) -> bool:
+        """Whether every peer still running acknowledged message `count` of `box` by `deadline`."""
+        waiting = [r for r in range(self.world) if r != self.rank]
+        while True:
+            waiting = [r for r in waiting if box.counter(box.ack_word(r)) < count and _alive(self.pids[r])]
+            if not waiting or time.monotonic() >= deadline:
+                return not waiting
+            time.sleep(POLL_MAX)
+
     def __del__(self):
-        for box in getattr(self, "_own", {}).values():
-            box.unlink()
+        if getattr(self, "_own", None):
+            self.close(wait=0.0)
 
 
 def place() -> tuple:

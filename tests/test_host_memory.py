@@ -1,11 +1,12 @@
 """Float32 inside a host through shared memory (hvd_aps._host_memory), with real processes: every
 local rank's alltoall and allgather results against NumPy, message after message; nothing left
-in /dev/shm; a peer that dies is reported, not waited for; a full /dev/shm is an error that says
+in /dev/shm; a rank that closes before a slow peer read its message; a peer that dies is reported, not waited for; a full /dev/shm is an error that says
 what to do; files of dead processes are swept."""
 import errno
 import multiprocessing
 import os
 import secrets
+import time
 
 import numpy as np
 import pytest
@@ -73,6 +74,26 @@ def test_alltoall_and_allgather_match_numpy_every_message_and_leave_nothing():
             assert got[rank, step, "alltoall"].tobytes() == want.tobytes()
             gathered = np.concatenate([message(w, step, 5 + w) for w in range(WORLD)])
             assert got[rank, step, "allgather"].tobytes() == gathered.tobytes()
+    assert leftovers(job) == []
+
+
+def closes_at_once(job, pids, rank, results):
+    memory = HostMemory(job, 0, pids, rank)
+    if rank == 0:
+        time.sleep(1.0)  # the others read its message and close before it opens their boxes
+    results.put((rank, memory.allgather(message(rank, 0, 3 + rank), "gather")))
+    memory.close()
+
+
+def test_a_rank_that_closes_first_leaves_its_message_for_a_late_peer():
+    procs, results, job = launch(closes_at_once)
+    got = dict(results.get(timeout=30) for _ in range(WORLD))
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    gathered = np.concatenate([message(w, 0, 3 + w) for w in range(WORLD)])
+    for rank in range(WORLD):
+        assert got[rank].tobytes() == gathered.tobytes()
     assert leftovers(job) == []
 
 
