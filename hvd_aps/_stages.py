@@ -79,6 +79,7 @@ class Agreement:
     seeds: dict         # tensor -> stochastic rounding seed of this rank's encode
     encoded: list       # per segment: elements encoded so far (stats are recorded when all are)
     padded: bool        # every owner's reduced message padded to the longest
+    lanes_of: tuple     # per tensor: its lane, -1 in the fallback (alike on every rank)
     stats: dict = dataclasses.field(default_factory=dict)
     bytes_sent: int = 0
     lock: object = dataclasses.field(default_factory=threading.Lock)  # graph stages may run at once
@@ -141,8 +142,15 @@ class CodesExchange:
                             count) for n, fmt in enumerate(self.fmts)]
         seeds = {t: self.state.seed_for(self.global_rank, bucket.keys[t], SEND) for t in range(len(amaxes))
                  } if self.config.rounding == "stochastic" else {}
+        lanes_of = tuple(int(w) if f else -1 for f, w in zip(finite, wide))
         return Agreement(bucket, data, outs, shifts, fallback, lanes, count, divisor, seeds,
-                         [0] * len(bucket.segments), padded)
+                         [0] * len(bucket.segments), padded, lanes_of)
+
+    def owned(self, a: Agreement) -> list:
+        """(tensor, start, size) of every share this rank owns and re-encodes: where its owner
+        residuals lie."""
+        return [(a.bucket.segments[lane.index[k]].tensor, start, size)
+                for lane in a.lanes for k, (start, size) in lane.owned.items()]
 
     def check(self, bucket: Bucket, agreed) -> tuple:
         """The metadata allreduce's result checked (every rank configured alike, with the same

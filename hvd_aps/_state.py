@@ -1,8 +1,9 @@
 """ExchangeState: what a compressor keeps between exchanges, with one owner.
 
 Grouped as torch's PowerSGDState is:
-- internal state: error-feedback residuals (one per tensor key, side and segment), each tensor's
-  count of finished exchanges (stochastic rounding's step), the schedule's measurements and
+- internal state: error-feedback residuals (one per tensor key, side and segment) and the layout
+  each was committed under (so a bucket laid out anew moves them), each tensor's count of
+  finished exchanges (stochastic rounding's step), the schedule's measurements and
   decisions (hvd_aps._schedule), reusable buffers;
 - the threads exchanges run on (created on first use, stopped by close()).
 
@@ -68,6 +69,7 @@ class ExchangeState:
         self._lock = threading.RLock()
         self._residuals, self._spare, self._pending = {}, {}, set()
         self._steps, self._stepped = {}, set()
+        self._layouts, self._laid_out = {}, {}
         self.buffers = BufferPool()
         self._workers, self._closed = None, False
 
@@ -93,6 +95,34 @@ class ExchangeState:
             self._pending.add(key)
             return spare
 
+    # layouts: where each tensor's residuals lie among the ranks ------------------------------------
+    def moved(self, keys, side: str, signature: str) -> bool:
+        """Whether residuals of these tensors on `side` were committed under another layout than
+        `signature` (a bucket DDP rebuilt, a checkpoint resumed on other buckets): they must move
+        to the ranks that hold those elements now. The same answer on every rank, as long as every
+        rank's state has seen the same steps: all ranks start fresh, or all load their own
+        state_dict of the same step (forget_shards() clears the records when the world changes)."""
+        with self._lock:
+            return any(self._layouts.get((key, side), signature) != signature for key in keys)
+
+    def laid_out(self, keys, side: str, signature: str) -> None:
+        """This step's residuals of these tensors on `side` lie as `signature` says (at commit)."""
+        with self._lock:
+            self._laid_out.update({(key, side): signature for key in keys})
+
+    def held(self, keys, side: str) -> dict:
+        """This rank's committed residuals of these tensors on `side`: {(key, side, start): array}."""
+        wanted = set(keys)
+        with self._lock:
+            return {k: r for k, r in self._residuals.items() if k[1] == side and k[0] in wanted}
+
+    def moved_in(self, keys, side: str, residuals: dict) -> None:
+        """Committed residuals of these tensors on `side` replaced by those that moved here."""
+        with self._lock:
+            for key in list(self.held(keys, side)):
+                del self._residuals[key]
+            self._residuals.update(residuals)
+
     # steps ----------------------------------------------------------------------------------------
     def step_of(self, tensor_key: str) -> int:
         """How many exchanges of this tensor have committed."""
@@ -113,8 +143,10 @@ class ExchangeState:
                     del self._spare[key]
             for tensor_key in self._stepped:
                 self._steps[tensor_key] = self._steps.get(tensor_key, 0) + 1
+            self._layouts.update(self._laid_out)
             self._pending.clear()
             self._stepped.clear()
+            self._laid_out.clear()
             self.schedule.commit()
 
     def rollback(self) -> None:
@@ -122,6 +154,7 @@ class ExchangeState:
         with self._lock:
             self._pending.clear()
             self._stepped.clear()
+            self._laid_out.clear()
             self.schedule.rollback()
 
     def seed_for(self, rank: int, tensor_key: str, side: str) -> int:
@@ -141,11 +174,15 @@ class ExchangeState:
             return seed
 
     def forget_shards(self) -> None:
-        """The world changed (elastic reset): shard owners' residuals belong to the old layout."""
+        """The world changed (elastic reset): shard owners' residuals belong to the old layout,
+        and so does every record of where residuals lay (a rank that joins has none, and moving
+        residuals is a collective that every rank must agree to run)."""
         with self._lock:
             for store in (self._residuals, self._spare):
                 for key in [k for k in store if k[1] == OWNER]:
                     del store[key]
+            self._layouts.clear()
+            self._laid_out.clear()
             self.buffers.clear()
 
     # checkpoints ----------------------------------------------------------------------------------
@@ -153,14 +190,18 @@ class ExchangeState:
         """What resuming bit for bit needs: residuals (NumPy), step counts, seed, schedule."""
         with self._lock:
             residuals = {_name(key): _arrays.to_numpy(r).copy() for key, r in self._residuals.items()}
+            layouts = {f"{key}|{side}": signature for (key, side), signature in self._layouts.items()}
             return {"residuals": residuals, "steps": dict(self._steps), "seed": self.seed,
-                    "schedule": self.schedule.state_dict()}
+                    "layouts": layouts, "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         residuals = {_key(name): np.array(r, np.float32) for name, r in state["residuals"].items()}
         with self._lock:
             self._residuals, self._spare, self._pending = residuals, {}, set()
             self._steps, self._stepped = {k: int(v) for k, v in state["steps"].items()}, set()
+            self._layouts = {tuple(name.rsplit("|", 1)): signature
+                             for name, signature in state.get("layouts", {}).items()}
+            self._laid_out = {}
             self.seed = int(state["seed"])
             self.schedule.load_state_dict(state["schedule"])
 

@@ -175,7 +175,7 @@ class APSState:
         self.compressor, self.process_group = compressor, process_group
         self.buckets_exchanged = 0
         self._lock = threading.Lock()
-        self._steps, self._levels = _Steps(compressor.state), {}
+        self._steps, self._levels, self._keys = _Steps(compressor.state), {}, {}
         self._lanes = [(group_levels(process_group, compressor.config.hierarchical),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hvd_aps_ddp{lane}"))
                        for lane in range(self.LANES)]
@@ -190,6 +190,14 @@ class APSState:
         if key not in self._levels:
             self._levels[key] = levels_on(groups, device)
         return self._levels[key], thread
+
+    def keys(self, parameters) -> list:
+        """Names of these parameters for residuals and stochastic rounding: their order of first
+        appearance in the buckets, which is DDP's first step's bucket order in every process that
+        builds the same model (DDP rebuilds its buckets after that step, so a bucket's index and
+        place do not name a parameter from one step, or one process, to the next)."""
+        with self._lock:
+            return [self._keys.setdefault(id(p), f"ddp.param{len(self._keys)}") for p in parameters]
 
     def counted(self) -> None:
         with self._lock:
@@ -240,6 +248,7 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     buffer, grads, index = bucket.buffer(), bucket.gradients(), bucket.index()
     name = f"ddp.bucket{index}"
     state._steps.started(index, bucket.is_last())
+    keys = state.keys(bucket.parameters())
     if state.compressor.state.schedule.native(name):
         return _native(state, bucket, index)
     future = torch.futures.Future()
@@ -253,8 +262,7 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         # written); the buffer is the bucket's gradients end to end
         outs = ([_arrays.as_array(part) for part in buffer.view(-1).split([g.numel() for g in grads])]
                 if buffer.dtype == torch.float32 else None)
-        spec = Bucket.whole(name, [f"{name}[{i}]" for i in range(len(grads))], [f"{name}[{i}]" for i in range(len(grads))],
-                            [g.numel() for g in grads])
+        spec = Bucket.whole(name, keys, [f"{name}[{i}]" for i in range(len(grads))], [g.numel() for g in grads])
         means = exchange.run(stages, spec, flats, levels, outs=outs, average=True)
         if outs is None:
             buffer.copy_(torch.cat([torch.from_dlpack(mean) for mean in means]))

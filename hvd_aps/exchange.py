@@ -23,6 +23,7 @@ framework's own allreduce, from measured times.
 """
 import abc
 import dataclasses
+import hashlib
 import time
 from typing import Optional, Sequence
 
@@ -31,6 +32,7 @@ import numpy as np
 from . import _arrays, _layout
 from ._schedule import NATIVE
 from ._stages import Bucket
+from ._state import OWNER, SEND
 
 
 class Collectives(abc.ABC):
@@ -206,6 +208,11 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     else:
         held_bucket, data, slice_outs, slice_message = bucket, flats, outs, None
         chunked = None
+    parts = 1 if levels.local is None else levels.local.world
+    follow = stages.config.error_feedback and coll.eager
+    if follow and levels.local is not None:  # a host sum's residuals lie with its slice's local rank
+        _follow_layout(stages.state, bucket, SEND, _signature(bucket, parts), levels.local,
+                       [(s.tensor, s.start, s.size) for s in held_bucket.segments])
     held = {}  # what one stage hands the next: plain Python, so graph stages share it too
 
     def metadata(*arrays):
@@ -222,6 +229,10 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
         return (_TOKEN,)
 
     token, = levels.world.stage(agree, [agreed], [np.uint8])
+    if follow:  # a share's owner residual lies with its owner
+        a = held["a"]
+        _follow_layout(stages.state, bucket, OWNER, _signature(bucket, parts, coll.world, a.lanes_of), levels.world,
+                       stages.owned(a))
     chunks = held["a"].count if coll.eager else _graph_chunks(chunked or sum(s.size for s in held_bucket.segments),
                                                                graph_chunk_bytes)
     results = _pipeline(stages, held, token, data, coll, bucket.name, chunks, len(held_bucket.segments))
@@ -230,6 +241,34 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     if coll.eager:
         schedule.measured(bucket.name, candidate, time.perf_counter() - started)
     return results
+
+
+def _signature(bucket: Bucket, *layout) -> str:
+    """A name for where a bucket's elements lie among the ranks: equal on every rank and in every
+    process that lays the same tensors out alike."""
+    text = repr((bucket.keys, bucket.sizes, layout)).encode()
+    return hashlib.blake2b(text, digest_size=8).hexdigest()
+
+
+def _follow_layout(state, bucket: Bucket, side: str, signature: str, group: Collectives, holdings: list) -> None:
+    """Error feedback across layouts: where the bucket's residuals on `side` were committed under
+    another layout (DDP rebuilt its buckets, a checkpoint resumed on other buckets, the world
+    changed), each moves to the rank that holds its elements now, so no residual is lost or
+    applied to other elements. Every element's residual lies on one rank of `group`, zeros on
+    the others: a Max-allreduce of the float32 bits as unsigned integers (exact in float64)
+    hands each rank the residuals of `holdings`, (tensor, start, size) of what it holds now."""
+    if state.moved(bucket.keys, side, signature):
+        offsets = np.cumsum([0] + list(bucket.sizes))
+        where = dict(zip(bucket.keys, offsets[:-1]))
+        bits = np.zeros(int(offsets[-1]), np.float64)
+        for (key, _, start), residual in state.held(bucket.keys, side).items():
+            kept = _arrays.to_numpy(residual).view(np.uint32)[:max(bucket.sizes[bucket.keys.index(key)] - start, 0)]
+            bits[where[key] + start:where[key] + start + kept.size] = kept
+        agreed = _arrays.to_numpy(group.max_allreduce(bits, f"{bucket.name}.{side}_residuals"))
+        state.moved_in(bucket.keys, side, {
+            (bucket.keys[t], side, start): agreed[offsets[t] + start:offsets[t] + start + size].astype(np.uint32).view(
+                np.float32) for t, start, size in holdings})
+    state.laid_out(bucket.keys, side, signature)
 
 
 def reduce_scatter(stages, name: str, rows, coll: Collectives, out, divisor: float = 1):

@@ -1,0 +1,63 @@
+"""Checkpoint and resume bit for bit, under DDP with hvd_aps.ddp.aps_hook (real `torchrun`
+processes, Gloo on loopback) and under Horovod's DistributedOptimizer with APSCompressor
+(`horovodrun -np 2 --gloo`): train straight, or half, save (model, optimizer, compressor), and a
+fresh process loads and trains the rest. With error feedback (residuals that DDP's rebuilt
+buckets and the resumed process's first buckets lay out differently) and stochastic rounding
+(seeds from parameter names and steps), the two runs end on the same bits on every rank."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from horovod_run import WORKERS, free_port, horovodrun, load
+
+RANKS = 2
+
+
+def torchrun(tmp_path, mode):
+    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), str(WORKERS / "ddp_resume_checks.py"), str(tmp_path), mode]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-4000:]}"
+    return load(tmp_path, mode, RANKS)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    straight = torchrun(tmp, "straight")
+    torchrun(tmp, "first")
+    return straight, torchrun(tmp, "second")
+
+
+@pytest.mark.parametrize("setting", ["feedback", "stochastic", "feedback_one_bucket"])
+def test_straight_and_resumed_runs_end_on_the_same_bits(runs, setting):
+    straight, resumed = runs
+    for rank in range(RANKS):
+        assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)
+    assert straight[0][setting].tobytes() == straight[1][setting].tobytes()
+    assert np.isfinite(straight[0][setting]).all()
+
+
+@pytest.fixture(scope="module")
+def horovod_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("horovod_resume")
+    done = {}
+    for mode in ("straight", "first", "second"):
+        os.environ["HVD_APS_MODE"] = mode  # horovodrun hands its environment to the workers
+        try:
+            horovodrun("horovod_resume_checks.py", tmp)
+        finally:
+            del os.environ["HVD_APS_MODE"]
+        done[mode] = load(tmp, f"hvd_{mode}", RANKS)
+    return done["straight"], done["second"]
+
+
+@pytest.mark.parametrize("setting", ["feedback", "stochastic"])
+def test_horovod_optimizer_resumes_on_the_same_bits(horovod_runs, setting):
+    straight, resumed = horovod_runs
+    for rank in range(RANKS):
+        assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)

@@ -1,0 +1,69 @@
+"""Run under `torchrun --nproc-per-node 2` (Gloo on loopback) three times: `straight` trains
+STEPS steps; `first` trains STEPS // 2 and saves a checkpoint per rank (model, optimizer,
+compressor); `second`, a fresh process, loads it and trains the rest. DDP rebuilds its buckets
+after its first step in each process, so the resumed half starts on other buckets than the
+straight run had at that step. Each rank saves OUTDIR/<mode>_rank<r>.npz (final parameters per
+setting)."""
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hvd_aps
+import hvd_aps.ddp
+from common import leave_torchrun
+
+STEPS, WIDTH, LAYERS = 8, 256, 6
+SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11),
+            "feedback_one_bucket": dict(error_feedback=True)}
+BUCKET_MB = {"feedback": 0.5, "stochastic": 0.5, "feedback_one_bucket": 100}
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.set_num_threads(1)
+outdir, mode = sys.argv[1], sys.argv[2]
+
+
+def batches(step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, WIDTH, generator=gen), torch.randn(8, WIDTH, generator=gen)
+
+
+def train(setting, steps, checkpoint=None):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    ddp = DDP(net, bucket_cap_mb=BUCKET_MB[setting])
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    compressor = hvd_aps.APSCompressor("e3m0", **SETTINGS[setting])
+    state = hvd_aps.ddp.APSState(compressor)
+    ddp.register_comm_hook(state, hvd_aps.ddp.aps_hook)
+    if checkpoint is not None:
+        saved = torch.load(checkpoint, weights_only=False)
+        net.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        compressor.load_state_dict(saved["compressor"])
+    for step in steps:
+        x, y = batches(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    state.close()
+    return net, opt, compressor
+
+
+out = {}
+for setting in SETTINGS:
+    path = f"{outdir}/{setting}_rank{rank}.pt"
+    if mode == "straight":
+        net, _, _ = train(setting, range(STEPS))
+    elif mode == "first":
+        net, opt, compressor = train(setting, range(STEPS // 2))
+        torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
+                    "compressor": compressor.state_dict()}, path)
+    else:
+        net, _, _ = train(setting, range(STEPS // 2, STEPS), checkpoint=path)
+    out[setting] = torch.cat([p.detach().ravel() for p in net.parameters()]).numpy()
+np.savez(f"{outdir}/{mode}_rank{rank}.npz", **out)
+leave_torchrun()
