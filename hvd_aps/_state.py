@@ -187,7 +187,8 @@ class ExchangeState:
 
     # checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What resuming bit for bit needs: residuals (NumPy), step counts, seed, schedule."""
+        """What resuming bit for bit needs: residuals (NumPy), where they lay, step counts, seed,
+        schedule."""
         with self._lock:
             residuals = {_name(key): _arrays.to_numpy(r).copy() for key, r in self._residuals.items()}
             layouts = {f"{key}|{side}": signature for (key, side), signature in self._layouts.items()}
