@@ -1,9 +1,10 @@
-"""Checkpoint and resume bit for bit, under DDP with hvd_aps.ddp.aps_hook (real `torchrun`
-processes, Gloo on loopback) and under Horovod's DistributedOptimizer with APSCompressor
-(`horovodrun -np 2 --gloo`): train straight, or half, save (model, optimizer, compressor), and a
-fresh process loads and trains the rest. With error feedback (residuals that DDP's rebuilt
-buckets and the resumed process's first buckets lay out differently) and stochastic rounding
-(seeds from parameter names and steps), the two runs end on the same bits on every rank."""
+"""Checkpoint and resume bit for bit: DDP with hvd_aps.ddp.aps_hook and FSDP2 with hvd_aps.fsdp
+(real `torchrun` processes, Gloo on loopback), Horovod's DistributedOptimizer with APSCompressor
+and hvd_aps.torch.DistributedOptimizer (`horovodrun -np 2 --gloo`). Each trains straight, or
+half, saves (model, optimizer, compressor), and a fresh process loads and trains the rest. With
+error feedback (residuals that DDP's rebuilt buckets and the resumed process's first buckets
+lay out differently) and stochastic rounding (seeds from parameter names and steps), the two
+runs end on the same bits on every rank; without the compressor's state they do not."""
 import os
 import subprocess
 import sys
@@ -33,7 +34,7 @@ def runs(tmp_path_factory):
     return straight, torchrun(tmp, "second")
 
 
-@pytest.mark.parametrize("setting", ["feedback", "stochastic", "feedback_one_bucket"])
+@pytest.mark.parametrize("setting", ["feedback", "stochastic", "feedback_one_bucket", "fsdp"])
 def test_straight_and_resumed_runs_end_on_the_same_bits(runs, setting):
     straight, resumed = runs
     for rank in range(RANKS):
@@ -56,7 +57,7 @@ def horovod_runs(tmp_path_factory):
     return done["straight"], done["second"]
 
 
-@pytest.mark.parametrize("setting", ["feedback", "stochastic"])
+@pytest.mark.parametrize("setting", ["feedback", "stochastic", "codes_optimizer"])
 def test_horovod_optimizer_resumes_on_the_same_bits(horovod_runs, setting):
     straight, resumed = horovod_runs
     for rank in range(RANKS):

@@ -3,21 +3,24 @@ STEPS steps; `first` trains STEPS // 2 and saves a checkpoint per rank (model, o
 compressor); `second`, a fresh process, loads it and trains the rest. DDP rebuilds its buckets
 after its first step in each process, so the resumed half starts on other buckets than the
 straight run had at that step. Each rank saves OUTDIR/<mode>_rank<r>.npz (final parameters per
-setting)."""
+setting). The `fsdp` setting trains FSDP2 units with codes in their reduce-scatter instead."""
 import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_aps
 import hvd_aps.ddp
+import hvd_aps.fsdp
 from common import leave_torchrun
 
 STEPS, WIDTH, LAYERS = 8, 256, 6
 SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11),
-            "feedback_one_bucket": dict(error_feedback=True)}
+            "feedback_one_bucket": dict(error_feedback=True),
+            "fsdp": dict(error_feedback=True, rounding="stochastic", seed=3)}
 BUCKET_MB = {"feedback": 0.5, "stochastic": 0.5, "feedback_one_bucket": 100}
 
 dist.init_process_group("gloo")
@@ -31,14 +34,26 @@ def batches(step):
     return torch.randn(8, WIDTH, generator=gen), torch.randn(8, WIDTH, generator=gen)
 
 
+def wrapped(setting, net, compressor):
+    """(the module to call, what to close): DDP with the hook, or FSDP2 units with codes."""
+    if setting == "fsdp":
+        for layer in net:
+            fully_shard(layer)
+        fully_shard(net)
+        hvd_aps.fsdp.apply(net, compressor)
+        return net, compressor
+    ddp = DDP(net, bucket_cap_mb=BUCKET_MB[setting])
+    state = hvd_aps.ddp.APSState(compressor)
+    ddp.register_comm_hook(state, hvd_aps.ddp.aps_hook)
+    return ddp, state
+
+
 def train(setting, steps, checkpoint=None):
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    ddp = DDP(net, bucket_cap_mb=BUCKET_MB[setting])
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     compressor = hvd_aps.APSCompressor("e3m0", **SETTINGS[setting])
-    state = hvd_aps.ddp.APSState(compressor)
-    ddp.register_comm_hook(state, hvd_aps.ddp.aps_hook)
+    ddp, state = wrapped(setting, net, compressor)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     if checkpoint is not None:
         saved = torch.load(checkpoint, weights_only=False)
         net.load_state_dict(saved["model"])
@@ -64,6 +79,6 @@ for setting in SETTINGS:
                     "compressor": compressor.state_dict()}, path)
     else:
         net, _, _ = train(setting, range(STEPS // 2, STEPS), checkpoint=path)
-    out[setting] = torch.cat([p.detach().ravel() for p in net.parameters()]).numpy()
+    out[setting] = torch.cat([getattr(p, "full_tensor", p.detach)().detach().ravel() for p in net.parameters()]).numpy()
 np.savez(f"{outdir}/{mode}_rank{rank}.npz", **out)
 leave_torchrun()

@@ -1,7 +1,8 @@
 """Run by tests/test_resume.py under `horovodrun -np 2 --gloo`, three times (mode in HVD_APS_MODE):
-`straight` trains STEPS steps through hvd.DistributedOptimizer with APSCompressor; `first`
-trains STEPS // 2 and saves a checkpoint per rank (model, optimizer, compressor); `second`, a
-fresh process, loads it and trains the rest. Each rank saves OUTDIR/hvd_<mode>_rank<r>.npz."""
+`straight` trains STEPS steps through hvd.DistributedOptimizer with APSCompressor (and through
+hvd_aps.torch.DistributedOptimizer, the codes optimizer); `first` trains STEPS // 2 and saves a
+checkpoint per rank (model, optimizer, compressor); `second`, a fresh process, loads it and
+trains the rest. Each rank saves OUTDIR/hvd_<mode>_rank<r>.npz."""
 import os
 import sys
 
@@ -10,9 +11,11 @@ import numpy as np
 import torch
 
 import hvd_aps
+import hvd_aps.torch
 
 STEPS, WIDTH, LAYERS = 8, 256, 6
-SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11)}
+SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11),
+            "codes_optimizer": dict(error_feedback=True, rounding="stochastic", seed=5)}
 
 hvd.init()
 rank = hvd.rank()
@@ -24,8 +27,9 @@ def train(setting, steps, checkpoint=None):
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     compressor = hvd_aps.APSCompressor("e3m0", bucket_bytes=1 << 19, **SETTINGS[setting])
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=net.named_parameters(), compression=compressor)
+    wrap = hvd_aps.torch.DistributedOptimizer if setting == "codes_optimizer" else hvd.DistributedOptimizer
+    opt = wrap(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), named_parameters=net.named_parameters(),
+               compression=compressor)
     if checkpoint is not None:
         saved = torch.load(checkpoint, weights_only=False)
         net.load_state_dict(saved["model"])
