@@ -4,7 +4,7 @@ and hvd_aps.torch.DistributedOptimizer (`horovodrun -np 2 --gloo`). Each trains 
 half, saves (model, optimizer, compressor), and a fresh process loads and trains the rest. With
 error feedback (residuals that DDP's rebuilt buckets and the resumed process's first buckets
 lay out differently) and stochastic rounding (seeds from parameter names and steps), the two
-runs end on the same bits on every rank; without the compressor's state they do not."""
+runs end on the same bits on every rank."""
 import os
 import subprocess
 import sys
