@@ -55,3 +55,44 @@ def leave_torchrun():
     import torch.distributed as dist
     dist.barrier()
     os._exit(0)
+
+
+
+def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, width=256):
+    """The resume checks' three runs (tests/test_resume.py): `straight` trains every step,
+    `first` half of them and saves a checkpoint (model, optimizer, compressor) per rank, `second`
+    loads it and trains the rest. build(setting) -> (net, the module to call, optimizer,
+    compressor, what closes it). Saves every setting's final parameters to
+    OUTDIR/<prefix><mode>_rank<r>.npz."""
+    import torch
+
+    def train(setting, span, checkpoint=None):
+        net, call, opt, compressor, close = build(setting)
+        if checkpoint is not None:
+            saved = torch.load(checkpoint, weights_only=False)
+            net.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+            compressor.load_state_dict(saved["compressor"])
+        for step in span:
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(8, width, generator=gen), torch.randn(8, width, generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(call(x), y).backward()
+            opt.step()
+        close()
+        return net, opt, compressor
+
+    out = {}
+    for setting in settings:
+        path = f"{outdir}/{prefix}{setting}_rank{rank}.pt"
+        if mode == "straight":
+            net, _, _ = train(setting, range(steps))
+        elif mode == "first":
+            net, opt, compressor = train(setting, range(steps // 2))
+            torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
+                        "compressor": compressor.state_dict()}, path)
+        else:
+            net, _, _ = train(setting, range(steps // 2, steps), checkpoint=path)
+        full = [getattr(p, "full_tensor", p.detach)().detach().ravel() for p in net.parameters()]  # FSDP: DTensors
+        out[setting] = torch.cat(full).numpy()
+    np.savez(f"{outdir}/{prefix}{mode}_rank{rank}.npz", **out)

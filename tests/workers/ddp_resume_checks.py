@@ -6,7 +6,6 @@ straight run had at that step. Each rank saves OUTDIR/<mode>_rank<r>.npz (final 
 setting). The `fsdp` setting trains FSDP2 units with codes in their reduce-scatter instead."""
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
@@ -15,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_aps
 import hvd_aps.ddp
 import hvd_aps.fsdp
-from common import leave_torchrun
+from common import leave_torchrun, straight_or_resumed
 
 STEPS, WIDTH, LAYERS = 8, 256, 6
 SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11),
@@ -27,11 +26,6 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.set_num_threads(1)
 outdir, mode = sys.argv[1], sys.argv[2]
-
-
-def batches(step):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, WIDTH, generator=gen), torch.randn(8, WIDTH, generator=gen)
 
 
 def wrapped(setting, net, compressor):
@@ -48,37 +42,14 @@ def wrapped(setting, net, compressor):
     return ddp, state
 
 
-def train(setting, steps, checkpoint=None):
+def build(setting):
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     compressor = hvd_aps.APSCompressor("e3m0", **SETTINGS[setting])
-    ddp, state = wrapped(setting, net, compressor)
+    call, closing = wrapped(setting, net, compressor)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    if checkpoint is not None:
-        saved = torch.load(checkpoint, weights_only=False)
-        net.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        compressor.load_state_dict(saved["compressor"])
-    for step in steps:
-        x, y = batches(step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-    state.close()
-    return net, opt, compressor
+    return net, call, opt, compressor, closing.close
 
 
-out = {}
-for setting in SETTINGS:
-    path = f"{outdir}/{setting}_rank{rank}.pt"
-    if mode == "straight":
-        net, _, _ = train(setting, range(STEPS))
-    elif mode == "first":
-        net, opt, compressor = train(setting, range(STEPS // 2))
-        torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
-                    "compressor": compressor.state_dict()}, path)
-    else:
-        net, _, _ = train(setting, range(STEPS // 2, STEPS), checkpoint=path)
-    out[setting] = torch.cat([getattr(p, "full_tensor", p.detach)().detach().ravel() for p in net.parameters()]).numpy()
-np.savez(f"{outdir}/{mode}_rank{rank}.npz", **out)
+straight_or_resumed(build, SETTINGS, "", outdir, mode, rank, STEPS, WIDTH)
 leave_torchrun()
