@@ -117,39 +117,45 @@ def rank_env(host, local, hosts, per_host, port):
                 GROUP_RANK=str(host))
 
 
-def run_job(names, compression, args):
-    per_host = args.ranks_per_host
+def launch(names, per_host, argv, timeout, rank_prefix="", label=""):
+    """Run the example `argv` (a script in examples/ and its arguments) as every rank of the
+    cluster, per_host ranks in each host namespace, Horovod's rendezvous served from the switch
+    namespace; returns rank 0's JSON line (the last one, whatever a rank_prefix command prints
+    after it). rank_prefix: a command every rank runs under, {rank} and {compression} (label)
+    filled in."""
     server = subprocess.Popen(["ip", "netns", "exec", SWITCH, sys.executable, __file__, "--serve",
                                f"{len(names)},{per_host}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     procs = []
     try:
         port = server.stdout.readline().strip()
-        framework, _, name = compression.rpartition(":")
         for host, ns in enumerate(names):
             for local in range(per_host):
-                prefix = args.rank_prefix.format(rank=host * per_host + local,
-                                                 compression=compression.replace(":", "_")).split()
-                cmd = ["ip", "netns", "exec", ns, *prefix, sys.executable, str(EXAMPLES / BENCHMARKS[framework]),
-                       "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden), "--profile",
-                       args.profile, "--num-iters", str(args.iters), "--batch-size", str(args.batch_size),
-                       "--hierarchical", args.hierarchical]
-                if args.chunk_bytes is not None:
-                    cmd += ["--chunk-bytes", str(args.chunk_bytes)]
-                cmd += args.benchmark_args.split()
+                prefix = rank_prefix.format(rank=host * per_host + local, compression=label).split()
+                cmd = ["ip", "netns", "exec", ns, *prefix, sys.executable, str(EXAMPLES / argv[0]), *argv[1:]]
                 procs.append(subprocess.Popen(cmd, env=rank_env(host, local, len(names), per_host, port),
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=args.timeout) for p in procs]
+        outs = [p.communicate(timeout=timeout) for p in procs]
         failed = [f"rank {rank} failed ({p.returncode}):\n{out[-1000:]}\n{err[-3000:]}"
                   for rank, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode]
         if failed:  # every failed rank's own words: the first to fail is often not rank 0
-            raise RuntimeError(f"{compression}: " + "\n".join(failed))
-        # the benchmark's JSON line: the last one, whatever a --rank-prefix command prints after it
+            raise RuntimeError(f"{label}: " + "\n".join(failed))
         return json.loads(next(line for line in reversed(outs[0][0].splitlines()) if line.startswith("{")))
     finally:
         for p in procs:
             p.kill()
         server.stdin.close()
         server.wait(timeout=30)
+
+
+def run_job(names, compression, args):
+    framework, _, name = compression.rpartition(":")
+    argv = [BENCHMARKS[framework], "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden),
+            "--profile", args.profile, "--num-iters", str(args.iters), "--batch-size", str(args.batch_size),
+            "--hierarchical", args.hierarchical]
+    if args.chunk_bytes is not None:
+        argv += ["--chunk-bytes", str(args.chunk_bytes)]
+    return launch(names, args.ranks_per_host, argv + args.benchmark_args.split(), args.timeout, args.rank_prefix,
+                  compression.replace(":", "_"))
 
 
 def repeated(names, compressions, args):
