@@ -5,7 +5,8 @@ capped link). Runs examples/pytorch_synthetic_benchmark.py for each compression 
 runs examples/tensorflow2_synthetic_benchmark.py, "ddp:" pytorch_ddp_synthetic_benchmark.py with
 torch.distributed ranks, "fsdp:" pytorch_fsdp_synthetic_benchmark.py), --repeats times each in
 alternating order, and prints the median step and the bytes leaving a host per step beside
-uncompressed and 16-bit peers of the same framework, the performance model and the floor. Needs
+uncompressed and 16-bit peers of the same framework and the floor (examples/perf_model_check.py
+holds the performance model, hvd_aps.perf, against these runs). Needs
 root (ip netns, tc); removes everything it made.
 
     sudo .venv/bin/python examples/netns_cluster.py [--hosts 2,4] [--ranks-per-host 1] \\
@@ -25,6 +26,7 @@ import subprocess
 import sys
 
 import hvd_aps
+from hvd_aps import perf
 
 EXAMPLES = pathlib.Path(__file__).parent
 # none, fp16: the framework's own; aps-*: APSCompressor on horovod.torch.DistributedOptimizer;
@@ -194,17 +196,6 @@ def ring_factor(compression, hosts, per_host):
     return 2 * per_host * (n - per_host) / n
 
 
-def model_seconds(result, compression, hosts, per_host, link_bytes_per_s):
-    """Predicted step with nothing overlapped: compute + the bytes leaving a host at the link rate
-    + codec passes at measured speed."""
-    params = result["params"]
-    wire = ring_factor(compression, hosts, per_host) * params * wire_bytes_per_element(compression) / link_bytes_per_s
-    codec = 4 * params / (result["codec_gbps"] * 1e9)  # one encode+decode of every gradient
-    if compression.rpartition(":")[2] in UNCOMPRESSED:
-        return result["compute"] + wire
-    return result["compute"] + wire + (1 + 1 / (hosts * per_host)) * codec / per_host
-
-
 def floor_seconds(result, compression, hosts, per_host, link_bytes_per_s):
     """The fastest the step can be: what cannot overlap the exchange (forward, optimizer step)
     plus the larger of backward and the wire time of the bytes leaving a host (uncapped: compute
@@ -225,10 +216,7 @@ def peers(compression, results):
 
 
 def rate_bytes(rate):
-    if rate is None:
-        return None
-    number, unit = rate[:-4], rate[-4:]
-    return float(number) * {"gbit": 1e9, "mbit": 1e6}[unit] / 8
+    return None if rate is None else perf.Link.parse(rate).bandwidth
 
 
 def table(results, hosts, per_host, rate, args):
@@ -237,21 +225,20 @@ def table(results, hosts, per_host, rate, args):
     params = next(iter(results.values()))["params"]
     print(f"\n{hosts} hosts x {per_host} ranks, link {rate or 'uncapped'}, {args.profile} profile, {params} parameters "
           f"(median of {args.repeats} alternating runs of {args.iters} steps; bytes: a host's tx counter per step)")
-    print(f"{'compression':>18} {'step s':>8} {'x none':>7} {'x best':>7} {'model s':>8} {'floor s':>8} "
+    print(f"{'compression':>18} {'step s':>8} {'x none':>7} {'x best':>7} {'floor s':>8} "
           f"{'x floor':>7} {'MB/step':>8} {'x none':>7}  schedule")
     rows = []
     for c, r in results.items():
         none, best = peers(c, results)
-        model = model_seconds(r, c, hosts, per_host, link) if link else None
         floor = floor_seconds(r, c, hosts, per_host, link)
-        row = dict(r, compression=c, rate=rate or "uncapped", hosts=hosts, ranks_per_host=per_host, model_step=model,
+        row = dict(r, compression=c, rate=rate or "uncapped", hosts=hosts, ranks_per_host=per_host,
                    floor_step=floor, step_ratio=r["step_median"] / none["step_median"] if none else None,
                    best_ratio=r["step_median"] / best["step_median"] if best else None,
                    bytes_ratio=r["tx_bytes_per_step"] / none["tx_bytes_per_step"] if none else None)
         rows.append(row)
         chosen = sorted({s["chosen"] for s in r.get("schedule") or []})
         print(f"{c:>18} {r['step_median']:8.3f} {row['step_ratio'] or 0:7.2f} {row['best_ratio'] or 0:7.2f} "
-              f"{model if model else float('nan'):8.3f} {floor:8.3f} {r['step_median'] / floor:7.2f} "
+              f"{floor:8.3f} {r['step_median'] / floor:7.2f} "
               f"{r['tx_bytes_per_step'] / 1e6:8.2f} {row['bytes_ratio'] or 0:7.3f}  {', '.join(chosen)}", flush=True)
     return rows
 

@@ -1,7 +1,7 @@
 """The README's figure from examples/netns_cluster.py's rows: median step time against link speed
 for the compressions given, one panel per host count.
 
-    python examples/plot_cluster.py results/never_mlp.json docs/link_speed.png [--compressions none,fp16,aps-e4m3,aps-e4m3-auto]
+    python examples/plot_cluster.py docs/cluster/schedule_mlp.json docs/link_speed.png [--compressions none,fp16,aps-e4m3,aps-e4m3-auto]
 """
 import argparse
 import json

@@ -19,7 +19,8 @@ import hvd_aps.ddp
 from digits_torch import add_arguments, cnn, digits, train
 import recipes
 
-TORCH_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+TORCH_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook,
+               "allreduce": default_hooks.allreduce_hook}
 
 
 def register(ddp, name, **options):

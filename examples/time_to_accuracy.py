@@ -15,7 +15,7 @@ and one figure per task (held-out quality against wall time, a panel per link):
     sudo .venv/bin/python examples/time_to_accuracy.py --cluster --tasks wide-mlp --hosts 2 \\
         --rates 1gbit,10gbit --seeds 0,1,2 --out results/tta
 
-Peers: ddp:none (DDP's allreduce), ddp:fp16, ddp:bf16 (torch's hooks), ddp:powersgd1 and
+Peers: ddp:none (DDP's allreduce), ddp:allreduce, ddp:fp16, ddp:bf16 (torch's hooks), ddp:powersgd1 and
 ddp:powersgd4 (torch's powerSGD_hook at that rank, plain allreduce for the first tenth of the
 steps: its documented warm-up), ddp:<recipe> (hvd_aps.ddp.aps_hook); hvd:none, hvd:fp16,
 hvd:<recipe> (horovod.torch.DistributedOptimizer with Horovod's or hvd_aps's compression, after

@@ -1,9 +1,15 @@
-"""Command line: `python -m hvd_aps formats` and `python -m hvd_aps probe --format e4m3 --ranks 8`."""
+"""Command line: `python -m hvd_aps formats`, `python -m hvd_aps probe --format e4m3 --ranks 8`,
+`python -m hvd_aps calibrate --out calibration.json` and
+`python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit`."""
 import argparse
+import re
 import sys
 
-from . import codec, emulate
+from . import calibration, codec, emulate, perf
 from .formats import PRESETS, FloatFormat
+
+_COUNT = re.compile(r"^\s*([0-9.]+)\s*([kmb]?)\s*$", re.IGNORECASE)
+_COUNT_SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}
 
 
 def _table(header, rows):
@@ -29,6 +35,81 @@ def probe_command(args):
     print(_table(["format", "scaling", "accumulate", "relative error"], rows))
 
 
+def calibrate_command(args):
+    print(f"timing the codes exchange as rank 0 of {args.world} ranks ({codec.engine_name()} engine)...",
+          file=sys.stderr)
+    result = calibration.calibrate([str(f) for f in args.format], args.world)
+    calibration.save(result, args.out)
+    rows = [(fmt, f"{c['fixed'] * 1e3:.3f}", f"{c['per_tensor'] * 1e3:.3f}", f"{c['per_element'] * 1e9:.3f}")
+            for fmt, c in result["codecs"].items()]
+    print(_table(["format", "ms per exchange", "ms per tensor", "ns per element"], rows))
+    print(f"\nwritten to {args.out}")
+
+
+def plan_command(args):
+    formats = [str(f) for f in args.format]
+    codecs = calibration.load(args.calibration) if args.calibration else {
+        fmt: calibration.fit_codec(fmt, args.hosts * args.ranks_per_host)[0] for fmt in formats}
+    missing = [f for f in formats if f not in codecs]
+    if missing:
+        raise SystemExit(f"{args.calibration} has no calibration for {', '.join(missing)}: "
+                         f"run python -m hvd_aps calibrate --format {missing[0]}")
+    work = perf.Workload(args.params, args.compute_ms / 1e3, optimizer=args.optimizer_ms / 1e3, tensors=args.tensors,
+                         shared_processor=not args.accelerator)
+    paths = [perf.Path("float32", 32), perf.Path("16-bit", 16)] + [
+        perf.Path(f"codes {f}", FloatFormat.parse(f).bits, codecs[f]) for f in formats]
+    clusters = [perf.Cluster(args.hosts, perf.Link.parse(rate, args.latency_us / 1e6), args.ranks_per_host)
+                for rate in args.links.split(",")]
+    print(f"{args.params:,} parameters, {args.compute_ms:g} ms compute a step, {args.hosts} hosts x "
+          f"{args.ranks_per_host} ranks{' (two levels)' if clusters[0].two_levels else ''}, the framework's "
+          f"allreduce against codes; predicted step (x float32's), and what its exchanges spend")
+    for rate, cluster in zip(args.links.split(","), clusters):
+        rows = perf.table(work, paths, cluster)
+        print(f"\n{rate} between hosts: fastest {min(rows, key=lambda row: row[1])[0].name}")
+        print(_table(["path", "step ms", "x float32", "on the links ms", "codec ms"],
+                     [(p.name, f"{t * 1e3:.1f}", f"{x:.2f}", *(f"{v * 1e3:.1f}" for v in perf.breakdown(work, p, cluster)))
+                      for p, t, x in rows]))
+    print()
+    for path in paths[2:]:
+        edge = min(perf.break_even(work, path, peer, clusters[0]) or 0.0 for peer in paths[:2])
+        print(f"{path.name} is faster than both below {_rate(edge)} between hosts" if edge else
+              f"{path.name} is faster than neither at any link speed from 1 Mbit/s up")
+    if args.plot:
+        _plot(args.plot, work, paths, clusters[0])
+
+
+def _plot(path, work, paths, cluster):
+    """Predicted step against the link speed between hosts, one line a path (matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    gbits = [0.1 * 10 ** (k / 20) for k in range(61)]  # 0.1 to 100 Gbit/s
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, steps in perf.sweep(work, paths, cluster, [g * 1e9 / 8 for g in gbits]).items():
+        ax.plot(gbits, [1e3 * t for t in steps], label=name)
+    ax.set(xscale="log", yscale="log", xlabel="link between hosts, Gbit/s", ylabel="predicted step, ms",
+           title=f"{work.parameters:,} parameters, {cluster.hosts} x {cluster.ranks_per_host} ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"figure: {path}")
+
+
+def _rate(bytes_per_s: float) -> str:
+    bits = bytes_per_s * 8
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6)):
+        if bits >= scale:
+            return f"{bits / scale:.3g} {unit}"
+    return f"{bits:.3g} bit/s"
+
+
+def _count_arg(text):
+    m = _COUNT.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"a count like 25M, 1.3B or 4096, got {text!r}")
+    return int(float(m.group(1)) * _COUNT_SCALE[m.group(2).lower()])
+
+
 def _format_arg(name):
     try:
         return FloatFormat.parse(name)
@@ -48,12 +129,34 @@ def main(argv=None):
     probe.add_argument("--sigma", type=float, default=1e-4)
     probe.add_argument("--seed", type=int, default=0)
     probe.set_defaults(run=probe_command)
+    cal = sub.add_parser("calibrate", help="time the codes exchange on this machine for the performance model")
+    cal.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3 and e3m0")
+    cal.add_argument("--world", type=int, default=2, help="ranks the timed rank stands among")
+    cal.add_argument("--out", default="hvd_aps_calibration.json")
+    cal.set_defaults(run=calibrate_command)
+    plan = sub.add_parser("plan", help="predicted step time of each path and format, and where codes pay")
+    plan.add_argument("--params", type=_count_arg, required=True, help="gradient elements, e.g. 25M")
+    plan.add_argument("--tensors", type=_count_arg, help="gradient tensors (default: one a DDP bucket)")
+    plan.add_argument("--compute-ms", type=float, required=True, help="forward + backward of one rank, ms")
+    plan.add_argument("--optimizer-ms", type=float, default=0.0)
+    plan.add_argument("--hosts", type=int, default=2)
+    plan.add_argument("--ranks-per-host", type=int, default=1)
+    plan.add_argument("--links", default="1gbit,10gbit,100gbit", help="rates between hosts, comma-separated")
+    plan.add_argument("--latency-us", type=float, default=perf.DEFAULT_LATENCY * 1e6, help="between hosts, us")
+    plan.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3, e3m0")
+    plan.add_argument("--calibration", help="a file from python -m hvd_aps calibrate (default: calibrate now)")
+    plan.add_argument("--accelerator", action="store_true", help="compute runs on an accelerator, not the codec's CPU")
+    plan.add_argument("--plot", help="draw the predicted step against link speed into this file (matplotlib)")
+    plan.set_defaults(run=plan_command)
     args = parser.parse_args(argv)
-    if args.command == "probe":
+    if args.command in ("probe", "calibrate", "plan"):
         args.format = args.format or [FloatFormat.parse("e4m3"), FloatFormat.parse("e3m0")]
-        if args.ranks < 1 or args.size < 1:
-            parser.error("--ranks and --size must be positive")
-    args.run(args)
+    if args.command == "probe" and (args.ranks < 1 or args.size < 1):
+        parser.error("--ranks and --size must be positive")
+    try:
+        args.run(args)
+    except (ValueError, OSError) as bad:  # a link rate, a cluster shape or a calibration file
+        parser.error(str(bad))
 
 
 if __name__ == "__main__":

@@ -14,11 +14,14 @@ drifts over the trials slows both alike; two phases one after the other once kep
 were 12 % slower). Each block starts with WARMUP_STEPS untimed steps (the first steps after a
 switch renegotiate names in Horovod's response cache and fill new buffers: on a 2-core netns
 cluster they ran up to 2x the steady step). Whole steps, not exchanges: codes cost CPU that
-backward would have used, which an exchange's own time does not show. Steps vary by a quarter
-from one to the next, so codes must be CODES_MARGIN faster over STEP_TRIALS steps each to be
-kept. The next step's exchanges carry both medians on their metadata Max-allreduce, and when
-that step commits every rank decides alike, for every bucket (never within a step, whose
-exchanges must all run the same way). The decisions are in the compressor's state_dict, so a
+backward would have used, which an exchange's own time does not show. The next step's exchanges
+carry both medians on their metadata Max-allreduce, and when that step commits every rank
+decides alike, for every bucket (never within a step, whose exchanges must all run the same
+way). Steps vary by a quarter from one to the next (on a 2-core netns cluster at 1 Gbit/s, through
+Horovod's optimizer: codes 130-315 ms, native 200-373 ms), so a round of STEP_TRIALS steps each can
+mistake the slower path for the faster: where the agreed medians lie within CLEAR_MARGIN of each
+other, another round runs (up to ROUNDS), its steps pooled with the earlier ones; then codes must
+be CODES_MARGIN faster to be kept. The decisions are in the compressor's state_dict, so a
 resumed run keeps them.
 """
 import dataclasses
@@ -36,7 +39,11 @@ TRIAL_ORDER = ("codes", "native") * 2  # policy="auto"'s blocks of trial steps
 BLOCK_STEPS = 3   # timed steps per block: STEP_TRIALS per policy
 STEP_TRIALS = BLOCK_STEPS * TRIAL_ORDER.count("codes")
 WARMUP_STEPS = 1  # untimed steps at the start of each block
-TRIAL_STEPS = len(TRIAL_ORDER) * (WARMUP_STEPS + BLOCK_STEPS)  # from the fixed chunking to the deciding step
+TRIAL_STEPS = len(TRIAL_ORDER) * (WARMUP_STEPS + BLOCK_STEPS)  # a round: from the fixed chunking to its deciding step
+# medians closer than this (a fraction of the native one) call for another round of trials
+CLEAR_MARGIN = 0.15
+ROUNDS = 3  # rounds of trials at most
+MAX_TRIAL_STEPS = ROUNDS * (TRIAL_STEPS + 1)  # every round's steps and its deciding step
 # policy="auto" keeps codes only where their median step is this much shorter than the native one:
 # the medians of six steps that vary by a quarter differ by about that much for equal policies
 CODES_MARGIN = 0.05
@@ -63,6 +70,7 @@ class _Policy:
         self.medians = None  # the agreed (codes, native) step medians behind the decision
         self.block, self.timed = 0, 0  # the trial block under way, its timed steps so far
         self.warming = WARMUP_STEPS  # steps of the current block still left untimed
+        self.rounds = 1  # rounds of trials begun
 
     @property
     def trying(self) -> "str | None":
@@ -151,10 +159,18 @@ class Schedule:
                 self._policy.medians = (codes, native)  # decided at commit: a step's exchanges all run alike
 
     def _decide(self, codes: float, native: float) -> None:
-        """policy="auto": every rank's slowest median steps -> the policy for every bucket. Codes
-        must beat the framework's own allreduce by CODES_MARGIN: within it the medians do not
-        tell them apart, and the framework's own path is the one never slower than itself."""
+        """policy="auto": every rank's slowest median steps -> another round of trials where they
+        lie within CLEAR_MARGIN (the agreed medians are alike on every rank, so every rank goes on
+        alike), else the policy for every bucket. Codes must beat the framework's own allreduce
+        by CODES_MARGIN: within it the medians do not tell them apart, and the framework's own
+        path is the one never slower than itself."""
         p = self._policy
+        if abs(codes - native) < CLEAR_MARGIN * native and p.rounds < ROUNDS:
+            p.phase, p.block, p.timed, p.warming, p.medians = "trials", 0, 0, WARMUP_STEPS, None
+            p.rounds += 1
+            log.info("hvd_aps schedule: a close call (steps: codes %.1f ms, native allreduce %.1f ms): "
+                     "trial round %d", 1e3 * codes, 1e3 * native, p.rounds)
+            return
         native_wins = codes >= native * (1 - CODES_MARGIN)
         p.chosen, p.phase = ("native" if native_wins else "codes"), "decided"
         log.info("hvd_aps schedule: every bucket sends %s (steps: codes %.1f ms, native allreduce %.1f ms)",
@@ -243,7 +259,7 @@ class Schedule:
             if self._policy is not None:
                 p = self._policy
                 state["(policy)"] = {"phase": p.phase, "chosen": p.chosen, "block": p.block, "timed": p.timed,
-                                     "steps": {k: list(v) for k, v in p.steps.items()}}
+                                     "rounds": p.rounds, "steps": {k: list(v) for k, v in p.steps.items()}}
             return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -255,6 +271,7 @@ class Schedule:
             if self._policy is not None and policy is not None:
                 p = self._policy
                 p.phase, p.chosen, p.block, p.timed = policy["phase"], policy["chosen"], policy.get("block", 0), policy.get("timed", 0)
+                p.rounds = policy.get("rounds", 1)
                 p.steps = {k: list(v) for k, v in policy["steps"].items()}
                 if p.phase == "trials":  # timing a step begun before the checkpoint
                     p.last_commit = None

@@ -250,9 +250,39 @@ def test_policy_auto_switches_only_between_steps():
 
 @pytest.mark.parametrize("codes, chosen", [(0.90, "codes"), (0.97, "native"), (1.10, "native")])
 def test_policy_auto_keeps_codes_only_where_they_are_clearly_faster(codes, chosen):
-    """Codes must beat the native step's median by CODES_MARGIN (5 %): closer than that, a few
-    noisy steps cannot tell the two apart, and the framework's own allreduce is kept."""
-    from hvd_aps._schedule import Schedule
+    """After the last round, codes must beat the native step's median by CODES_MARGIN (5 %):
+    closer than that, noisy steps cannot tell the two apart, and the framework's own allreduce
+    is kept."""
+    from hvd_aps._schedule import ROUNDS, Schedule
     schedule = Schedule((0,), auto=True)
+    schedule._policy.rounds = ROUNDS
     schedule._decide(codes, 1.0)
     assert schedule.report()[-1]["chosen"] == chosen
+
+
+def test_policy_auto_runs_another_round_on_a_close_call():
+    """Medians within CLEAR_MARGIN start another round of trial blocks (its steps pooled with
+    the first round's, the round counted in the state_dict); clear margins decide at once."""
+    from hvd_aps._schedule import CLEAR_MARGIN, STEP_TRIALS, TRIAL_ORDER, TRIAL_STEPS, UNMEASURED, Schedule
+    for codes, chosen in ((1 - 2 * CLEAR_MARGIN, "codes"), (1 + 2 * CLEAR_MARGIN, "native")):
+        clear = Schedule((0,), auto=True)
+        clear._decide(codes, 1.0)
+        assert clear.report()[-1]["chosen"] == chosen
+    schedule = Schedule((0,), auto=True)
+    schedule.native("b")
+    schedule.commit()
+    for _ in range(TRIAL_STEPS):
+        schedule.commit()
+    schedule.agreed("b", [UNMEASURED, UNMEASURED, 0.95, 1.0])  # codes 5 % faster: a close call
+    schedule.commit()
+    assert schedule.report()[-1]["chosen"] is None and schedule.state_dict()["(policy)"]["rounds"] == 2
+    block = TRIAL_STEPS // len(TRIAL_ORDER)
+    phases = []
+    for _ in range(TRIAL_STEPS):
+        phases.append(schedule.native("b"))
+        schedule.commit()
+    assert phases == [TRIAL_ORDER[i // block] == "native" for i in range(TRIAL_STEPS)]
+    assert [len(v) for v in schedule.state_dict()["(policy)"]["steps"].values()] == [2 * STEP_TRIALS] * 2
+    schedule.agreed("b", [UNMEASURED, UNMEASURED, 0.5, 1.0])
+    schedule.commit()
+    assert schedule.report()[-1]["chosen"] == "codes"

@@ -6,7 +6,7 @@ import pytest
 
 import hvd_aps
 from hvd_aps import _host_engine, exchange
-from hvd_aps._schedule import STEP_TRIALS, TRIAL_STEPS
+from hvd_aps._schedule import MAX_TRIAL_STEPS, STEP_TRIALS
 from hvd_aps._stages import HYBRID_SAMPLE, Bucket
 import model
 from threads import flat_levels, host_levels, run_ranks, subgroup_levels
@@ -277,7 +277,7 @@ def test_policy_auto_times_whole_steps_and_decides_alike():
     compressors = same_format("e4m3", 2, policy="auto", chunk_bytes=0)
     exact = (grads[0][0] + grads[1][0]) / np.float32(2)
     natives = 0
-    for _ in range(TRIAL_STEPS + 4):  # chunking, the trials, deciding, decided
+    for _ in range(MAX_TRIAL_STEPS + 3):  # chunking, the rounds of trials and their deciding steps, decided
         native = compressors[0].state.schedule.native("bucket")
         results, _ = simulate(grads, compressors)
         if native:

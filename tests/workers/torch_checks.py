@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import hvd_aps
-from hvd_aps._schedule import TRIAL_STEPS
+from hvd_aps._schedule import MAX_TRIAL_STEPS
 from common import codes_grads, poisoned, rank_data, spiked
 
 hvd.init()
@@ -165,8 +165,8 @@ def auto_policy():
         out[f"stock_{fallback}"] = hvd.allreduce(x, compression=stock, name=f"stock_{fallback}").numpy()
         out[f"native_{fallback}_bytes"] = np.array(comp.bytes_sent)
     comp = hvd_aps.APSCompressor("e4m3", policy="auto", min_elements=16, chunk_bytes=0)
-    # the trial blocks (each an untimed step and timed ones), then a step to agree on medians
-    for step in range(TRIAL_STEPS + 4):
+    # the rounds of trial blocks (each an untimed step and timed ones), each round's step to agree on medians
+    for step in range(MAX_TRIAL_STEPS + 3):
         hvd.allreduce(torch.from_numpy(rank_data(rank, seed=step)), compression=comp, name="tried")
     out["auto_decision"] = np.array(str(comp.schedule_report()[-1]["chosen"]))
 

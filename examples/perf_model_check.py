@@ -1,0 +1,194 @@
+"""The performance model (hvd_aps.perf) against the step times the netns cluster measured
+(docs/cluster/*.json: MLP, two huge layers, LM, ResNet-18 and transformer profiles; 2 and 4 hosts;
+1, 2 and 4 ranks a host; 1 Gbit/s, 10 Gbit/s and uncapped; Horovod and DDP; fp32, fp16, e4m3, e3m0).
+
+Protocol: the codes exchange's own time comes from `python -m hvd_aps calibrate` on this machine
+(--calibration, or calibrated now); each row's compute (forward, backward, optimizer) is the one
+its benchmark measured; each link class (a rate) gets one effective bandwidth and latency, fitted
+on the fp32 rows of that rate (the frameworks' own allreduce: what a link delivers to Gloo over TCP
+through tc is not its nominal rate). Every other row (16-bit, codes) is then predicted, not fitted.
+policy="auto" and FSDP rows are left out (the model has neither yet).
+
+    .venv/bin/python examples/perf_model_check.py [--calibration cal.json] [--plot docs/perf_model.png]
+"""
+import argparse
+import glob
+import itertools
+import json
+import pathlib
+import statistics
+
+import torch
+
+from hvd_aps import calibration, perf
+from synthetic_models import model as build_model
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+HOROVOD_FUSION_BYTES = 128 << 20  # Horovod >= 0.21's fusion threshold
+CODES_BUCKET_BYTES = 16 << 20     # APSCompressor's bucket_bytes
+TWO_LEVEL_BYTES = 0.25  # a host's bytes x an fp32 ring's under which a row of several ranks a host ran two levels
+FORMATS = {"e4m3": 8, "e3m0": 4}
+PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments that build it
+    ("mlp", 16785408): dict(hidden=2048), ("mlp", 4198400): dict(hidden=1024), ("large", 16783360): {},
+    ("resnet18", 11689512): dict(image_size=112), ("transformer", 18915328): dict(hidden=512, blocks=6),
+    ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384)}
+LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
+
+
+def measured_rows():
+    rows = []
+    for path in sorted(glob.glob(str(DOCS / "cluster" / "*.json"))):
+        for r in json.loads(pathlib.Path(path).read_text()):
+            if isinstance(r, dict) and "compute" in r and path_of(r["compression"]) is not None:
+                rows.append(dict(r, file=pathlib.Path(path).stem))
+    return rows
+
+
+def path_of(compression):
+    """(framework, name, bits, format or None) of a cluster compression name; None where left out."""
+    framework, _, name = compression.rpartition(":")
+    if framework not in ("", "ddp") or name.endswith("-auto"):
+        return None
+    if name in ("none", "fp16"):
+        return framework or "hvd", name, 32 if name == "none" else 16, None
+    fmt = name.split("-", 1)[1]
+    return (framework or "hvd", name, FORMATS[fmt], fmt) if fmt in FORMATS else None
+
+
+def tensors(profile, params, cache={}):
+    key = (profile, params)
+    if key not in cache:
+        args = argparse.Namespace(**{"hidden": 2048, "blocks": 6, "vocab": 16384, "image_size": 112,
+                                     **PROFILE_ARGS[key]})
+        model = build_model(profile, args)[0]
+        assert sum(p.numel() for p in model.parameters()) == params, key
+        cache[key] = len(list(model.parameters()))
+    return cache[key]
+
+
+def workload(r):
+    framework, name, bits, fmt = path_of(r["compression"])
+    compute = r["forward"] + r["backward"]
+    n = r["params"]
+    if framework == "ddp":
+        buckets = perf.ddp_buckets(n)
+    else:
+        cap = (CODES_BUCKET_BYTES if fmt else HOROVOD_FUSION_BYTES) // perf.FLOAT32_BYTES
+        buckets = [min(cap, n - i) for i in range(0, n, cap)]
+    return perf.Workload(n, compute, r["backward"] / compute if compute else 1.0, r["optimizer"], buckets,
+                         tensors(r["profile"], n))
+
+
+def cluster(r, link):
+    """The row's cluster: two levels where hosts held several ranks and its bytes show them (8-bit
+    codes: about 0.17x an fp32 ring's bytes on two levels, 0.29-0.42x flat)."""
+    n = r["hosts"] * r["ranks_per_host"]
+    ring = r["params"] * perf.FLOAT32_BYTES * 2 * (n - 1) / n
+    # every rank of the netns cluster runs on this one machine, whose cores the calibration had
+    return perf.Cluster(r["hosts"], link, r["ranks_per_host"], hierarchical=r["tx_bytes_per_step"] < TWO_LEVEL_BYTES * ring,
+                        sharing=n)
+
+
+def predict(r, link, codecs):
+    framework, name, bits, fmt = path_of(r["compression"])
+    c = cluster(r, link)
+    codec = None if fmt is None else codecs[(fmt, c.hosts if c.two_levels else c.world)]
+    return perf.step_time(workload(r), perf.Path(name, bits, codec), c)
+
+
+def fit_links(rows, codecs):
+    """Per rate: the (bandwidth, latency) whose fp32 predictions have the least median error."""
+    links = {}
+    for rate in sorted({r["rate"] for r in rows}):
+        fp32 = [r for r in rows if r["rate"] == rate and path_of(r["compression"])[1] == "none"]
+        best = None
+        for gbit, latency in itertools.product([0.1 * 1.05 ** k for k in range(160)], LATENCIES):
+            link = perf.Link(gbit * 1e9 / 8, latency)
+            err = statistics.median(abs(predict(r, link, codecs) / r["step_median"] - 1) for r in fp32)
+            if best is None or err < best[0]:
+                best = (err, link)
+        links[rate] = best[1]
+    return links
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calibration", help="python -m hvd_aps calibrate's file (default: calibrate now)")
+    parser.add_argument("--plot", help="write the predicted-against-measured scatter here")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = measured_rows()
+    worlds = sorted({w for r in rows for w in (r["hosts"], r["hosts"] * r["ranks_per_host"])} - {1})
+    codecs = {}
+    for world in worlds:
+        loaded = calibration.load(args.calibration) if args.calibration else {
+            f: calibration.fit_codec(f, world)[0] for f in FORMATS}
+        codecs.update({(f, world): loaded[f] for f in FORMATS})
+    links = fit_links(rows, codecs)
+    for rate, link in links.items():
+        print(f"link {rate}: fitted on its fp32 rows {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
+              f"latency {link.latency * 1e6:.0f} us")
+    out = []
+    for r in rows:
+        predicted = predict(r, links[r["rate"]], codecs)
+        out.append({k: r[k] for k in ("file", "profile", "hosts", "ranks_per_host", "rate", "compression")}
+                   | {"measured": r["step_median"], "predicted": predicted, "error": predicted / r["step_median"] - 1,
+                      "fitted": path_of(r["compression"])[1] == "none"})
+    report(out)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        plot(out, args.plot)
+
+
+def report(out):
+    print(f"\n{'file':>28} {'profile':>11} {'HxL':>4} {'rate':>8} {'compression':>14} {'meas s':>7} {'pred s':>7} "
+          f"{'error':>6}")
+    for o in out:
+        print(f"{o['file']:>28} {o['profile']:>11} {o['hosts']}x{o['ranks_per_host']} {o['rate']:>8} "
+              f"{o['compression']:>14} {o['measured']:7.3f} {o['predicted']:7.3f} {o['error']:+6.0%}"
+              f"{'  (link fit)' if o['fitted'] else ''}")
+    predicted = [o for o in out if not o["fitted"]]
+    errors = sorted(abs(o["error"]) for o in predicted)
+    print(f"\npredicted rows: {len(predicted)}; median absolute error {statistics.median(errors):.0%}, "
+          f"90th percentile {errors[int(0.9 * (len(errors) - 1))]:.0%}, worst {errors[-1]:.0%}; "
+          f"within 25 %: {sum(e <= 0.25 for e in errors)}/{len(errors)}")
+    agree, pairs = 0, 0
+    for _, group in itertools.groupby(sorted(out, key=_setting), key=_setting):
+        for a, b in itertools.combinations(list(group), 2):
+            if abs(a["measured"] / b["measured"] - 1) > 0.05:  # closer than the runs' spread: no order to check
+                pairs += 1
+                agree += (a["measured"] < b["measured"]) == (a["predicted"] < b["predicted"])
+    print(f"pairs of paths in one run ordered as measured (where they differ by > 5 %): {agree}/{pairs}")
+
+
+def _setting(o):
+    return o["file"], o["profile"], o["hosts"], o["ranks_per_host"], o["rate"]
+
+
+def plot(out, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for rate, marker, color in (("1gbit", "o", "C0"), ("10gbit", "s", "C1"), ("uncapped", "^", "C2")):
+        for fitted in (False, True):
+            pts = [o for o in out if o["rate"] == rate and o["fitted"] == fitted]
+            if pts:
+                ax.scatter([o["measured"] for o in pts], [o["predicted"] for o in pts], marker=marker, s=18,
+                           facecolors="none" if fitted else color, edgecolors=color,
+                           label=f"{rate}{', fp32 (the link fit)' if fitted else ''}")
+    lim = [min(o["measured"] for o in out) * 0.8, max(o["measured"] for o in out) * 1.2]
+    ax.plot(lim, lim, "k-", lw=0.7)
+    ax.plot(lim, [x * 1.25 for x in lim], "k:", lw=0.5)
+    ax.plot(lim, [x * 0.75 for x in lim], "k:", lw=0.5)
+    ax.set(xscale="log", yscale="log", xlim=lim, ylim=lim, xlabel="measured step, s", ylabel="predicted step, s",
+           title="hvd_aps.perf against the netns cluster")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

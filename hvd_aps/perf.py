@@ -1,0 +1,298 @@
+"""A model of one data-parallel training step: how long it takes with each way of exchanging the
+gradients (the framework's float32 or 16-bit allreduce, or hvd_aps's codes, flat or on two
+levels), on a cluster described by a few numbers, before anything is sent.
+
+Pure functions over small frozen values; no framework imports (`python -m hvd_aps plan` prints
+them; `python -m hvd_aps calibrate` measures the codes exchange's own time, `Codec`). The terms:
+
+- Collectives are alpha-beta, as NCCL's tuner and nccl-tests count them: a ring allreduce of B
+  bytes over N ranks takes 2(N-1) latencies and moves 2(N-1)/N B through each link; an alltoall or
+  allgather, N-1 latencies and (N-1)/N B a rank. With L ranks a host, the ranks of a host share its
+  link between hosts: a flat alltoall puts L(N-L)/N B a rank through it, a ring 2(N-1)/N B.
+- The codes exchange of a bucket of n float32 is a Max-allreduce of the metadata, an alltoall of
+  the codes and an allgather of the re-encoded sums, plus its own processor time, fitted on the
+  real driver as `Codec.fixed + Codec.per_element * n`. In chunks the processor and the wire
+  overlap; the run-time schedule keeps the faster chunking, and so does the model.
+- Two levels (several hosts of several ranks): float32 reduce-scatter and allgather inside the
+  host, codes between hosts on a 1/L slice a rank.
+- The step is a timeline: the forward, then the backward during which the buckets become ready in
+  proportion to their elements (DDP's order: the last layers first), each exchange starting when
+  its bucket is ready and the one before it has ended; the optimizer after both. Where compute
+  and the codec share one processor (training on the CPU), the codec's time is added to the
+  backward's.
+
+What the model leaves out (a reason for a measured step to differ): the framework's own
+processor time per collective, stragglers, congestion beyond the link's rate, and the cast of a
+16-bit allreduce (one pass over the gradients each way).
+"""
+import dataclasses
+import math
+import re
+from typing import Optional, Sequence
+
+FLOAT32_BYTES = 4
+BITS_PER_BYTE = 8
+EXPONENT_BYTES_PER_BLOCK = 2 / 2048  # the sums' re-encode exponents: 2 bytes per 2048 codes (hvd_aps._layout)
+DDP_FIRST_BUCKET_BYTES = 1 << 20      # torch DDP: the first bucket (the last layers) is capped at 1 MiB,
+DDP_BUCKET_BYTES = 25 << 20           # the others at bucket_cap_mb=25
+CHUNK_CHOICES = (0, 4 << 20, 1 << 20)  # float32 bytes per chunk the schedule tries (0: unchunked)
+LOOPBACK = (10e9, 20e-6)              # a host's own memory and loopback, bytes/s and s: where nothing was measured
+DEFAULT_LATENCY = 50e-6               # between hosts, where nothing was measured (Ethernet with TCP)
+# bits a second as tc names them (1gbit, 10Gbit/s), or bytes (12.5GB, 12.5GB/s); "bps" is left
+# out: tc reads it as bytes, a NIC's data sheet as bits
+_RATE = re.compile(r"^\s*([0-9.]+)\s*([kKmMgGtT]?)(bit|Bit|B)(?:/s)?\s*$")
+_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link class: bytes a second, and seconds per message step (alpha)."""
+    bandwidth: float
+    latency: float = DEFAULT_LATENCY
+
+    def __post_init__(self):
+        if not (self.bandwidth > 0 and self.latency >= 0):
+            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+
+    @classmethod
+    def parse(cls, rate: str, latency: float = DEFAULT_LATENCY) -> "Link":
+        """'1gbit', '10Gbit/s' (bits a second), or '12.5GB', '12.5GB/s' (bytes a second)."""
+        m = _RATE.match(rate)
+        if not m:
+            raise ValueError(f"a link rate is a number and a unit like 1gbit, 10Gbit/s or 12.5GB/s, got {rate!r}")
+        value = float(m.group(1)) * _SCALE[m.group(2).lower()]
+        return cls(value if m.group(3) == "B" else value / BITS_PER_BYTE, latency)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """hosts x ranks_per_host ranks; `between` links the hosts, `inside` the ranks of a host;
+    `hierarchical`: codes go on two levels where hosts hold several ranks (else one flat exchange);
+    `sharing`: how many ranks share the processor cores the codec's calibration had to itself
+    (the ranks of a host on a CPU cluster; every rank where a test cluster runs on one machine):
+    the codec takes that many times its calibrated time."""
+    hosts: int
+    between: Link
+    ranks_per_host: int = 1
+    inside: Link = Link(*LOOPBACK)
+    hierarchical: bool = True
+    sharing: float = 1.0
+
+    def __post_init__(self):
+        if self.hosts < 1 or self.ranks_per_host < 1 or self.sharing < 1:
+            raise ValueError(f"a cluster needs hosts and ranks_per_host >= 1 and sharing >= 1, got {self}")
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    @property
+    def two_levels(self) -> bool:
+        return self.hierarchical and self.hosts > 1 and self.ranks_per_host > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """The codes exchange's own time on one rank for a bucket of n float32 (everything but the
+    wire: encode, decode-and-sum, re-encode, decode, the stats, the driver), fitted on the real
+    driver by `python -m hvd_aps calibrate`: a cost per exchange, per tensor and per element."""
+    fixed: float
+    per_element: float
+    per_tensor: float = 0.0
+
+    def time(self, elements: float, tensors: float = 1) -> float:
+        return self.fixed + self.per_tensor * tensors + self.per_element * elements
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One rank's step: `parameters` float32 gradients; `compute` seconds of forward and backward,
+    `backward` the share of it that is backward; `optimizer` seconds after the exchange;
+    `buckets` their sizes in elements in the order they become ready (default: DDP's);
+    `tensors` how many gradient tensors there are (default: one a bucket), spread over the
+    buckets by size; `shared_processor`: the codec runs on the processor that computes
+    (training on the CPU)."""
+    parameters: int
+    compute: float
+    backward: float = 2 / 3
+    optimizer: float = 0.0
+    buckets: Optional[Sequence[int]] = None
+    tensors: Optional[int] = None
+    shared_processor: bool = True
+
+    def __post_init__(self):
+        if self.parameters < 1 or self.compute < 0 or not 0 <= self.backward <= 1 or self.optimizer < 0:
+            raise ValueError(f"a workload needs parameters >= 1, compute and optimizer >= 0, 0 <= backward <= 1: {self}")
+        if self.buckets is not None and sum(self.buckets) != self.parameters:
+            raise ValueError(f"buckets hold {sum(self.buckets)} elements, not the {self.parameters} parameters")
+
+    def bucket_sizes(self) -> list:
+        if self.buckets is not None:
+            return list(self.buckets)
+        return ddp_buckets(self.parameters)
+
+    def tensors_in(self, elements: int) -> float:
+        """Gradient tensors in a bucket of `elements` (at least one)."""
+        return 1.0 if self.tensors is None else max(1.0, self.tensors * elements / self.parameters)
+
+
+def ddp_buckets(parameters: int, first_bytes: int = DDP_FIRST_BUCKET_BYTES, bytes_: int = DDP_BUCKET_BYTES) -> list:
+    """DDP's bucket sizes in elements for float32 gradients, in the order they are ready (layers
+    cut where they fall aside: the model knows sizes, not tensors)."""
+    sizes, left, cap = [], parameters, first_bytes // FLOAT32_BYTES
+    while left > 0:
+        sizes.append(min(left, cap))
+        left -= sizes[-1]
+        cap = bytes_ // FLOAT32_BYTES
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """A way to exchange a bucket: the framework's allreduce of `bits`-bit values, or hvd_aps's
+    codes of a `bits`-bit format (codec: its calibrated time)."""
+    name: str
+    bits: int
+    codec: Optional[Codec] = None
+
+    @property
+    def codes(self) -> bool:
+        return self.codec is not None
+
+
+# collectives ------------------------------------------------------------------------------------
+def ring_allreduce(nbytes: float, c: Cluster) -> float:
+    n = c.world
+    if n == 1:
+        return 0.0
+    link = c.between if c.hosts > 1 else c.inside
+    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+
+
+def alltoall(nbytes: float, c: Cluster) -> float:
+    """Each rank sends (n-1)/n of its `nbytes` message; the ranks of a host share its link."""
+    n, per_host = c.world, c.ranks_per_host
+    if n == 1:
+        return 0.0
+    if c.hosts == 1:
+        return (n - 1) * c.inside.latency + (n - 1) / n * nbytes / c.inside.bandwidth
+    return (n - 1) * c.between.latency + per_host * (n - per_host) / n * nbytes / c.between.bandwidth
+
+
+def allgather(message: float, c: Cluster) -> float:
+    """Every rank's `message` bytes to every rank: an alltoall of n copies."""
+    return alltoall(message * c.world, c)
+
+
+# one bucket -------------------------------------------------------------------------------------
+def codes_bytes(elements: float, bits: int) -> float:
+    return elements * (bits / BITS_PER_BYTE + EXPONENT_BYTES_PER_BLOCK)
+
+
+def exchange_time(elements: int, path: Path, c: Cluster, tensors: float = 1) -> float:
+    """Seconds from a bucket's start to its averaged gradients, codec included."""
+    if not path.codes:
+        return ring_allreduce(elements * path.bits / BITS_PER_BYTE, c)
+    host, between = _codes_wire(elements, path.bits, c)
+    return host + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between)
+
+
+def wire_time(elements: int, path: Path, c: Cluster) -> float:
+    """Seconds a bucket's exchange spends on the links, its codec left out."""
+    if not path.codes:
+        return ring_allreduce(elements * path.bits / BITS_PER_BYTE, c)
+    return sum(_codes_wire(elements, path.bits, c))
+
+
+def _codes_elements(elements: int, c: Cluster) -> float:
+    """The elements a rank's codec works on: the bucket, or with two levels its slice of it."""
+    return elements / c.ranks_per_host if c.two_levels else elements
+
+
+def _codes_wire(elements: int, bits: int, c: Cluster) -> tuple:
+    """(seconds inside the host, seconds of the codes exchange): flat, the metadata, the codes'
+    alltoall and the sums' allgather among every rank; on two levels float32 scattered and
+    gathered inside the host around the codes exchange of each rank's slice between hosts, the
+    L ranks of a host running theirs at once through its link."""
+    if not c.two_levels:
+        codes = codes_bytes(elements, bits)
+        return 0.0, metadata_allreduce(c) + alltoall(codes, c) + allgather(codes / c.world, c)
+    local = Cluster(1, c.inside, c.ranks_per_host, c.inside)
+    cross = Cluster(c.hosts, c.between, 1, c.inside)
+    codes = codes_bytes(elements, bits)  # every slice of the host's ranks together
+    host = 2 * alltoall(elements * FLOAT32_BYTES, local)
+    return host, metadata_allreduce(c) + alltoall(codes, cross) + allgather(codes / c.hosts, cross)
+
+
+def _shared(codec: Codec, c: Cluster) -> Codec:
+    return Codec(codec.fixed * c.sharing, codec.per_element * c.sharing, codec.per_tensor * c.sharing)
+
+
+def metadata_allreduce(c: Cluster) -> float:
+    """The Max-allreduce of a few floats: latency only."""
+    return ring_allreduce(0, c)
+
+
+def _overlapped(codec: Codec, elements: float, tensors: float, wire: float) -> float:
+    """Codec and wire of one exchange in the faster chunking: unchunked they add up; in k chunks
+    chunk i is encoded while i-1 travels, so the longer of the two shows plus a k-th of the
+    other, and every chunk pays the cost per exchange."""
+    best = codec.time(elements, tensors) + wire
+    for chunk_bytes in CHUNK_CHOICES:
+        chunks = math.ceil(elements * FLOAT32_BYTES / chunk_bytes) if chunk_bytes else 1
+        if chunks > 1:
+            cpu = codec.time(elements, tensors) + codec.fixed * (chunks - 1)
+            best = min(best, max(cpu, wire) + min(cpu, wire) / chunks)
+    return best
+
+
+# one step ---------------------------------------------------------------------------------------
+def step_time(w: Workload, path: Path, c: Cluster) -> float:
+    """Seconds of one training step: forward, backward with the exchanges as their buckets become
+    ready, then the optimizer."""
+    backward = w.compute * w.backward
+    ready, done, free, codec_total = 0.0, 0, 0.0, 0.0
+    for n in w.bucket_sizes():
+        done += n
+        ready = backward * done / w.parameters
+        free = max(ready, free) + exchange_time(n, path, c, w.tensors_in(n))
+        if path.codes and w.shared_processor:
+            codec_total += _shared(path.codec, c).time(_codes_elements(n, c), w.tensors_in(n))
+    return w.compute - backward + max(backward + codec_total, free) + w.optimizer
+
+
+def break_even(w: Workload, path: Path, peer: Path, c: Cluster, low: float = 1e6 / 8,
+               high: float = 1e12 / 8) -> Optional[float]:
+    """The fastest link between hosts (bytes/s, between low and high) at which `path` still
+    steps faster than `peer`, everything else as in `c`; None where it never does."""
+    def wins(bandwidth):
+        at = dataclasses.replace(c, between=Link(bandwidth, c.between.latency))
+        return step_time(w, path, at) < step_time(w, peer, at)
+    if not wins(low):
+        return None
+    if wins(high):
+        return high
+    for _ in range(60):  # bisection on a log scale: the margin shrinks as the link gets faster
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if wins(mid) else (low, mid)
+    return low
+
+
+def breakdown(w: Workload, path: Path, c: Cluster) -> tuple:
+    """(seconds on the links, seconds of codec) a step's exchanges add up to, overlaps ignored."""
+    sizes = w.bucket_sizes()
+    codec = sum(_shared(path.codec, c).time(_codes_elements(n, c), w.tensors_in(n)) for n in sizes) if path.codes else 0.0
+    return sum(wire_time(n, path, c) for n in sizes), codec
+
+
+def table(w: Workload, paths: Sequence[Path], c: Cluster) -> list:
+    """(path, predicted step seconds, x the float32 allreduce's step), one row a path; paths[0]
+    must be the float32 allreduce."""
+    base = step_time(w, paths[0], c)
+    return [(p, t, t / base) for p in paths for t in [step_time(w, p, c)]]
+
+
+def sweep(w: Workload, paths: Sequence[Path], c: Cluster, bandwidths: Sequence[float]) -> dict:
+    """Predicted step seconds per path name at each link bandwidth between hosts."""
+    return {p.name: [step_time(w, p, dataclasses.replace(c, between=Link(b, c.between.latency))) for b in bandwidths]
+            for p in paths}

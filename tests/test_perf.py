@@ -1,0 +1,130 @@
+"""The performance model (hvd_aps.perf) against its alpha-beta terms worked out by hand, and the
+calibration's stand-in ranks (hvd_aps.calibration.Mirror) against the emulated exchange of real
+workers, bit for bit."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import hvd_aps
+from hvd_aps import calibration, emulate, exchange, perf
+from hvd_aps import _layout
+from hvd_aps._stages import Bucket
+
+ALPHA, BW = 1e-4, 1e8
+SLOW = perf.Link(BW, ALPHA)
+FREE = perf.Codec(0.0, 0.0)
+
+
+def test_link_rates_parse_as_tc_and_nics_name_them():
+    assert perf.Link.parse("1gbit").bandwidth == 125e6
+    assert perf.Link.parse("10Gbit/s").bandwidth == 1.25e9
+    assert perf.Link.parse("400Gbit").bandwidth == 50e9
+    assert perf.Link.parse("12.5GB/s").bandwidth == 12.5e9
+    for bad in ("fast", "10gbps", "10g"):  # bps is bytes to tc and bits to a data sheet
+        with pytest.raises(ValueError, match="link rate"):
+            perf.Link.parse(bad)
+
+
+def test_collectives_are_alpha_beta_with_a_host_link_shared_by_its_ranks():
+    two = perf.Cluster(2, SLOW)
+    assert perf.ring_allreduce(1e6, two) == pytest.approx(2 * ALPHA + 1e6 / BW)
+    four = perf.Cluster(4, SLOW)
+    assert perf.ring_allreduce(1e6, four) == pytest.approx(6 * ALPHA + 1.5e6 / BW)
+    # 2 hosts x 2 ranks: each host sends 2 ranks x half of each message across
+    assert perf.alltoall(1e6, perf.Cluster(2, SLOW, 2)) == pytest.approx(3 * ALPHA + 1e6 / BW)
+    assert perf.allgather(1e6, two) == perf.alltoall(2e6, two)
+    assert perf.ring_allreduce(1e6, perf.Cluster(1, SLOW)) == 0.0
+
+
+def test_codes_exchange_is_metadata_alltoall_and_allgather():
+    n = 1 << 20
+    codes = n * (1 + 2 / 2048)  # 8-bit codes and the sums' block exponents
+    e4m3 = perf.Path("e4m3", 8, FREE)
+    assert perf.exchange_time(n, e4m3, perf.Cluster(2, SLOW)) == pytest.approx(4 * ALPHA + codes / BW)
+    codec = perf.Codec(1e-3, 1e-9, 1e-4)
+    slow = perf.Path("e4m3", 8, codec)
+    # unchunked: codec and wire add up (the wire is shorter than any chunking would hide)
+    assert perf.exchange_time(1000, slow, perf.Cluster(2, SLOW), tensors=3) == pytest.approx(
+        1e-3 + 3e-4 + 1e-6 + 4 * ALPHA + 1000 * (1 + 2 / 2048) / BW)
+
+
+def test_two_levels_send_a_slice_of_codes_between_hosts():
+    n, inside = 1 << 20, perf.Link(1e10, 1e-6)
+    c = perf.Cluster(2, SLOW, 2, inside)
+    host = 2 * (1e-6 + 0.5 * 4 * n / 1e10)          # float32 scatter and gather inside the host
+    cross = 2 * (ALPHA + 0.5 * n * (1 + 2 / 2048) / BW)  # both local ranks' slices share the link
+    assert perf.exchange_time(n, perf.Path("e4m3", 8, FREE), c) == pytest.approx(host + 6 * ALPHA + cross)
+
+
+def test_step_overlaps_exchanges_with_backward_and_adds_a_shared_codec():
+    n = 1 << 20
+    fp32 = perf.Path("float32", 32)
+    wire = perf.ring_allreduce(4 * n, perf.Cluster(2, SLOW))
+    long_backward = perf.Workload(n, compute=3 * wire, buckets=[n])
+    assert perf.step_time(long_backward, fp32, perf.Cluster(2, SLOW)) == pytest.approx(3 * wire + wire)
+    two = perf.Workload(2 * n, compute=0.3, backward=1.0, buckets=[n, n])  # ready at 0.15 and 0.3
+    first = perf.exchange_time(n, fp32, perf.Cluster(2, SLOW))
+    assert perf.step_time(two, fp32, perf.Cluster(2, SLOW)) == pytest.approx(max(0.15 + first, 0.3) + first)
+    # a wire that costs nothing: the first bucket's codec (ready halfway) delays backward only
+    # where they share the processor; the last one's delays the step either way
+    fast, codes = perf.Cluster(2, perf.Link(1e30, 0.0)), perf.Path("e4m3", 8, perf.Codec(0.01, 0.0))
+    shared = perf.Workload(2 * n, compute=1.0, backward=1.0, buckets=[n, n])
+    apart = dataclasses.replace(shared, shared_processor=False)
+    assert perf.step_time(shared, codes, fast) == pytest.approx(1.02)
+    assert perf.step_time(apart, codes, fast) == pytest.approx(1.01)
+
+
+def test_break_even_solves_where_the_saved_bytes_pay_for_the_extra_latencies():
+    n = 1 << 16
+    w = perf.Workload(n, compute=0.0, buckets=[n])
+    codes, fp32 = perf.Path("e4m3", 8, FREE), perf.Path("float32", 32)
+    # codes 4 alpha + C / bw against 2 alpha + 4n / bw: codes win while bw < (4n - C) / (2 alpha)
+    expected = (4 * n - n * (1 + 2 / 2048)) / (2 * ALPHA)
+    assert perf.break_even(w, codes, fp32, perf.Cluster(2, SLOW)) == pytest.approx(expected, rel=1e-6)
+    costly = perf.Path("e4m3", 8, perf.Codec(10.0, 0.0))
+    assert perf.break_even(w, costly, fp32, perf.Cluster(2, SLOW)) is None
+
+
+def test_ddp_buckets_follow_ddp_caps():
+    assert perf.ddp_buckets(7_000_000) == [262144, 6553600, 184256]
+    with pytest.raises(ValueError, match="buckets hold"):
+        perf.Workload(10, 1.0, buckets=[4, 4])
+
+
+def test_mirror_stands_for_rank_zero_of_ranks_holding_the_same_gradients():
+    """Rank 0's share of the results from the mirrored collectives holds the bits two emulated
+    workers get, the other share zeros."""
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(5000).astype(np.float32), rng.standard_normal(700).astype(np.float32) * 1e-3]
+    expected = emulate.codes_allreduce([hvd_aps.APSCompressor("e4m3", chunk_bytes=0) for _ in range(2)],
+                                       [grads, grads])
+    comp = hvd_aps.APSCompressor("e4m3", chunk_bytes=0)
+    bucket = Bucket.whole("emulated", [f"emulated[{i}]" for i in range(2)], ["a", "b"], [g.size for g in grads])
+    got = exchange.run(comp.stages(2, 0), bucket, [g.copy() for g in grads],
+                       exchange.Levels.flat(calibration.Mirror(2)), average=True)
+    share = int(_layout.Layout(bucket.segments, 2).shards[1])
+    got, expected = np.concatenate(got), np.concatenate(expected)
+    np.testing.assert_array_equal(got[:share].view(np.uint32), expected[:share].view(np.uint32))
+    assert np.count_nonzero(expected[:share]) > 0.9 * share and not np.any(got[share:])
+
+
+def test_calibrate_and_plan_from_the_command_line(tmp_path):
+    out = tmp_path / "cal.json"
+    buckets = ((1 << 10, 1), (1 << 14, 1), (1 << 14, 4))
+    saved = calibration.calibrate(["e4m3"], 2, buckets, repeats=1)
+    calibration.save(saved, out)
+    assert [r["elements"] for r in json.loads(out.read_text())["measured"]["e4m3"]] == [1 << 10, 1 << 14, 1 << 14]
+    codec = calibration.load(out)["e4m3"]
+    assert codec.fixed >= 0 and codec.per_tensor >= 0 and codec.per_element >= 0
+    run = subprocess.run([sys.executable, "-m", "hvd_aps", "plan", "--params", "4.3M", "--compute-ms", "40",
+                          "--links", "1gbit,100gbit", "--format", "e4m3", "--calibration", str(out)],
+                         capture_output=True, text=True, check=True)
+    assert "1gbit between hosts" in run.stdout and "100gbit between hosts" in run.stdout
+    assert "codes e4m3" in run.stdout and ("faster than both below" in run.stdout or "faster than neither" in run.stdout)
+    bad = subprocess.run([sys.executable, "-m", "hvd_aps", "plan", "--params", "4.3M", "--compute-ms", "40",
+                          "--format", "e3m0", "--calibration", str(out)], capture_output=True, text=True)
+    assert bad.returncode != 0 and "no calibration for e3m0" in bad.stderr
