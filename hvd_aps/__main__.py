@@ -2,6 +2,8 @@
 `python -m hvd_aps calibrate --out calibration.json` and
 `python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit`."""
 import argparse
+import json
+import pathlib
 import re
 import sys
 
@@ -10,6 +12,8 @@ from .formats import PRESETS, FloatFormat
 
 _COUNT = re.compile(r"^\s*([0-9.]+)\s*([kmb]?)\s*$", re.IGNORECASE)
 _COUNT_SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}
+# plan --pin: a predicted step this much shorter than the other path's decides without trial steps
+PIN_MARGIN = 0.25
 
 
 def _table(header, rows):
@@ -74,8 +78,24 @@ def plan_command(args):
         edge = min(perf.break_even(work, path, peer, clusters[0]) or 0.0 for peer in paths[:2])
         print(f"{path.name} is faster than both below {_rate(edge)} between hosts" if edge else
               f"{path.name} is faster than neither at any link speed from 1 Mbit/s up")
+    if args.pin:
+        _write_pin(args.pin, work, paths, clusters)
     if args.plot:
         _plot(args.plot, work, paths, clusters[0])
+
+
+def _write_pin(path, work, paths, clusters):
+    """policy="auto"'s decision where the model is sure of it: codes (the first --format) or the
+    framework's float32 allreduce where one step is predicted PIN_MARGIN shorter than the other,
+    nothing (the trial steps decide) on a closer call. Written for APSCompressor.pin()."""
+    if len(clusters) != 1:
+        raise ValueError("--pin needs one link speed (--links): the decision holds for one cluster")
+    codes, native = (perf.step_time(work, p, clusters[0]) for p in (paths[2], paths[0]))
+    policy = "codes" if codes < (1 - PIN_MARGIN) * native else "native" if native < (1 - PIN_MARGIN) * codes else None
+    pathlib.Path(path).write_text(json.dumps({"policy": policy} if policy else {}) + "\n")
+    verdict = f"pin policy {policy!r}" if policy else "no pin: policy='auto' times the trial steps"
+    print(f"\n{paths[2].name} {1e3 * codes:.1f} ms against float32 {1e3 * native:.1f} ms: {verdict} ({path}; "
+          f"load it with compressor.pin(json.load(open({str(path)!r}))))")
 
 
 def _plot(path, work, paths, cluster):
@@ -147,6 +167,8 @@ def main(argv=None):
     plan.add_argument("--calibration", help="a file from python -m hvd_aps calibrate (default: calibrate now)")
     plan.add_argument("--accelerator", action="store_true", help="compute runs on an accelerator, not the codec's CPU")
     plan.add_argument("--plot", help="draw the predicted step against link speed into this file (matplotlib)")
+    plan.add_argument("--pin", help="write policy='auto''s decision here where the prediction is clear "
+                                    "(for APSCompressor.pin), else an empty pin: the trials decide")
     plan.set_defaults(run=plan_command)
     args = parser.parse_args(argv)
     if args.command in ("probe", "calibrate", "plan"):

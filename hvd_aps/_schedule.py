@@ -245,6 +245,38 @@ class Schedule:
                              "seconds": {f"{k} step": statistics.median(v) for k, v in p.steps.items() if v}})
             return rows
 
+    def decisions(self) -> dict:
+        """What was decided, in the names pin() takes: {"chunk_bytes": {bucket: float32 bytes a
+        chunk, 0 unchunked}, "policy": "codes", "native" or None (still trying; only with
+        policy="auto")}."""
+        with self._lock:
+            out = {"chunk_bytes": {name: b.chosen for name, b in self._buckets.items()
+                                   if b.chosen is not None and b.chosen != NATIVE}}
+            if self._policy is not None:
+                out["policy"] = self._policy.chosen
+            return out
+
+    def pin(self, decisions: dict) -> None:
+        """Take these decisions (decisions() of an earlier run) instead of trying: the buckets
+        named run their chunking from the first exchange, and a policy pinned skips the trial
+        steps. Every rank must pin the same, before the first step."""
+        unknown = set(decisions) - {"chunk_bytes", "policy"}
+        if unknown:
+            raise ValueError(f"pin() takes 'chunk_bytes' and 'policy', got {sorted(unknown)}")
+        chunks, policy = dict(decisions.get("chunk_bytes") or {}), decisions.get("policy")
+        for name, value in chunks.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"chunk_bytes of {name!r} must be an int >= 0, got {value!r}")
+        if policy not in (None, "codes", "native"):
+            raise ValueError(f"policy must be 'codes', 'native' or None, got {policy!r}")
+        if policy is not None and self._policy is None:
+            raise ValueError("a policy is pinned only on a compressor made with policy='auto' (the others send codes)")
+        with self._lock:
+            for name, value in chunks.items():
+                self._bucket(name).chosen = value
+            if policy is not None:
+                self._policy.chosen, self._policy.phase = policy, "decided"
+
     def _chosen_text(self, b: _Bucket):
         if self._policy_native():
             return describe(NATIVE)

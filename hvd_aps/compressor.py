@@ -175,6 +175,21 @@ class APSCompressor:
         every candidate tried."""
         return self.state.schedule.report()
 
+    def decisions(self) -> dict:
+        """The run-time schedule's decisions so far, to pin in a later run: {"chunk_bytes":
+        {bucket name: float32 bytes a chunk (0: unchunked)}, "policy": "codes" or "native"
+        (policy="auto" only; None while its trials run)}. Bucket names are those of
+        schedule_report()."""
+        return self.state.schedule.decisions()
+
+    def pin(self, decisions: dict) -> None:
+        """Run with these decisions (decisions() of an earlier run, or written by hand) instead of
+        timing trials: named buckets take their chunking at once, a pinned policy skips
+        policy="auto"'s trial steps. Call on every rank alike, before the first step. Pinning
+        changes when things are sent, never a bit of the result, except that a policy of
+        "native" sends the framework's own allreduce in `fallback`."""
+        self.state.schedule.pin(decisions)
+
     def close(self) -> None:
         """Stop this compressor's threads once their exchanges are done; it cannot run more."""
         self.state.close()

@@ -70,13 +70,16 @@ class Cluster:
     `hierarchical`: codes go on two levels where hosts hold several ranks (else one flat exchange);
     `sharing`: how many ranks share the processor cores the codec's calibration had to itself
     (the ranks of a host on a CPU cluster; every rank where a test cluster runs on one machine):
-    the codec takes that many times its calibrated time."""
+    the codec takes that many times its calibrated time; `tree`: the framework's allreduce takes
+    the faster of a ring and a double binary tree (NCCL does, Gloo's ring does not), whose
+    latency grows with log2 of the ranks, not with the ranks."""
     hosts: int
     between: Link
     ranks_per_host: int = 1
     inside: Link = Link(*LOOPBACK)
     hierarchical: bool = True
     sharing: float = 1.0
+    tree: bool = False
 
     def __post_init__(self):
         if self.hosts < 1 or self.ranks_per_host < 1 or self.sharing < 1:
@@ -95,13 +98,21 @@ class Cluster:
 class Codec:
     """The codes exchange's own time on one rank for a bucket of n float32 (everything but the
     wire: encode, decode-and-sum, re-encode, decode, the stats, the driver), fitted on the real
-    driver by `python -m hvd_aps calibrate`: a cost per exchange, per tensor and per element."""
+    driver by `python -m hvd_aps calibrate`: a cost per exchange, per tensor and per element;
+    `device`: its passes run on an accelerator (see busy())."""
     fixed: float
     per_element: float
     per_tensor: float = 0.0
+    device: bool = False
 
     def time(self, elements: float, tensors: float = 1) -> float:
         return self.fixed + self.per_tensor * tensors + self.per_element * elements
+
+    def busy(self, elements: float, tensors: float = 1) -> float:
+        """The part of time() that takes the processor computing the step: all of it for a host
+        codec; for a `device` codec (a GPU's kernels) its passes over the elements only, the
+        costs per exchange and per tensor being its driver's, on the host."""
+        return self.per_element * elements if self.device else self.time(elements, tensors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,12 +172,16 @@ class Path:
 
 
 # collectives ------------------------------------------------------------------------------------
-def ring_allreduce(nbytes: float, c: Cluster) -> float:
+def allreduce(nbytes: float, c: Cluster) -> float:
+    """The framework's allreduce: a ring of 2(N-1) steps, or where `c.tree` the faster of that and
+    a double binary tree of 2 log2 N steps (its bandwidth term taken as the ring's: NCCL's tuner
+    rates them alike for large messages)."""
     n = c.world
     if n == 1:
         return 0.0
     link = c.between if c.hosts > 1 else c.inside
-    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+    steps = min(2 * (n - 1), 2 * math.ceil(math.log2(n))) if c.tree else 2 * (n - 1)
+    return steps * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
 def alltoall(nbytes: float, c: Cluster) -> float:
@@ -192,7 +207,7 @@ def codes_bytes(elements: float, bits: int) -> float:
 def exchange_time(elements: int, path: Path, c: Cluster, tensors: float = 1) -> float:
     """Seconds from a bucket's start to its averaged gradients, codec included."""
     if not path.codes:
-        return ring_allreduce(elements * path.bits / BITS_PER_BYTE, c)
+        return allreduce(elements * path.bits / BITS_PER_BYTE, c)
     host, between = _codes_wire(elements, path.bits, c)
     return host + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between)
 
@@ -200,7 +215,7 @@ def exchange_time(elements: int, path: Path, c: Cluster, tensors: float = 1) -> 
 def wire_time(elements: int, path: Path, c: Cluster) -> float:
     """Seconds a bucket's exchange spends on the links, its codec left out."""
     if not path.codes:
-        return ring_allreduce(elements * path.bits / BITS_PER_BYTE, c)
+        return allreduce(elements * path.bits / BITS_PER_BYTE, c)
     return sum(_codes_wire(elements, path.bits, c))
 
 
@@ -217,20 +232,21 @@ def _codes_wire(elements: int, bits: int, c: Cluster) -> tuple:
     if not c.two_levels:
         codes = codes_bytes(elements, bits)
         return 0.0, metadata_allreduce(c) + alltoall(codes, c) + allgather(codes / c.world, c)
-    local = Cluster(1, c.inside, c.ranks_per_host, c.inside)
-    cross = Cluster(c.hosts, c.between, 1, c.inside)
+    local = Cluster(1, c.inside, c.ranks_per_host, c.inside, tree=c.tree)
+    cross = Cluster(c.hosts, c.between, 1, c.inside, tree=c.tree)
     codes = codes_bytes(elements, bits)  # every slice of the host's ranks together
     host = 2 * alltoall(elements * FLOAT32_BYTES, local)
     return host, metadata_allreduce(c) + alltoall(codes, cross) + allgather(codes / c.hosts, cross)
 
 
 def _shared(codec: Codec, c: Cluster) -> Codec:
-    return Codec(codec.fixed * c.sharing, codec.per_element * c.sharing, codec.per_tensor * c.sharing)
+    return dataclasses.replace(codec, fixed=codec.fixed * c.sharing, per_element=codec.per_element * c.sharing,
+                               per_tensor=codec.per_tensor * c.sharing)
 
 
 def metadata_allreduce(c: Cluster) -> float:
     """The Max-allreduce of a few floats: latency only."""
-    return ring_allreduce(0, c)
+    return allreduce(0, c)
 
 
 def _overlapped(codec: Codec, elements: float, tensors: float, wire: float) -> float:
@@ -257,7 +273,7 @@ def step_time(w: Workload, path: Path, c: Cluster) -> float:
         ready = backward * done / w.parameters
         free = max(ready, free) + exchange_time(n, path, c, w.tensors_in(n))
         if path.codes and w.shared_processor:
-            codec_total += _shared(path.codec, c).time(_codes_elements(n, c), w.tensors_in(n))
+            codec_total += _shared(path.codec, c).busy(_codes_elements(n, c), w.tensors_in(n))
     return w.compute - backward + max(backward + codec_total, free) + w.optimizer
 
 

@@ -248,6 +248,30 @@ def test_policy_auto_switches_only_between_steps():
     assert schedule.native("b") and schedule.report()[-1]["chosen"] == "native"
 
 
+def test_decisions_pin_a_later_run_without_trials():
+    """An auto run's decisions, pinned in a fresh compressor, take effect from its first exchange:
+    the pinned chunking without trying the others, the pinned policy without trial steps."""
+    from hvd_aps._schedule import NATIVE
+    fresh = hvd_aps.APSCompressor("e4m3", policy="auto", stats=False)
+    assert fresh.decisions() == {"chunk_bytes": {}, "policy": None}
+    assert fresh.state.schedule.candidate("b") == 0  # untuned: the warm-up, then every chunking
+    comp = hvd_aps.APSCompressor("e4m3", policy="auto", stats=False)
+    comp.pin({"chunk_bytes": {"b": 1 << 20}, "policy": "codes"})
+    assert comp.state.schedule.candidate("b") == 1 << 20 and not comp.state.schedule.native("b")
+    assert comp.decisions() == {"chunk_bytes": {"b": 1 << 20}, "policy": "codes"}
+    native = hvd_aps.APSCompressor("e4m3", policy="auto", stats=False)
+    native.pin({"policy": "native"})
+    assert native.state.schedule.candidate("other") == NATIVE
+    again = hvd_aps.APSCompressor("e4m3", policy="auto", stats=False)
+    again.pin(native.decisions())
+    assert again.state.schedule.native("other")
+    with pytest.raises(ValueError, match="policy='auto'"):
+        hvd_aps.APSCompressor("e4m3").pin({"policy": "native"})
+    for bad in ({"policy": "fast"}, {"chunk_bytes": {"b": -1}}, {"chunk_bytes": {"b": "4MiB"}}, {"chunks": {}}):
+        with pytest.raises(ValueError):
+            comp.pin(bad)
+
+
 @pytest.mark.parametrize("codes, chosen", [(0.90, "codes"), (0.97, "native"), (1.10, "native")])
 def test_policy_auto_keeps_codes_only_where_they_are_clearly_faster(codes, chosen):
     """After the last round, codes must beat the native step's median by CODES_MARGIN (5 %):

@@ -31,13 +31,17 @@ def test_link_rates_parse_as_tc_and_nics_name_them():
 
 def test_collectives_are_alpha_beta_with_a_host_link_shared_by_its_ranks():
     two = perf.Cluster(2, SLOW)
-    assert perf.ring_allreduce(1e6, two) == pytest.approx(2 * ALPHA + 1e6 / BW)
+    assert perf.allreduce(1e6, two) == pytest.approx(2 * ALPHA + 1e6 / BW)
     four = perf.Cluster(4, SLOW)
-    assert perf.ring_allreduce(1e6, four) == pytest.approx(6 * ALPHA + 1.5e6 / BW)
+    assert perf.allreduce(1e6, four) == pytest.approx(6 * ALPHA + 1.5e6 / BW)
     # 2 hosts x 2 ranks: each host sends 2 ranks x half of each message across
     assert perf.alltoall(1e6, perf.Cluster(2, SLOW, 2)) == pytest.approx(3 * ALPHA + 1e6 / BW)
     assert perf.allgather(1e6, two) == perf.alltoall(2e6, two)
-    assert perf.ring_allreduce(1e6, perf.Cluster(1, SLOW)) == 0.0
+    assert perf.allreduce(1e6, perf.Cluster(1, SLOW)) == 0.0
+    # NCCL's tree: 2 log2 N latency steps where that beats the ring's 2 (N - 1), same bytes
+    big = perf.Cluster(128, SLOW, 8, tree=True)
+    assert perf.allreduce(1e6, big) == pytest.approx(20 * ALPHA + 2 * 1023 / 1024 * 1e6 / BW)
+    assert perf.allreduce(1e6, perf.Cluster(2, SLOW, tree=True)) == perf.allreduce(1e6, two)
 
 
 def test_codes_exchange_is_metadata_alltoall_and_allgather():
@@ -63,7 +67,7 @@ def test_two_levels_send_a_slice_of_codes_between_hosts():
 def test_step_overlaps_exchanges_with_backward_and_adds_a_shared_codec():
     n = 1 << 20
     fp32 = perf.Path("float32", 32)
-    wire = perf.ring_allreduce(4 * n, perf.Cluster(2, SLOW))
+    wire = perf.allreduce(4 * n, perf.Cluster(2, SLOW))
     long_backward = perf.Workload(n, compute=3 * wire, buckets=[n])
     assert perf.step_time(long_backward, fp32, perf.Cluster(2, SLOW)) == pytest.approx(3 * wire + wire)
     two = perf.Workload(2 * n, compute=0.3, backward=1.0, buckets=[n, n])  # ready at 0.15 and 0.3
@@ -76,6 +80,10 @@ def test_step_overlaps_exchanges_with_backward_and_adds_a_shared_codec():
     apart = dataclasses.replace(shared, shared_processor=False)
     assert perf.step_time(shared, codes, fast) == pytest.approx(1.02)
     assert perf.step_time(apart, codes, fast) == pytest.approx(1.01)
+    # a GPU's codec: its passes take the device from backward, its driver's cost per exchange does not
+    gpu = perf.Path("e4m3", 8, perf.Codec(0.01, 1e-9, device=True))
+    assert perf.step_time(shared, gpu, fast) == pytest.approx(max(1.0 + 2 * n * 1e-9, 1.0 + 0.01 + n * 1e-9))
+    assert perf.step_time(shared, gpu, fast) < perf.step_time(shared, dataclasses.replace(gpu, codec=perf.Codec(0.01, 1e-9)), fast) - 0.01
 
 
 def test_break_even_solves_where_the_saved_bytes_pay_for_the_extra_latencies():
@@ -128,3 +136,41 @@ def test_calibrate_and_plan_from_the_command_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hvd_aps", "plan", "--params", "4.3M", "--compute-ms", "40",
                           "--format", "e3m0", "--calibration", str(out)], capture_output=True, text=True)
     assert bad.returncode != 0 and "no calibration for e3m0" in bad.stderr
+
+
+@pytest.mark.parametrize("params, link, codec, policy", [
+    ("100M", "100mbit", perf.Codec(1e-3, 1e-9), "codes"),   # the wire is the step: codes clearly shorter
+    ("100M", "100gbit", perf.Codec(1.0, 1e-9), "native"),   # a codec of a second an exchange
+    ("1M", "10gbit", perf.Codec(1e-4, 1e-9), None),         # both hide behind the compute: the trials decide
+])
+def test_plan_pins_policy_only_where_the_prediction_is_clear(tmp_path, params, link, codec, policy):
+    cal, pin = tmp_path / "cal.json", tmp_path / "pin.json"
+    calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(codec)}}, cal)
+    from hvd_aps.__main__ import main
+    main(["plan", "--params", params, "--compute-ms", "200", "--links", link, "--format", "e4m3",
+          "--calibration", str(cal), "--pin", str(pin)])
+    decisions = json.loads(pin.read_text())
+    assert decisions.get("policy") == policy
+    comp = hvd_aps.APSCompressor("e4m3", policy="auto", stats=False)
+    comp.pin(decisions)
+    assert comp.decisions()["policy"] == policy
+    with pytest.raises(SystemExit):  # one decision holds for one link speed
+        main(["plan", "--params", params, "--compute-ms", "200", "--links", "1gbit,10gbit", "--format", "e4m3",
+              "--calibration", str(cal), "--pin", str(pin)])
+
+
+def test_at_scale_tables_and_the_dettmers_shape():
+    """examples/perf_at_scale.py: the link found for 32-bit's 23x on 96 GPUs really gives 23x,
+    and fewer bits scale further there; on NVLink alone nothing is worth compressing."""
+    import pathlib
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    import perf_at_scale
+    shape = perf_at_scale.dettmers()
+    assert shape["float32"] == pytest.approx(perf_at_scale.DETTMERS_FP32_SPEEDUP, rel=1e-3)
+    assert shape["float32"] < shape["bf16"] < shape["NCCL fp8"] < shape["e3m0"] <= perf_at_scale.DETTMERS_GPUS
+    rows = perf_at_scale.rows()
+    assert len(rows) == len(perf_at_scale.WORKLOADS) * (1 + (len(perf_at_scale.GPU_COUNTS) - 1) * len(perf_at_scale.HOST_LINKS))
+    for r in rows:
+        assert min(r["step_ms"].values()) >= r["compute_ms"] - 1e-9  # no path beats its own compute
+        if r["link"] == "NVLink only":
+            assert r["step_ms"]["e4m3"] >= r["step_ms"]["NCCL fp8"]
