@@ -1,13 +1,14 @@
 """The performance model (hvd_aps.perf) against the step times the netns cluster measured
 (docs/cluster/*.json: MLP, two huge layers, LM, ResNet-18 and transformer profiles; 2 and 4 hosts;
-1, 2 and 4 ranks a host; 1 Gbit/s, 10 Gbit/s and uncapped; Horovod and DDP; fp32, fp16, e4m3, e3m0).
+1, 2 and 4 ranks a host; 1 Gbit/s, 10 Gbit/s and uncapped; Horovod, DDP and FSDP2; fp32, fp16, e4m3, e3m0).
 
 Protocol: the codes exchange's own time comes from `python -m hvd_aps calibrate` on this machine
 (--calibration, or calibrated now); each row's compute (forward, backward, optimizer) is the one
 its benchmark measured; each link class (a rate) gets one effective bandwidth and latency, fitted
-on the fp32 rows of that rate (the frameworks' own allreduce: what a link delivers to Gloo over TCP
-through tc is not its nominal rate). Every other row (16-bit, codes) is then predicted, not fitted.
-policy="auto" and FSDP rows are left out (the model has neither yet).
+on the Horovod and DDP fp32 rows of that rate (the frameworks' own allreduce: what a link delivers
+to Gloo over TCP through tc is not its nominal rate). Every other row (16-bit, codes, and every
+FSDP2 row, its float32 reduce-scatter included: hvd_aps.perf.fsdp_step_time) is then predicted,
+not fitted. policy="auto" rows are left out (the model does not run the trials).
 
     .venv/bin/python examples/perf_model_check.py [--calibration cal.json] [--plot docs/perf_model.png]
 """
@@ -47,7 +48,7 @@ def measured_rows():
 def path_of(compression):
     """(framework, name, bits, format or None) of a cluster compression name; None where left out."""
     framework, _, name = compression.rpartition(":")
-    if framework not in ("", "ddp") or name.endswith("-auto"):
+    if framework not in ("", "ddp", "fsdp") or name.endswith("-auto"):
         return None
     if name in ("none", "fp16"):
         return framework or "hvd", name, 32 if name == "none" else 16, None
@@ -55,28 +56,41 @@ def path_of(compression):
     return (framework or "hvd", name, FORMATS[fmt], fmt) if fmt in FORMATS else None
 
 
-def tensors(profile, params, cache={}):
+def shapes(profile, params, cache={}):
+    """(gradient tensors, FSDP units' sizes: every block as pytorch_fsdp_synthetic_benchmark.py
+    shards it, in backward's order, the root's own parameters last) of a profile."""
     key = (profile, params)
     if key not in cache:
         args = argparse.Namespace(**{"hidden": 2048, "blocks": 6, "vocab": 16384, "image_size": 112,
                                      **PROFILE_ARGS[key]})
         model = build_model(profile, args)[0]
         assert sum(p.numel() for p in model.parameters()) == params, key
-        cache[key] = len(list(model.parameters()))
+        blocks = getattr(model, "blocks", model)
+        units = [sum(p.numel() for p in child.parameters()) for child in blocks.children()]
+        units = [n for n in reversed(units) if n]
+        cache[key] = len(list(model.parameters())), units + [params - sum(units)] if params > sum(units) else units
     return cache[key]
+
+
+def fitted(r):
+    """Whether a row is one the links are fitted on: Horovod's and DDP's float32 allreduce."""
+    framework, name, _, _ = path_of(r["compression"])
+    return name == "none" and framework != "fsdp"
 
 
 def workload(r):
     framework, name, bits, fmt = path_of(r["compression"])
     compute = r["forward"] + r["backward"]
     n = r["params"]
-    if framework == "ddp":
+    if framework == "fsdp":
+        buckets = shapes(r["profile"], n)[1]
+    elif framework == "ddp":
         buckets = perf.ddp_buckets(n)
     else:
         cap = (CODES_BUCKET_BYTES if fmt else HOROVOD_FUSION_BYTES) // perf.FLOAT32_BYTES
         buckets = [min(cap, n - i) for i in range(0, n, cap)]
     return perf.Workload(n, compute, r["backward"] / compute if compute else 1.0, r["optimizer"], buckets,
-                         tensors(r["profile"], n))
+                         shapes(r["profile"], n)[0])
 
 
 def cluster(r, link):
@@ -93,6 +107,8 @@ def predict(r, link, codecs):
     framework, name, bits, fmt = path_of(r["compression"])
     c = cluster(r, link)
     codec = None if fmt is None else codecs[(fmt, c.hosts if c.two_levels else c.world)]
+    if framework == "fsdp":
+        return perf.fsdp_step_time(workload(r), perf.Path(name, bits, codec), c, r.get("reshard", True), gloo=True)
     return perf.step_time(workload(r), perf.Path(name, bits, codec), c)
 
 
@@ -100,7 +116,7 @@ def fit_links(rows, codecs):
     """Per rate: the (bandwidth, latency) whose fp32 predictions have the least median error."""
     links = {}
     for rate in sorted({r["rate"] for r in rows}):
-        fp32 = [r for r in rows if r["rate"] == rate and path_of(r["compression"])[1] == "none"]
+        fp32 = [r for r in rows if r["rate"] == rate and fitted(r)]
         best = None
         for gbit, latency in itertools.product([0.1 * 1.05 ** k for k in range(160)], LATENCIES):
             link = perf.Link(gbit * 1e9 / 8, latency)
@@ -134,7 +150,7 @@ def main():
         predicted = predict(r, links[r["rate"]], codecs)
         out.append({k: r[k] for k in ("file", "profile", "hosts", "ranks_per_host", "rate", "compression")}
                    | {"measured": r["step_median"], "predicted": predicted, "error": predicted / r["step_median"] - 1,
-                      "fitted": path_of(r["compression"])[1] == "none"})
+                      "fitted": fitted(r)})
     report(out)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))

@@ -18,11 +18,11 @@ import dataclasses
 
 import numpy as np
 
-from . import _arrays, _metadata, codec, scaling
+from . import _arrays, _metadata, codec
 from ._layout import BLOCK
+from ._stages import formats_and_shifts, hybrid_error
 from ._state import SEND
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,25 +63,22 @@ class ScatterExchange:
         """(vector to Max-allreduce, the rows to encode): per (row, block) max |g| and, with
         hybrid precision, the narrow format's sampled error at that block's own shift."""
         rows = self._corrected(name, rows)
-        xp, n = _arrays.array_module(rows), rows.shape[1]
+        n = rows.shape[1]
         amaxes = np.concatenate([codec.amax_blocks(row, BLOCK) for row in rows]) if n else np.zeros(0)
         errors = ()
         if self.config.hybrid is not None:
-            errors = [self._error(rows[r, j * BLOCK:(j + 1) * BLOCK], amaxes[r * self._blocks(n) + j], xp)
+            errors = [hybrid_error(self.config, rows[r, j * BLOCK:(j + 1) * BLOCK], amaxes[r * self._blocks(n) + j],
+                                   self.world)
                       for r in range(self.world) for j in range(self._blocks(n))]
-        return _metadata.vector(self.config, amaxes, self._sizes(n), errors), rows
+        return _metadata.vector(self.config, amaxes, self._sizes(n), errors, self.state.schedule.entries(name)), rows
 
     def agree(self, name: str, agreed, rows, divisor: float) -> ScatterAgreement:
         n = rows.shape[1]
         sizes = self._sizes(n)
-        amaxes, errors, _ = _metadata.read(self.config, agreed, sizes, [f"{name}[block {k}]" for k in range(len(sizes))])
-        finite = np.isfinite(amaxes)
-        wide = (~(errors <= self.config.hybrid_threshold) if self.config.hybrid is not None
-                else np.zeros(amaxes.size, bool)) & finite
-        shifts = np.zeros(amaxes.size, np.int64)
-        for fmt, chosen in zip(self.fmts, (~wide & finite, wide)):
-            if self.config.scaling == "aps" and chosen.any():
-                shifts[chosen] = scaling.shifts_for(amaxes[chosen], self.world, fmt, _FLOAT32_MAX)
+        amaxes, errors, timing = _metadata.read(self.config, agreed, sizes,
+                                                [f"{name}[block {k}]" for k in range(len(sizes))])
+        self.state.schedule.agreed(name, timing)
+        finite, wide, shifts = formats_and_shifts(self.config, amaxes, errors, self.world)
         per_row = self._blocks(n)
         runs = [self._runs(n, finite[r * per_row:(r + 1) * per_row], wide[r * per_row:(r + 1) * per_row],
                            shifts[r * per_row:(r + 1) * per_row]) for r in range(self.world)]
@@ -151,16 +148,6 @@ class ScatterExchange:
             out /= np.float32(a.divisor)
         self.state.exchanged([a.name])
         return out
-
-    def _error(self, x, amax, xp) -> float:
-        """Hybrid precision: the narrow format's mean elementwise relative error on x at the shift
-        this rank's amax gives (the codes exchange's estimate, on a whole block)."""
-        sample = x[x != 0]
-        if not np.isfinite(amax) or amax == 0 or not sample.size:
-            return 0.0
-        fmt = self.config.fmt
-        shift = scaling.shift_for(amax, self.world, fmt, _FLOAT32_MAX) if self.config.scaling == "aps" else 0
-        return float(xp.minimum(xp.abs(codec.quantize(sample, fmt, shift=shift) - sample) / xp.abs(sample), 1).mean())
 
     def _corrected(self, name, rows):
         if not self.config.error_feedback:

@@ -112,6 +112,14 @@ class Schedule:
             order = [c for _ in range(TRIALS) for c in self.candidates]
             return order[min(b.runs - 1, len(order) - 1)]
 
+    def unchunked(self, name: str) -> None:
+        """Bucket `name` has no chunking to choose (a reduce-scatter sends each row whole): it
+        counts as decided, so policy="auto"'s step trials may start."""
+        with self._lock:
+            b = self._bucket(name)
+            if b.chosen is None:
+                b.chosen = 0
+
     def native(self, name: str) -> bool:
         """Whether this exchange of `name` goes through the framework's own allreduce."""
         return self.candidate(name) == NATIVE

@@ -89,6 +89,38 @@ class Agreement:
         return 4 * sum(self.bucket.sizes) >= STREAM_BYTES
 
 
+def formats_and_shifts(config, amaxes: np.ndarray, errors: np.ndarray, world: int) -> tuple:
+    """The agreed max |g| and hybrid errors of every tensor (or block) -> (finite: sent as codes,
+    wide: in the hybrid's wider format, shifts: APS's power of two for its format), alike on
+    every rank: the bucket exchange and the reduce-scatter decide by this one rule."""
+    finite = np.isfinite(amaxes)
+    wide = (~(errors <= config.hybrid_threshold) if config.hybrid is not None
+            else np.zeros(len(amaxes), bool)) & finite
+    shifts = np.zeros(len(amaxes), np.int64)
+    fmts = (config.fmt, config.hybrid)
+    for fmt, chosen in zip(fmts, (~wide & finite, wide)):
+        if config.scaling == "aps" and chosen.any():
+            shifts[chosen] = scaling.shifts_for(amaxes[chosen], world, fmt, _FLOAT32_MAX)
+    return finite, wide, shifts
+
+
+def hybrid_error(config, x, amax: float, world: int, stride: int = 1) -> float:
+    """Hybrid precision: the mean over every `stride`-th nonzero element of x of |q(x) - x| / |x|,
+    q rounding onto the narrow format at the shift this rank's amax alone gives. Elementwise, not
+    ||q(x) - x|| / ||x||: the norm hides the small entries a narrow format flushes, and an Adam
+    step scales every entry to its own size."""
+    if not np.isfinite(amax) or amax == 0:
+        return 0.0
+    xp = _xp(x)
+    sample = x.ravel()[::stride].astype(np.float32)
+    sample = sample[sample != 0]
+    if not sample.size:
+        return 0.0
+    shift = scaling.shift_for(amax, world, config.fmt, _FLOAT32_MAX) if config.scaling == "aps" else 0
+    error = xp.abs(codec.quantize(sample, config.fmt, shift=shift) - sample) / xp.abs(sample)
+    return float(xp.minimum(error, 1).mean())
+
+
 class CodesExchange:
     """The stages of a bucket's exchange for one rank of the codes group (`world` ranks; with two
     levels, one per host). Collaborators: the frozen config, the ExchangeState (residuals, step
@@ -124,13 +156,7 @@ class CodesExchange:
         padded: the allgather needs messages of equal sizes. chunked: the elements the chunk count
         is cut from, where other groups must cut as many (default: the finite ones held here)."""
         amaxes, errors = self.check(bucket, agreed)
-        finite = np.isfinite(amaxes)
-        wide = (~(errors <= self.config.hybrid_threshold) if self.config.hybrid is not None
-                else np.zeros(len(amaxes), bool)) & finite
-        shifts = np.zeros(len(amaxes), np.int64)
-        for fmt, chosen in zip(self.fmts, (~wide & finite, wide)):
-            if self.config.scaling == "aps" and chosen.any():
-                shifts[chosen] = scaling.shifts_for(amaxes[chosen], self.world, fmt, _FLOAT32_MAX)
+        finite, wide, shifts = formats_and_shifts(self.config, amaxes, errors, self.world)
         if outs is None:
             outs = [self.state.buffers.result((bucket.name, k), seg.size, xp) for k, seg in enumerate(bucket.segments)]
         fallback = [k for k, seg in enumerate(bucket.segments) if not finite[seg.tensor]]
@@ -319,19 +345,8 @@ class CodesExchange:
                 self.stats.record(a.bucket.labels[a.bucket.segments[k].tensor], a.stats.pop(k))
 
     def _sampled_error(self, x, amax: float) -> float:
-        """Hybrid precision: the mean over a strided sample of x's nonzero elements (about
-        HYBRID_SAMPLE) of |q(x) - x| / |x|, q rounding onto the narrow format at the shift this
-        rank's amax alone gives. Elementwise, not ||q(x) - x|| / ||x||: the norm hides the small
-        entries a narrow format flushes, and an Adam step scales every entry to its own size."""
-        if not np.isfinite(amax) or amax == 0:
-            return 0.0
-        xp = _xp(x)
-        sample = x.ravel()[::_arrays.sample_stride(x.size, HYBRID_SAMPLE)].astype(np.float32)
-        sample = sample[sample != 0]
-        fmt = self.config.fmt
-        shift = scaling.shift_for(amax, self.world, fmt, _FLOAT32_MAX) if self.config.scaling == "aps" else 0
-        error = xp.abs(codec.quantize(sample, fmt, shift=shift) - sample) / xp.abs(sample)
-        return float(xp.minimum(error, 1).mean()) if sample.size else 0.0
+        """Hybrid precision's estimate over a strided sample of x (about HYBRID_SAMPLE elements)."""
+        return hybrid_error(self.config, x, amax, self.world, _arrays.sample_stride(x.size, HYBRID_SAMPLE))
 
     def _corrected(self, bucket: Bucket, data: list) -> list:
         """Error feedback: each segment plus its committed residual; the data as given otherwise."""

@@ -165,13 +165,16 @@ class ExchangeState:
         return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
     def values_seed(self, rank: int, label: str) -> int:
-        """wire="values": the seed of one tensor's rounding, its count taken at once (that path
-        rounds inside compress(), on the one thread backward runs on, in backward's order)."""
+        """wire="values": the seed of one tensor's rounding, from its count of exchanges that came
+        back (values_done), as seed_for draws from committed steps."""
+        return self.seed_for(rank, f"values:{label}", SEND)
+
+    def values_done(self, label: str) -> None:
+        """wire="values": this tensor's sum came back (decompress). Its count moves on here, not
+        at compress(), so an allreduce that failed in between rounds again with the same seed."""
         key = f"values:{label}"
         with self._lock:
-            seed = self.seed_for(rank, key, SEND)
             self._steps[key] = self._steps.get(key, 0) + 1
-            return seed
 
     def forget_shards(self) -> None:
         """The world changed (elastic reset): shard owners' residuals belong to the old layout,

@@ -13,14 +13,25 @@ model over this host's ranks only (`host_mesh()`), and `apply(model, compressor,
 replicate_group=...)` leaves FSDP's reduce-scatter inside the host native (float32) and sends the
 host-summed shard across hosts as codes, from FSDP's all-reduce hook.
 
-Each module's exchange is its own step of the compressor's state: it commits when it ends, and
-one that raises leaves the state as it was. On CUDA tensors the CuPy engine runs the codec.
+One backward is one step of the compressor's state, however many modules it reduces (as a DDP
+step is): the first exchange of a backward opens it, and it commits when autograd's backward
+ends (a callback queued on autograd's engine, after FSDP's own), or rolls back if an exchange
+raised. With policy="auto" the schedule times these steps, codes against FSDP's own float32
+reduce-scatter (or, on two levels, all-reduce across hosts). An exchange outside a backward
+(called by hand) is a step of its own. On CUDA tensors the CuPy engine runs the codec.
+
+FSDP2 (torch 2.13) calls the reduce-scatter without `async_op` and reads its output as soon as
+it returns (on the CPU at once; on CUDA on the reduce-scatter stream, which the exchange's
+host-side collectives wait for anyway), so the call completes before returning and returns None.
 """
+import contextlib
 import os
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
 from . import _arrays, exchange
 from ._scatter import ScatterExchange
@@ -40,32 +51,56 @@ MIN_TORCH = "2.9"  # FSDPModule.set_custom_reduce_scatter
 
 class APSReduceScatter(ReduceScatter):
     """FSDP2's ReduceScatter, sending APS codes: averages (one float32 rounding) into the output
-    in its dtype (a MixedPrecisionPolicy's reduce_dtype comes back as it went)."""
+    in its dtype (a MixedPrecisionPolicy's reduce_dtype comes back as it went). With
+    policy="auto", FSDP's own reduce-scatter in the compressor's `fallback` dtype where the
+    schedule chose it, or times it."""
 
     def __init__(self, compressor: APSCompressor, name: str):
         self.compressor, self.name = compressor, name
-        self._collectives = {}  # per (group, device): they keep the receive buffers
+        self._exchanges = {}  # per (group, device): collectives (they keep the receive buffers), stages
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False):
+                 op, async_op: bool = False) -> None:
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"APSReduceScatter averages itself: FSDP must pass ReduceOp.SUM (use hvd_aps.fsdp.apply, "
                              f"which sets set_force_sum_reduction_for_comms and set_gradient_divide_factor), got {op}")
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        key = (id(group), str(input_tensor.device))
-        if key not in self._collectives:
-            self._collectives[key] = TorchDistributedCollectives(group, input_tensor.device)
-        coll = self._collectives[key]
-        stages = ScatterExchange(self.compressor.config, self.compressor.state, self.compressor.recorder, world, rank)
-        rows = _arrays.as_array(input_tensor.detach().to(torch.float32).reshape(world, -1))
+        coll, stages = self._exchange(group, input_tensor.device)
+        schedule = self.compressor.state.schedule
+        schedule.unchunked(self.name)
+        rows = input_tensor.detach().to(torch.float32).reshape(coll.world, -1)
         out = torch.empty(output_tensor.numel(), dtype=torch.float32, device=output_tensor.device)
-        with _step(self.compressor):
-            exchange.reduce_scatter(stages, self.name, rows, coll, _arrays.as_array(out), world)
+        with _backward_step(self.compressor):
+            if schedule.native(self.name):
+                self._native(rows, out, group)
+            else:
+                exchange.reduce_scatter(stages, self.name, _arrays.as_array(rows), coll, _arrays.as_array(out),
+                                        coll.world)
         output_tensor.copy_(out.view(output_tensor.shape))
         return None
+
+    def _exchange(self, group, device) -> tuple:
+        key = (id(group), str(device))
+        if key not in self._exchanges:
+            coll = TorchDistributedCollectives(group, device)
+            comp = self.compressor
+            self._exchanges[key] = coll, ScatterExchange(comp.config, comp.state, comp.recorder, coll.world, coll.rank)
+        return self._exchanges[key]
+
+    def _native(self, rows: torch.Tensor, out: torch.Tensor, group) -> None:
+        """FSDP's own reduce-scatter of the rows in the fallback dtype, averaged in float32,
+        counted as a passed-through tensor."""
+        dtype = getattr(torch, str(self.compressor.config.fallback))
+        world = rows.shape[0]
+        shard = torch.empty(out.numel(), dtype=dtype, device=out.device)
+        dist.reduce_scatter_tensor(shard, rows.to(dtype).reshape(-1), op=dist.ReduceOp.SUM, group=group)
+        torch.div(shard.to(torch.float32), world, out=out)
+        stats = self.compressor.recorder
+        stats.passed_through(self.name, rows.numel(), str(self.compressor.config.fallback))
+        stats.record_sent((world - 1) * shard.numel() * shard.element_size())
+        self.compressor.state.exchanged([self.name])
 
 
 class CrossHostHook:
@@ -74,32 +109,70 @@ class CrossHostHook:
 
     def __init__(self, compressor: APSCompressor, name: str, group: dist.ProcessGroup, world: int):
         self.compressor, self.name, self.group, self.world = compressor, name, group, world
+        self._collectives = {}  # per device: they keep the receive buffers
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
-        coll = TorchDistributedCollectives(self.group, reduce_output.device)
+        device = str(reduce_output.device)
+        if device not in self._collectives:
+            self._collectives[device] = TorchDistributedCollectives(self.group, reduce_output.device)
+        coll = self._collectives[device]
         stages = self.compressor.stages(coll.world, coll.rank, dist.get_rank())
         flat = reduce_output.detach().reshape(-1)
         values = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
         bucket = Bucket.whole(self.name, [self.name], [self.name], [values.numel()])
-        with _step(self.compressor):
+        with _backward_step(self.compressor):
             exchange.run(stages, bucket, [_arrays.as_array(values)], exchange.Levels.flat(coll),
                          outs=[_arrays.as_array(values)], divisor=self.world)
         if values is not flat:
             flat.copy_(values)
 
 
-class _step:
-    """One exchange as one step of the compressor's state: committed, or rolled back if it raised."""
+class _BackwardStep:
+    """One step of an exchange state per autograd backward: the first exchange of a backward
+    queues the step's end on autograd's engine (after FSDP's own final callback, which may still
+    reduce), which commits it. An exchange that raises rolls the step back at once (a failed
+    backward runs no final callbacks) and the callback already queued does nothing. An exchange
+    outside any backward is a step by itself."""
 
-    def __init__(self, compressor):
-        self.state = compressor.state
+    def __init__(self, state):
+        self.state, self._open, self._generation = state, False, 0
 
-    def __enter__(self):
-        return self
+    @contextlib.contextmanager
+    def exchange(self):
+        inside = self._open or self._open_step()
+        try:
+            yield
+        except BaseException:
+            self._open, self._generation = False, self._generation + 1
+            self.state.rollback()
+            raise
+        if not inside:
+            self.state.commit()
 
-    def __exit__(self, kind, error, trace):
-        (self.state.commit if kind is None else self.state.rollback)()
-        return False
+    def _open_step(self) -> bool:
+        generation = self._generation
+        try:
+            Variable._execution_engine.queue_callback(lambda: self._end(generation))
+        except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+            return False
+        self._open = True
+        return True
+
+    def _end(self, generation: int) -> None:
+        if self._open and generation == self._generation:
+            self._open, self._generation = False, generation + 1
+            self.state.commit()
+
+
+_BACKWARD_STEPS = weakref.WeakKeyDictionary()  # exchange state -> its _BackwardStep
+
+
+def _backward_step(compressor: APSCompressor):
+    """The context of one exchange inside the compressor's step of the current backward."""
+    steps = _BACKWARD_STEPS.get(compressor.state)
+    if steps is None:
+        steps = _BACKWARD_STEPS[compressor.state] = _BackwardStep(compressor.state)
+    return steps.exchange()
 
 
 def apply(model: torch.nn.Module, compressor: APSCompressor, replicate_group: dist.ProcessGroup = None) -> int:

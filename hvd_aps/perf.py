@@ -277,6 +277,36 @@ def step_time(w: Workload, path: Path, c: Cluster) -> float:
     return w.compute - backward + max(backward + codec_total, free) + w.optimizer
 
 
+# FSDP2's reduce-scatter on the codes: encode every row, sum this rank's row from N copies; about
+# half the passes of a bucket exchange's codec (no re-encode, no allgather to decode), an assumption
+SCATTER_CODEC_SHARE = 0.5
+
+
+def fsdp_step_time(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False) -> float:
+    """Seconds of one FSDP2 step with a unit per entry of `w.buckets` (one flat group, float32
+    parameters): each unit's parameters all-gathered before its forward and, with `reshard`
+    (reshard_after_forward; the root's stay gathered), again before its backward; its
+    gradients reduce-scattered in `path` (codes: the metadata Max-allreduce and one alltoall of
+    codes, hvd_aps.fsdp's exchange). Serial: FSDP2 on the CPU waits for each collective where
+    its compute needs it (streams are no-ops there), which the recorded FSDP rows bear out
+    (a capped step is about the uncapped one plus its bytes at the link's rate). `gloo`: the
+    framework's reduce-scatter moves an allreduce's bytes (torch's Gloo backend reduces the whole
+    message everywhere: the recorded rows sent 2(N-1)/N of it a rank), NCCL's (N-1)/N."""
+    units = w.bucket_sizes()
+    gathers = 1 + (reshard and len(units) > 1)
+    wire, codec = 0.0, 0.0
+    for k, n in enumerate(units):
+        root = k == len(units) - 1
+        wire += (1 if root else gathers) * allgather(n * FLOAT32_BYTES / c.world, c)
+        if path.codes:
+            wire += metadata_allreduce(c) + alltoall(codes_bytes(n, path.bits), c)
+            codec += SCATTER_CODEC_SHARE * _shared(path.codec, c).time(n, w.tensors_in(n))
+        else:
+            message = n * path.bits / BITS_PER_BYTE
+            wire += allreduce(message, c) if gloo else alltoall(message, c)
+    return w.compute + w.optimizer + wire + codec
+
+
 def break_even(w: Workload, path: Path, peer: Path, c: Cluster, low: float = 1e6 / 8,
                high: float = 1e12 / 8) -> Optional[float]:
     """The fastest link between hosts (bytes/s, between low and high) at which `path` still

@@ -310,3 +310,18 @@ def test_policy_auto_runs_another_round_on_a_close_call():
     schedule.agreed("b", [UNMEASURED, UNMEASURED, 0.5, 1.0])
     schedule.commit()
     assert schedule.report()[-1]["chosen"] == "codes"
+
+
+def test_values_seed_moves_on_when_the_sum_comes_back():
+    """wire="values": a tensor's stochastic seed is drawn from its count of sums that came back,
+    so a compress() whose allreduce never returned rounds again with the same seed."""
+    comp = hvd_aps.APSCompressor("e4m3", wire="values", rounding="stochastic", seed=3, stats=False)
+    first = comp.state.values_seed(0, "grad.w")
+    assert comp.state.values_seed(0, "grad.w") == first  # compressed again: the step did not finish
+    assert comp.state.values_seed(1, "grad.w") != first and comp.state.values_seed(0, "grad.b") != first
+    comp.state.values_done("grad.w")
+    second = comp.state.values_seed(0, "grad.w")
+    assert second != first
+    resumed = hvd_aps.APSCompressor("e4m3", wire="values", rounding="stochastic", seed=3, stats=False)
+    resumed.load_state_dict(comp.state_dict())
+    assert resumed.state.values_seed(0, "grad.w") == second

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import model
+from hvd_aps._schedule import MAX_TRIAL_STEPS
 from horovod_run import WORKERS, free_port, load
 from workers.common import codes_grads
 
@@ -56,11 +57,78 @@ def test_fsdp_calls_are_bit_exact_to_the_model(ranks):
             assert r[f"rec_{k}_out"].tobytes() == want[q].tobytes(), (k, q)
 
 
-@pytest.mark.parametrize("key", ["plain", "keep_unsharded", "bf16", "ef", "hybrid"])
+def test_native_reduce_scatter_is_the_float32_average(ranks):
+    """policy="auto" with the native path pinned: FSDP's own reduce-scatter, averaged."""
+    world = len(ranks)
+    rows = np.stack([rows_of(r, world) for r in range(world)]).astype(np.float64)
+    for r, got in enumerate(ranks):
+        want = rows[:, r].sum(axis=0) / world
+        # float32 roundings of a sum in Gloo's order: within a few ulps of the terms' magnitudes
+        bound = 4 * np.finfo(np.float32).eps * np.abs(rows[:, r]).sum(axis=0) / world
+        assert (np.abs(got["native"] - want) <= bound).all(), r
+        if world == 2:  # a sum of two float32 is one rounding, in either order
+            exact = (rows[0, r].astype(np.float32) + rows[1, r].astype(np.float32)) / np.float32(2)
+            assert got["native"].tobytes() == exact.tobytes()
+
+
+@pytest.mark.parametrize("key", ["plain", "keep_unsharded", "bf16", "ef", "hybrid", "auto"])
 def test_training_leaves_parameters_identical_on_every_rank(ranks, key):
     for r in ranks:
         assert r[key].tobytes() == ranks[0][key].tobytes() and np.isfinite(r[key]).all()
         assert int(r[f"{key}_units"]) == 2
+        # one step of the compressor's state per backward, not per unit
+        assert int(r[f"{key}_commits"]) == (MAX_TRIAL_STEPS + 1 if key == "auto" else 4)
+    if key == "auto":  # the step trials ran to a decision, the same on every rank
+        assert str(ranks[0]["auto_policy"]) in ("codes", "native")
+        assert all(str(r["auto_policy"]) == str(ranks[0]["auto_policy"]) for r in ranks)
     if key == "ef":
         assert int(ranks[0]["ef_residuals"]) == 2  # one per FSDP unit, in the state_dict
     assert not np.array_equal(ranks[0][key], ranks[0]["rec"])  # training moved them
+
+
+def test_one_step_per_backward_commits_at_its_end_and_rolls_back_a_failed_one():
+    """FSDP reduces module by module inside one backward: the compressor's state commits once,
+    when autograd's backward ends; an exchange that raises rolls the step back; an exchange
+    outside a backward is a step of its own."""
+    import torch
+    from hvd_aps.fsdp import _BackwardStep
+    events = []
+
+    class State:
+        def commit(self):
+            events.append("commit")
+
+        def rollback(self):
+            events.append("rollback")
+
+    steps, x = _BackwardStep(State()), torch.ones(3, requires_grad=True)
+
+    def exchanging(fail=False):
+        def hook(grad):
+            with steps.exchange():
+                events.append("exchange")
+                if fail:
+                    raise RuntimeError("a rank left")
+            return grad
+        return hook
+
+    def backward(*fails):
+        y = x
+        for fail in fails:  # the hook nearest the loss runs first
+            y = y * 2
+            y.register_hook(exchanging(fail))
+        y.sum().backward()
+
+    backward(False, False)
+    assert events == ["exchange", "exchange", "commit"]
+    events.clear()
+    with pytest.raises(RuntimeError, match="a rank left"):
+        backward(True, False)
+    assert events == ["exchange", "exchange", "rollback"]
+    events.clear()
+    with steps.exchange():
+        events.append("exchange")
+    assert events == ["exchange", "commit"]
+    events.clear()
+    backward(False)
+    assert events == ["exchange", "commit"]

@@ -174,3 +174,22 @@ def test_at_scale_tables_and_the_dettmers_shape():
         assert min(r["step_ms"].values()) >= r["compute_ms"] - 1e-9  # no path beats its own compute
         if r["link"] == "NVLink only":
             assert r["step_ms"]["e4m3"] >= r["step_ms"]["NCCL fp8"]
+
+
+def test_fsdp_step_is_serial_gathers_and_reduce_scatters_per_unit():
+    """FSDP2 on the CPU: every unit's all-gathers (two with resharding, one for the root) and its
+    reduce-scatter (float32, or the codes' metadata and alltoall plus half a bucket's codec)."""
+    n, two = 1 << 20, perf.Cluster(2, SLOW)
+    w = perf.Workload(2 * n, compute=0.2, optimizer=0.01, buckets=[n, n])
+    gather, scatter = perf.allgather(4 * n / 2, two), perf.alltoall(4 * n, two)
+    fp32 = perf.Path("float32", 32)
+    assert perf.fsdp_step_time(w, fp32, two) == pytest.approx(0.21 + 3 * gather + 2 * scatter)
+    assert perf.fsdp_step_time(w, fp32, two, reshard=False) == pytest.approx(0.21 + 2 * gather + 2 * scatter)
+    codec = perf.Codec(1e-3, 1e-9)
+    codes = perf.fsdp_step_time(w, perf.Path("e4m3", 8, codec), two)
+    per_unit = perf.metadata_allreduce(two) + perf.alltoall(perf.codes_bytes(n, 8), two) + 0.5 * codec.time(n)
+    assert codes == pytest.approx(0.21 + 3 * gather + 2 * per_unit)  # sharing=1: the codec's own time
+    assert codes < perf.fsdp_step_time(w, fp32, two)
+    # Gloo's reduce-scatter moves what an allreduce moves
+    gloo = perf.fsdp_step_time(w, fp32, two, gloo=True)
+    assert gloo == pytest.approx(0.21 + 3 * gather + 2 * perf.allreduce(4 * n, two))

@@ -180,11 +180,16 @@ def compress_values(tensor, comp):
     wire, shift = tf.numpy_function(to_wire, [x, agreed], [tf.as_dtype(_values.carrier(comp.fmt)), tf.int32],
                                     stateful=True)
     wire.set_shape(tensor.shape)
-    return wire, (shift, tensor.dtype)
+    return wire, (shift, tensor.dtype, name)
 
 
 def decompress_values(tensor, ctx, comp):
-    shift, dtype = ctx
-    out = tf.numpy_function(lambda w, s: _values.from_wire(w, s).reshape(w.shape), [tensor, shift], tf.float32)
+    shift, dtype, name = ctx
+
+    def from_wire(w, s):
+        comp.state.values_done(name)
+        return _values.from_wire(w, s).reshape(w.shape)
+
+    out = tf.numpy_function(from_wire, [tensor, shift], tf.float32, stateful=True)
     out.set_shape(tensor.shape)
     return tf.cast(out, dtype)

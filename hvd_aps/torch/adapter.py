@@ -140,10 +140,11 @@ def compress_values(tensor, comp):
     amax = float(_metadata.read(comp.config, agreed.numpy(), [x.size], [label(tensor)])[0][0])
     seed = comp.state.values_seed(hvd.rank(), label(tensor))
     wire, shift = _values.to_wire(comp.config, comp.recorder, x, amax, hvd.size(), seed, label(tensor))
-    return torch.from_dlpack(wire).reshape(tensor.shape), (shift, tensor.dtype)
+    return torch.from_dlpack(wire).reshape(tensor.shape), (shift, tensor.dtype, label(tensor))
 
 
 def decompress_values(tensor, ctx, comp):
-    shift, dtype = ctx
+    shift, dtype, name = ctx
+    comp.state.values_done(name)
     return torch.from_dlpack(_values.from_wire(flatten(tensor), shift)).reshape(tensor.shape).to(dtype)
 

@@ -10,6 +10,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import hvd_aps
 import hvd_aps.fsdp
 from common import codes_grads, leave_torchrun
+from hvd_aps._schedule import MAX_TRIAL_STEPS
+
+AUTO_STEPS = MAX_TRIAL_STEPS + 1  # the first step sees every unit, then at most every round of trials
 
 dist.init_process_group("gloo")
 rank, size, out = dist.get_rank(), dist.get_world_size(), {}
@@ -31,6 +34,12 @@ def direct():
     hvd_aps.fsdp.APSReduceScatter(hvd_aps.APSCompressor("e4m3"), "poisoned")(
         output, torch.from_numpy(poisoned).reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM)
     out["poisoned"] = output.numpy()
+    native = hvd_aps.APSCompressor("e4m3", policy="auto")
+    native.pin({"policy": "native"})
+    output = torch.empty(rows.shape[1])
+    hvd_aps.fsdp.APSReduceScatter(native, "native")(output, torch.from_numpy(rows).reshape(-1), dist.group.WORLD,
+                                                     dist.ReduceOp.SUM)
+    out["native"] = output.numpy()
     try:
         hvd_aps.fsdp.APSReduceScatter(hvd_aps.APSCompressor("e4m3"), "avg")(
             output, torch.from_numpy(rows).reshape(-1), dist.group.WORLD, dist.ReduceOp.AVG)
@@ -70,6 +79,9 @@ def train(key, reshard=True, mp=None, recording=False, steps=4, **compressor):
         for name, m in net.named_modules():
             if isinstance(m, hvd_aps.fsdp.FSDPModule):
                 m.set_custom_reduce_scatter(Recording(comp, f"fsdp.{name or 'root'}"))
+    commits = []
+    commit = comp.state.commit
+    comp.state.commit = lambda: (commits.append(1), commit())
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps):
@@ -78,6 +90,8 @@ def train(key, reshard=True, mp=None, recording=False, steps=4, **compressor):
         opt.step()
     out[f"{key}_units"] = np.array(units)
     out[f"{key}_residuals"] = np.array(len(comp.state_dict()["residuals"]))
+    out[f"{key}_commits"] = np.array(len(commits))
+    out[f"{key}_policy"] = np.array(str(comp.decisions().get("policy")))
     out[key] = torch.cat([p.full_tensor().detach().ravel() for p in net.parameters()]).float().numpy()
 
 
@@ -88,5 +102,6 @@ train("keep_unsharded", reshard=False)
 train("bf16", mp=torch.bfloat16)
 train("ef", fmt="e2m1fn", error_feedback=True)
 train("hybrid", fmt="e2m1fn", hybrid="e4m3")
+train("auto", policy="auto", steps=AUTO_STEPS)
 np.savez(f"{sys.argv[1]}/fsdp{size}_rank{rank}.npz", **out)
 leave_torchrun()
