@@ -24,7 +24,6 @@ from ._stages import formats_and_shifts, hybrid_error
 from ._state import SEND
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Run:
     """Blocks of one row that travel alike: elements lo..hi of the row, in `fmt` at `shift`."""
