@@ -111,7 +111,8 @@ def rank_env(host, local, hosts, per_host, port):
     cores another host's rank computes on (DDP's float32 step on the wide MLP at 10 Gbit/s: 100 ms
     spinning, 52 ms passive), which a cluster of separate machines would not see."""
     rank = host * per_host + local
-    return dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY), HOROVOD_HOSTNAME=f"host{host}", HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(hosts * per_host),
+    return dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY),
+                HOROVOD_HOSTNAME=f"host{host}", HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(hosts * per_host),
                 HOROVOD_LOCAL_RANK=str(local), HOROVOD_LOCAL_SIZE=str(per_host), HOROVOD_CROSS_RANK=str(host),
                 HOROVOD_CROSS_SIZE=str(hosts), HOROVOD_GLOO_RENDEZVOUS_ADDR=SERVER_IP,
                 HOROVOD_GLOO_RENDEZVOUS_PORT=port, HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",

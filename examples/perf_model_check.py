@@ -68,7 +68,8 @@ def shapes(profile, params, cache={}):
         blocks = getattr(model, "blocks", model)
         units = [sum(p.numel() for p in child.parameters()) for child in blocks.children()]
         units = [n for n in reversed(units) if n]
-        cache[key] = len(list(model.parameters())), units + [params - sum(units)] if params > sum(units) else units
+        root = params - sum(units)  # the root module's own parameters, reduced last
+        cache[key] = len(list(model.parameters())), units + [root] if root else units
     return cache[key]
 
 

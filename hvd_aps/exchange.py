@@ -397,11 +397,19 @@ def _native(stages, bucket: Bucket, flats: list, world: Collectives, outs, divis
         if divisor != 1:
             out /= np.float32(divisor)
         at += n
-    for label, n in zip(bucket.labels, bucket.sizes):
-        stages.stats.passed_through(label, n, dtype.name)
-    stages.stats.record_sent(int(2 * (world.world - 1) / world.world * flat.nbytes))
-    stages.state.exchanged(bucket.keys)
+    count_native(stages.stats, stages.state, bucket.keys, zip(bucket.labels, bucket.sizes), dtype.name,
+                 2 * (world.world - 1) / world.world * flat.nbytes)
     return outs
+
+
+def count_native(stats, state, keys, labelled_sizes, dtype: str, sent_bytes: float) -> None:
+    """A native exchange (the framework's own collective where policy="auto" chose it) counted as
+    a codes exchange is: every tensor as passed through in `dtype`, the bytes a rank sent, and
+    the tensors' step done."""
+    for label, n in labelled_sizes:
+        stats.passed_through(label, n, dtype)
+    stats.record_sent(int(sent_bytes))
+    state.exchanged(keys)
 
 
 _TOKEN = np.zeros(0, np.uint8)  # what ordering-only stages return: graph stages run in data order

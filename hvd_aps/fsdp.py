@@ -97,10 +97,9 @@ class APSReduceScatter(ReduceScatter):
         shard = torch.empty(out.numel(), dtype=dtype, device=out.device)
         dist.reduce_scatter_tensor(shard, rows.to(dtype).reshape(-1), op=dist.ReduceOp.SUM, group=group)
         torch.div(shard.to(torch.float32), world, out=out)
-        stats = self.compressor.recorder
-        stats.passed_through(self.name, rows.numel(), str(self.compressor.config.fallback))
-        stats.record_sent((world - 1) * shard.numel() * shard.element_size())
-        self.compressor.state.exchanged([self.name])
+        exchange.count_native(self.compressor.recorder, self.compressor.state, [self.name],
+                              [(self.name, rows.numel())], str(self.compressor.config.fallback),
+                              (world - 1) * shard.numel() * shard.element_size())
 
 
 class CrossHostHook:

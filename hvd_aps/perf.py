@@ -293,7 +293,7 @@ def fsdp_step_time(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     framework's reduce-scatter moves an allreduce's bytes (torch's Gloo backend reduces the whole
     message everywhere: the recorded rows sent 2(N-1)/N of it a rank), NCCL's (N-1)/N."""
     units = w.bucket_sizes()
-    gathers = 1 + (reshard and len(units) > 1)
+    gathers = 2 if reshard else 1
     wire, codec = 0.0, 0.0
     for k, n in enumerate(units):
         root = k == len(units) - 1
