@@ -244,7 +244,7 @@ def table(results, hosts, per_host, rate, args):
         none, best = peers(c, results)
         floor = floor_seconds(r, c, hosts, per_host, link)
         row = dict(r, compression=c, rate=rate or "uncapped", hosts=hosts, ranks_per_host=per_host,
-                   floor_step=floor, step_ratio=r["step_median"] / none["step_median"] if none else None,
+                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY), floor_step=floor, step_ratio=r["step_median"] / none["step_median"] if none else None,
                    best_ratio=r["step_median"] / best["step_median"] if best else None,
                    bytes_ratio=r["tx_bytes_per_step"] / none["tx_bytes_per_step"] if none else None)
         rows.append(row)
