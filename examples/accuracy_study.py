@@ -10,8 +10,8 @@ or FSDP2 ranks (hvd_aps.fsdp; none is FSDP's own reduce-scatter):
     torchrun --nproc-per-node 2 examples/accuracy_study.py --ddp [--quick]
     torchrun --nproc-per-node 2 examples/accuracy_study.py --fsdp --task transformer --settings none,aps-e4m3
 
-Many emulated workers in one process (CPD's "emulate-node"): the codes settings run the very
-stages real ranks run (hvd_aps.emulate.codes_allreduce, one compressor per worker), the -values
+Many emulated workers in one process (CPD's "emulate-node"): the codes settings run the
+driver real ranks run (hvd_aps.emulate.codes_allreduce, one compressor per worker), the -values
 settings one rounding and a float32 sum (hvd_aps.emulate.allreduce):
 
     python examples/accuracy_study.py --emulate 8,32 [--task transformer] [--quick]

@@ -1,6 +1,8 @@
-"""The codes exchange's cost as a table: the emulator runs N workers' stages in one process (the very
-stages real ranks run, hvd_aps.emulate.codes_allreduce), so its time divided by N is one rank's
-codec (and Python) time per step; beside it, the wire time one rank's codes and bf16 values need
+"""The codes exchange's cost as a table: the emulator runs N workers' exchanges in one process (the
+driver real ranks run, on one thread per worker: hvd_aps.emulate.codes_allreduce), so its time
+divided by N is one rank's codec (and Python) time per step (on the CPU the process's CPU time,
+which waits at the collectives do not count; on a GPU the wall time, every worker's kernels on
+one device one after another); beside it, the wire time one rank's codes and bf16 values need
 at a few link speeds, and the link speed below which codes pay.
 
     python examples/benchmark_exchange.py [--model resnet50|transformer-1b] [--workers 8] [--device cpu|cuda]
@@ -43,9 +45,9 @@ def main():
 
     if args.device == "cuda":
         import cupy as xp
-        sync = xp.cuda.Device().synchronize
+        sync, clock = xp.cuda.Device().synchronize, time.perf_counter
     else:
-        xp, sync = np, (lambda: None)
+        xp, sync, clock = np, (lambda: None), time.process_time
     sizes = [int(np.prod(s)) for s in shapes(args.model)]
     params = sum(sizes)
     rng = np.random.default_rng(0)
@@ -64,11 +66,11 @@ def main():
         times = []
         for _ in range(args.repeats + 1):  # the first run allocates
             sync()
-            start = time.perf_counter()
+            start = clock()
             for b, group in enumerate(groups):
                 emulate.codes_allreduce(compressors, [[g[i] for i in group] for g in grads], name=f"b{b}")
             sync()
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         codec = statistics.median(times[1:]) / args.workers
         codes_bytes, bf16_bytes = ring * params * fmt.bits / 8, ring * params * 2
         cells = "".join(f" {1e3 * codes_bytes * 8 / (r * 1e9):13.2f} {1e3 * bf16_bytes * 8 / (r * 1e9):12.2f}"

@@ -8,7 +8,10 @@ its benchmark measured; each link class (a rate) gets one effective bandwidth an
 on the Horovod and DDP fp32 rows of that rate (the frameworks' own allreduce: what a link delivers
 to Gloo over TCP through tc is not its nominal rate). Every other row (16-bit, codes, and every
 FSDP2 row, its float32 reduce-scatter included: hvd_aps.perf.fsdp_step_time) is then predicted,
-not fitted. policy="auto" rows are left out (the model does not run the trials).
+not fitted. policy="auto" rows are left out (the model does not run the trials). The summary is
+given for every row and for the rows run with OpenMP's idle workers waiting passively (the row's
+omp_wait_policy, netns_cluster.py's default since 2026-11-24): in older rows spinning workers of
+one simulated host took the cores of another, which no cluster of separate machines sees.
 
     .venv/bin/python examples/perf_model_check.py [--calibration cal.json] [--plot docs/perf_model.png]
 """
@@ -151,7 +154,7 @@ def main():
         predicted = predict(r, links[r["rate"]], codecs)
         out.append({k: r[k] for k in ("file", "profile", "hosts", "ranks_per_host", "rate", "compression")}
                    | {"measured": r["step_median"], "predicted": predicted, "error": predicted / r["step_median"] - 1,
-                      "fitted": fitted(r)})
+                      "fitted": fitted(r), "passive": r.get("omp_wait_policy", "").upper() == "PASSIVE"})
     report(out)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
@@ -166,18 +169,25 @@ def report(out):
         print(f"{o['file']:>28} {o['profile']:>11} {o['hosts']}x{o['ranks_per_host']} {o['rate']:>8} "
               f"{o['compression']:>14} {o['measured']:7.3f} {o['predicted']:7.3f} {o['error']:+6.0%}"
               f"{'  (link fit)' if o['fitted'] else ''}")
-    predicted = [o for o in out if not o["fitted"]]
-    errors = sorted(abs(o["error"]) for o in predicted)
-    print(f"\npredicted rows: {len(predicted)}; median absolute error {statistics.median(errors):.0%}, "
-          f"90th percentile {errors[int(0.9 * (len(errors) - 1))]:.0%}, worst {errors[-1]:.0%}; "
-          f"within 25 %: {sum(e <= 0.25 for e in errors)}/{len(errors)}")
+    print()
+    for title, rows in (("every row", out), ("rows run with OpenMP's passive wait", [o for o in out if o["passive"]])):
+        if rows:
+            print(f"{title}: {summary(rows)}")
+
+
+def summary(out):
+    """Predicted rows' errors, and the pairs of paths in one invocation the model orders as measured."""
+    errors = sorted(abs(o["error"]) for o in out if not o["fitted"])
     agree, pairs = 0, 0
     for _, group in itertools.groupby(sorted(out, key=_setting), key=_setting):
         for a, b in itertools.combinations(list(group), 2):
             if abs(a["measured"] / b["measured"] - 1) > 0.05:  # closer than the runs' spread: no order to check
                 pairs += 1
                 agree += (a["measured"] < b["measured"]) == (a["predicted"] < b["predicted"])
-    print(f"pairs of paths in one run ordered as measured (where they differ by > 5 %): {agree}/{pairs}")
+    return (f"{len(errors)} predicted rows, median absolute error {statistics.median(errors):.0%}, "
+            f"90th percentile {errors[int(0.9 * (len(errors) - 1))]:.0%}, worst {errors[-1]:.0%}, "
+            f"within 25 %: {sum(e <= 0.25 for e in errors)}/{len(errors)}; pairs of paths ordered as measured "
+            f"(where they differ by > 5 %): {agree}/{pairs}")
 
 
 def _setting(o):

@@ -1,7 +1,8 @@
 """Command line: `python -m hvd_aps formats`, `python -m hvd_aps probe --format e4m3 --ranks 8`,
 `python -m hvd_aps calibrate --out calibration.json` and
-`python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit`."""
+`python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit [--fsdp 8]`."""
 import argparse
+import functools
 import json
 import pathlib
 import re
@@ -58,39 +59,54 @@ def plan_command(args):
     if missing:
         raise SystemExit(f"{args.calibration} has no calibration for {', '.join(missing)}: "
                          f"run python -m hvd_aps calibrate --format {missing[0]}")
+    units = perf.fsdp_units(args.params, args.fsdp) if args.fsdp else None
     work = perf.Workload(args.params, args.compute_ms / 1e3, optimizer=args.optimizer_ms / 1e3, tensors=args.tensors,
-                         shared_processor=not args.accelerator)
+                         buckets=units, shared_processor=not args.accelerator)
+    step, split = _step_models(args)
     paths = [perf.Path("float32", 32), perf.Path("16-bit", 16)] + [
         perf.Path(f"codes {f}", FloatFormat.parse(f).bits, codecs[f]) for f in formats]
     clusters = [perf.Cluster(args.hosts, perf.Link.parse(rate, args.latency_us / 1e6), args.ranks_per_host)
                 for rate in args.links.split(",")]
+    levels = " (two levels)" if clusters[0].two_levels and not units else ""
     print(f"{args.params:,} parameters, {args.compute_ms:g} ms compute a step, {args.hosts} hosts x "
-          f"{args.ranks_per_host} ranks{' (two levels)' if clusters[0].two_levels else ''}, the framework's "
-          f"allreduce against codes; predicted step (x float32's), and what its exchanges spend")
+          f"{args.ranks_per_host} ranks{levels}, " + (
+              f"FSDP2 in {args.fsdp} units ({'no ' if args.no_reshard else ''}resharding after forward): "
+              f"the framework's reduce-scatter" if units else "the framework's allreduce") +
+          " against codes; predicted step (x float32's), and what its exchanges spend")
     for rate, cluster in zip(args.links.split(","), clusters):
-        rows = perf.table(work, paths, cluster)
+        rows = perf.table(work, paths, cluster, step)
         print(f"\n{rate} between hosts: fastest {min(rows, key=lambda row: row[1])[0].name}")
         print(_table(["path", "step ms", "x float32", "on the links ms", "codec ms"],
-                     [(p.name, f"{t * 1e3:.1f}", f"{x:.2f}", *(f"{v * 1e3:.1f}" for v in perf.breakdown(work, p, cluster)))
+                     [(p.name, f"{t * 1e3:.1f}", f"{x:.2f}", *(f"{v * 1e3:.1f}" for v in split(work, p, cluster)))
                       for p, t, x in rows]))
     print()
     for path in paths[2:]:
-        edge = min(perf.break_even(work, path, peer, clusters[0]) or 0.0 for peer in paths[:2])
+        edge = min(perf.break_even(work, path, peer, clusters[0], step=step) or 0.0 for peer in paths[:2])
         print(f"{path.name} is faster than both below {_rate(edge)} between hosts" if edge else
               f"{path.name} is faster than neither at any link speed from 1 Mbit/s up")
     if args.pin:
-        _write_pin(args.pin, work, paths, clusters)
+        _write_pin(args.pin, work, paths, clusters, step)
     if args.plot:
-        _plot(args.plot, work, paths, clusters[0])
+        _plot(args.plot, work, paths, clusters[0], step)
 
 
-def _write_pin(path, work, paths, clusters):
+def _step_models(args):
+    """(the step model, the exchanges' breakdown) of the planned path: the bucket exchanges, or
+    FSDP2's reduce-scatters (Gloo's moving an allreduce's bytes on the CPU, NCCL's on an
+    accelerator)."""
+    if not args.fsdp:
+        return perf.step_time, perf.breakdown
+    options = dict(reshard=not args.no_reshard, gloo=not args.accelerator)
+    return functools.partial(perf.fsdp_step_time, **options), functools.partial(perf.fsdp_breakdown, **options)
+
+
+def _write_pin(path, work, paths, clusters, step):
     """policy="auto"'s decision where the model is sure of it: codes (the first --format) or the
     framework's float32 allreduce where one step is predicted PIN_MARGIN shorter than the other,
     nothing (the trial steps decide) on a closer call. Written for APSCompressor.pin()."""
     if len(clusters) != 1:
         raise ValueError("--pin needs one link speed (--links): the decision holds for one cluster")
-    codes, native = (perf.step_time(work, p, clusters[0]) for p in (paths[2], paths[0]))
+    codes, native = (step(work, p, clusters[0]) for p in (paths[2], paths[0]))
     policy = "codes" if codes < (1 - PIN_MARGIN) * native else "native" if native < (1 - PIN_MARGIN) * codes else None
     pathlib.Path(path).write_text(json.dumps({"policy": policy} if policy else {}) + "\n")
     verdict = f"pin policy {policy!r}" if policy else "no pin: policy='auto' times the trial steps"
@@ -98,14 +114,14 @@ def _write_pin(path, work, paths, clusters):
           f"load it with compressor.pin(json.load(open({str(path)!r}))))")
 
 
-def _plot(path, work, paths, cluster):
+def _plot(path, work, paths, cluster, step):
     """Predicted step against the link speed between hosts, one line a path (matplotlib)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     gbits = [0.1 * 10 ** (k / 20) for k in range(61)]  # 0.1 to 100 Gbit/s
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, steps in perf.sweep(work, paths, cluster, [g * 1e9 / 8 for g in gbits]).items():
+    for name, steps in perf.sweep(work, paths, cluster, [g * 1e9 / 8 for g in gbits], step).items():
         ax.plot(gbits, [1e3 * t for t in steps], label=name)
     ax.set(xscale="log", yscale="log", xlabel="link between hosts, Gbit/s", ylabel="predicted step, ms",
            title=f"{work.parameters:,} parameters, {cluster.hosts} x {cluster.ranks_per_host} ranks")
@@ -166,6 +182,9 @@ def main(argv=None):
     plan.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3, e3m0")
     plan.add_argument("--calibration", help="a file from python -m hvd_aps calibrate (default: calibrate now)")
     plan.add_argument("--accelerator", action="store_true", help="compute runs on an accelerator, not the codec's CPU")
+    plan.add_argument("--fsdp", type=_count_arg, help="plan FSDP2 with this many units of equal size (reduce-scatters "
+                                                      "and all-gathers) in place of bucket allreduces")
+    plan.add_argument("--no-reshard", action="store_true", help="FSDP2 with reshard_after_forward=False")
     plan.add_argument("--plot", help="draw the predicted step against link speed into this file (matplotlib)")
     plan.add_argument("--pin", help="write policy='auto''s decision here where the prediction is clear "
                                     "(for APSCompressor.pin), else an empty pin: the trials decide")

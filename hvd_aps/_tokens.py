@@ -21,13 +21,15 @@ tensors in the same order (the metadata allreduce catches ranks that do not). A 
 exchange raises is abandoned: nothing it did is kept, its other gradients' decompress() raise
 too, and the next compress() starts a fresh step with the same names.
 With policy="auto", a batch whose schedule settled on the framework's own allreduce is not
-batched at all: its gradients go back to Horovod as they are (or cast to the fallback dtype).
+batched at all: its gradients go back to Horovod as they are (or cast to the fallback dtype),
+counted in the stats and bytes as every native exchange is (hvd_aps.exchange.count_native).
 """
 import dataclasses
 import threading
 
 import numpy as np
 
+from . import exchange
 
 # The token's reduced value is 1 or N up to a few float32 roundings of the scale factors.
 _TOKEN_TOLERANCE = 1e-4
@@ -38,26 +40,32 @@ class _Batch:
     name: str
     adapter: object      # the framework adapter module of every tensor in the batch
     native: bool = False  # the schedule settled on the framework's allreduce: tensors pass through
-    flats: list = dataclasses.field(default_factory=list)
+    flats: list = dataclasses.field(default_factory=list)   # codes batches: the gradients as float32 flats
     labels: list = dataclasses.field(default_factory=list)
+    sizes: list = dataclasses.field(default_factory=list)
     nbytes: int = 0      # float32 bytes of the gradients in it
+    closed: bool = False  # no more gradients join it: launched, or (native) counted
     handle: object = None  # what adapter.launch returned, once launched
 
 
 class Context:
     """decompress()'s context for a gradient compress() took on the codes path."""
 
-    def __init__(self, generation: int, like, adapter):
-        # like: the gradient (its dtype and shape come back); adapter: its framework's
-        self.generation, self.like, self.adapter = generation, like, adapter
+    def __init__(self, generation: int, like, batch: _Batch):
+        # like: the gradient (its dtype and shape come back); batch: the one it joined
+        self.generation, self.like, self.batch = generation, like, batch
+
+    @property
+    def adapter(self):
+        return self.batch.adapter
 
 
 class Ticket(Context):
-    """A gradient that went into a batch."""
+    """A gradient that went into a batch of codes."""
 
     def __init__(self, generation: int, like, batch: _Batch, index: int):
-        super().__init__(generation, like, batch.adapter)
-        self.batch, self.index = batch, index
+        super().__init__(generation, like, batch)
+        self.index = index
 
 
 class Passed(Context):
@@ -83,14 +91,15 @@ class Batches:
                 self._count += 1
             batch = self._open
             batch.nbytes += 4 * adapter.numel(tensor)
+            batch.labels.append(adapter.label(tensor))
+            batch.sizes.append(adapter.numel(tensor))
             self._outstanding += 1
             if batch.native:
-                context = Passed(self._generation, tensor, adapter)
+                context = Passed(self._generation, tensor, batch)
                 wire = adapter.native_wire(tensor, self._comp.config.fallback)
             else:
                 context = Ticket(self._generation, tensor, batch, len(batch.flats))
                 batch.flats.append(adapter.flatten(tensor))
-                batch.labels.append(adapter.label(tensor))
                 wire = adapter.token(tensor)
             if batch.nbytes >= self._comp.config.bucket_bytes:
                 self._close(batch)
@@ -102,13 +111,13 @@ class Batches:
             if context.generation != self._generation:
                 raise RuntimeError("this gradient's step was abandoned after an error in an earlier exchange: "
                                    "start the step again")
-            if isinstance(context, Ticket) and context.batch.handle is None:
+            if not context.batch.closed:
                 self._close(context.batch)
         try:
             if isinstance(context, Passed):
                 out = context.adapter.native_result(reduced, context.like)
             else:
-                out = context.batch.adapter.finish(context.batch.handle, context.index, reduced, context.like)
+                out = context.adapter.finish(context.batch.handle, context.index, reduced, context.like)
         except BaseException:
             self.abort()
             raise
@@ -136,10 +145,18 @@ class Batches:
         self._comp.state.rollback()
 
     def _close(self, batch: _Batch) -> None:
-        """No more gradients join `batch`: launch its exchange (a passed-through batch has none)."""
-        if not batch.native:
+        """No more gradients join `batch`: launch its exchange, or count the framework's allreduce
+        that carries a passed-through batch as every native exchange is counted."""
+        if batch.native:
+            world, dtype = batch.adapter.world(), np.dtype(str(self._comp.config.fallback))
+            exchange.count_native(self._comp.recorder, self._comp.state,
+                                  [f"{batch.name}[{i}]" for i in range(len(batch.sizes))],
+                                  zip(batch.labels, batch.sizes), dtype.name,
+                                  2 * (world - 1) / world * dtype.itemsize * sum(batch.sizes))
+        else:
             batch.handle = batch.adapter.launch(self._comp, batch.name, batch.flats, batch.labels)
             self._launched.append(batch)
+        batch.closed = True
         if self._open is batch:
             self._open = None
 

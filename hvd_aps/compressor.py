@@ -50,8 +50,9 @@ class APSCompressor:
         seed: base of the stochastic-rounding streams (random if None).
         stats: record what each tensor went through: `stats[label]` holds the last call per tensor
             label (TF: the gradient's graph name; torch: dtype and shape), `totals()` the sum since
-            `reset_stats()`, `stats_table()` both as text or CSV; `bytes_sent` counts the codes
-            exchanges' bytes sent by this rank.
+            `reset_stats()`, `stats_table()` both as text or CSV; `bytes_sent` counts the bytes this
+            rank sent in its exchanges (where policy="auto" chose the framework's own allreduce,
+            the bytes a ring of the fallback dtype sends; tensors under min_elements not counted).
         stats_sample: the stats of a tensor come from an evenly strided sample of about this many
             of its elements, scaled up (0: every element: a full pass over every gradient, which
             on a CPU costs about as much as the encode itself). The default keeps their cost
@@ -117,17 +118,20 @@ class APSCompressor:
         adapter = _adapter(tensor)
         if adapter is None or not adapter.is_dense_float(tensor):
             return tensor, None
+        if adapter.is_empty(tensor) or (self.config.wire == "codes" and adapter.numel(tensor) < self.config.min_elements):
+            return self._pass_through(adapter, tensor)
         if self.config.wire == "values":
             return adapter.compress_values(tensor, self)
-        if adapter.numel(tensor) < self.config.min_elements:  # the framework's plain allreduce carries it
-            self.recorder.passed_through(adapter.label(tensor), adapter.numel(tensor))
-            if adapter.reducible(tensor):
-                return tensor, None
-            return adapter.native_wire(tensor, Fallback.FLOAT32), _Cast(tensor)
         return self._batches.add(adapter, tensor)
 
+    def _pass_through(self, adapter, tensor):
+        """The framework's plain allreduce carries the tensor, in float32 as the codes' tokens are
+        (Horovod's grouped allreduce takes one dtype, its Gloo no bfloat16), back in its dtype."""
+        self.recorder.passed_through(adapter.label(tensor), adapter.numel(tensor))
+        return adapter.native_wire(tensor, Fallback.FLOAT32), _Cast(tensor)
+
     def decompress(self, tensor, ctx):
-        if ctx is None:  # passed through, or Horovod's sparse path calling without a context
+        if ctx is None:  # not compressed (integers, sparse), or Horovod's sparse path calling without one
             return tensor
         if isinstance(ctx, _Cast):
             return _adapter(tensor).native_result(tensor, ctx.like)
@@ -229,8 +233,8 @@ class APSCompressor:
 
 
 class _Cast:
-    """decompress()'s context for a small gradient that went through the framework's allreduce
-    in float32, its own dtype being one the framework cannot reduce (bfloat16 on Gloo)."""
+    """decompress()'s context for a gradient too small for codes that went through the
+    framework's allreduce in float32: `like` holds the dtype it comes back in."""
 
     def __init__(self, like):
         self.like = like

@@ -3,7 +3,7 @@ studying formats, APS and accumulation without a cluster.
 """
 import numpy as np
 
-from . import _arrays, codec
+from . import _arrays, _inprocess, codec, exchange
 from . import scaling as scaling_math
 from ._stages import Bucket
 from .config import Scaling
@@ -70,33 +70,33 @@ def allreduce(arrays, fmt, scaling="aps", accumulate="fp32", kahan=False, roundi
     return (np.ldexp(total, -shift, dtype=np.float32) / np.float32(n)).astype(np.float32)
 
 
-def codes_allreduce(compressors, grads, name="emulated"):
-    """The average N workers get from the codes exchange that real ranks run (hvd_aps._stages,
-    with error feedback and hybrid precision as configured), every worker's stages run in
-    lockstep in this process: the collectives become a max, a transpose of byte blocks and a
-    concatenation. compressors: one APSCompressor per worker (each keeps its own residuals);
-    grads[w]: worker w's tensors. Each call is one step. Returns one float32 flat per tensor
-    (every worker decodes the same bytes alike, so worker 0's result is everyone's)."""
+def codes_allreduce(compressors, grads, name="emulated", ranks_per_host=1):
+    """The average N workers get from the codes exchange that real ranks run: the one driver
+    (hvd_aps.exchange.run, with error feedback, hybrid precision and the run-time schedule as
+    configured) on one thread per worker, its collectives meeting in this process
+    (hvd_aps._inprocess); ranks_per_host > 1: two levels, float32 inside each host of that many
+    workers. compressors: one APSCompressor per worker (each keeps its own residuals and
+    schedule); grads[w]: worker w's tensors. Each call is one step. Returns one float32 flat per
+    tensor, worker 0's (every worker decodes the same bytes alike), in arrays of its own."""
     world = len(compressors)
     if len(grads) != world:
         raise ValueError(f"{len(grads)} workers' gradients for {world} compressors")
-    stages = [c.stages(world, w) for w, c in enumerate(compressors)]
+    if ranks_per_host < 1 or world % ranks_per_host:
+        raise ValueError(f"ranks_per_host must divide the {world} workers, got {ranks_per_host}")
+    levels = (_inprocess.flat_levels(world) if ranks_per_host == 1
+              else _inprocess.host_levels(world // ranks_per_host, ranks_per_host))
     flats = [[codec._as_float32(g).ravel() for g in worker] for worker in grads]
-    sizes = [f.size for f in flats[0]]
-    bucket = Bucket.whole(name, [f"{name}[{i}]" for i in range(len(sizes))], [f"{name}[{i}]" for i in range(len(sizes))],
-                          sizes)
-    begun = [s.metadata(bucket, f) for s, f in zip(stages, flats)]
-    agreed = np.max([vector for vector, _ in begun], axis=0)
-    candidate = compressors[0].state.schedule.candidate(name)
-    xp = _arrays.array_module(flats[0][0]) if sizes else np  # NumPy, or CuPy for arrays on a GPU
-    agreements = [s.agree(bucket, agreed, data, None, world, xp, candidate) for s, (_, data) in zip(stages, begun)]
-    for chunk in range(agreements[0].count):
-        sent = [s.begin(a, chunk) for s, a in zip(stages, agreements)]  # (message, splits)
-        cuts = [np.concatenate([[0], np.cumsum(splits)]) for _, splits in sent]
-        messages = [s.reduce(a, chunk, xp.concatenate([message[cut[w]:cut[w + 1]] for (message, _), cut in
-                                                       zip(sent, cuts)])) for w, (s, a) in enumerate(zip(stages, agreements))]
-        stages[0].finish(agreements[0], chunk, xp.concatenate(messages))
-    results = [s.done(a) for s, a in zip(stages, agreements)][0]
+    keys = [f"{name}[{i}]" for i in range(len(flats[0]))]
+    bucket = Bucket.whole(name, keys, keys, [f.size for f in flats[0]])
+    xp = _arrays.array_module(flats[0][0]) if flats[0] else np  # NumPy, or CuPy for arrays on a GPU
+    results = [xp.empty(f.size, xp.float32) for f in flats[0]]
+
+    def worker(w):
+        lv = levels[w]
+        stages = compressors[w].stages(lv.cross.world, lv.cross.rank, w)
+        exchange.run(stages, bucket, flats[w], lv, results if w == 0 else None, average=True)
+
+    _inprocess.run_ranks(worker, world)
     for c in compressors:
         c.state.commit()
     return results

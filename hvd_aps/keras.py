@@ -28,9 +28,18 @@ def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Ave
     """A copy of the Keras 3 `optimizer` whose gradients are allreduced (averaged by default,
     through `compression`, e.g. hvd_aps.APSCompressor(hvd_aps.e4m3)) before they are applied. An
     APSCompressor sending codes gets its buckets (hvd_aps.tensorflow.allreduce_codes); any other
-    compression goes through one Horovod allreduce per gradient."""
+    compression goes through one Horovod allreduce per gradient.
+
+    Mixed precision: under the "mixed_float16" global policy (or given a LossScaleOptimizer) the
+    loss scaling sits inside the copy, after the allreduce: every rank then checks the same
+    averaged gradients for Inf/NaN (a non-finite gradient on one rank reaches all as NaN) and
+    skips or applies the same step. Left to model.compile(), the scaling would wrap the copy and
+    each rank would decide alone whether to allreduce at all."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"expected a Keras 3 optimizer, got {type(optimizer).__name__}")
+    if (keras.mixed_precision.global_policy().name == "mixed_float16"
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     cls = type(f"Distributed{type(optimizer).__name__}", (_Distributed, type(optimizer)), {})
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._hvd_compression, wrapped._hvd_op = compression, op

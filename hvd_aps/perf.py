@@ -28,7 +28,7 @@ processor time per collective, stragglers, congestion beyond the link's rate, an
 import dataclasses
 import math
 import re
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 FLOAT32_BYTES = 4
 BITS_PER_BYTE = 8
@@ -263,6 +263,9 @@ def _overlapped(codec: Codec, elements: float, tensors: float, wire: float) -> f
 
 
 # one step ---------------------------------------------------------------------------------------
+StepModel = Callable[[Workload, Path, Cluster], float]  # step_time, or fsdp_step_time with its options bound
+
+
 def step_time(w: Workload, path: Path, c: Cluster) -> float:
     """Seconds of one training step: forward, backward with the exchanges as their buckets become
     ready, then the optimizer."""
@@ -292,6 +295,12 @@ def fsdp_step_time(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     (a capped step is about the uncapped one plus its bytes at the link's rate). `gloo`: the
     framework's reduce-scatter moves an allreduce's bytes (torch's Gloo backend reduces the whole
     message everywhere: the recorded rows sent 2(N-1)/N of it a rank), NCCL's (N-1)/N."""
+    wire, codec = fsdp_breakdown(w, path, c, reshard, gloo)
+    return w.compute + w.optimizer + wire + codec
+
+
+def fsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False) -> tuple:
+    """(seconds on the links, seconds of codec) of one FSDP2 step's collectives (fsdp_step_time)."""
     units = w.bucket_sizes()
     gathers = 2 if reshard else 1
     wire, codec = 0.0, 0.0
@@ -304,16 +313,24 @@ def fsdp_step_time(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
         else:
             message = n * path.bits / BITS_PER_BYTE
             wire += allreduce(message, c) if gloo else alltoall(message, c)
-    return w.compute + w.optimizer + wire + codec
+    return wire, codec
+
+
+def fsdp_units(parameters: int, units: int) -> list:
+    """`units` FSDP units of (nearly) equal sizes holding the parameters, the root's last."""
+    if not 1 <= units <= parameters:
+        raise ValueError(f"FSDP units must be between 1 and the {parameters} parameters, got {units}")
+    return [parameters // units + (k < parameters % units) for k in range(units)]
 
 
 def break_even(w: Workload, path: Path, peer: Path, c: Cluster, low: float = 1e6 / 8,
-               high: float = 1e12 / 8) -> Optional[float]:
+               high: float = 1e12 / 8, step: StepModel = step_time) -> Optional[float]:
     """The fastest link between hosts (bytes/s, between low and high) at which `path` still
-    steps faster than `peer`, everything else as in `c`; None where it never does."""
+    steps faster than `peer` (by `step`: step_time, or an FSDP2 step), everything else as in
+    `c`; None where it never does."""
     def wins(bandwidth):
         at = dataclasses.replace(c, between=Link(bandwidth, c.between.latency))
-        return step_time(w, path, at) < step_time(w, peer, at)
+        return step(w, path, at) < step(w, peer, at)
     if not wins(low):
         return None
     if wins(high):
@@ -331,14 +348,15 @@ def breakdown(w: Workload, path: Path, c: Cluster) -> tuple:
     return sum(wire_time(n, path, c) for n in sizes), codec
 
 
-def table(w: Workload, paths: Sequence[Path], c: Cluster) -> list:
+def table(w: Workload, paths: Sequence[Path], c: Cluster, step: StepModel = step_time) -> list:
     """(path, predicted step seconds, x the float32 allreduce's step), one row a path; paths[0]
     must be the float32 allreduce."""
-    base = step_time(w, paths[0], c)
-    return [(p, t, t / base) for p in paths for t in [step_time(w, p, c)]]
+    base = step(w, paths[0], c)
+    return [(p, t, t / base) for p in paths for t in [step(w, p, c)]]
 
 
-def sweep(w: Workload, paths: Sequence[Path], c: Cluster, bandwidths: Sequence[float]) -> dict:
+def sweep(w: Workload, paths: Sequence[Path], c: Cluster, bandwidths: Sequence[float],
+          step: StepModel = step_time) -> dict:
     """Predicted step seconds per path name at each link bandwidth between hosts."""
-    return {p.name: [step_time(w, p, dataclasses.replace(c, between=Link(b, c.between.latency))) for b in bandwidths]
+    return {p.name: [step(w, p, dataclasses.replace(c, between=Link(b, c.between.latency))) for b in bandwidths]
             for p in paths}

@@ -16,6 +16,23 @@ from hvd_aps import scaling
 BLOCK = 2048
 TWINS = {"e4m3": ml_dtypes.float8_e4m3, "e2m1fn": ml_dtypes.float4_e2m1fn, "e5m2": ml_dtypes.float8_e5m2}
 F32_MAX = float(np.finfo(np.float32).max)
+LOW_PRECISION = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def held_in(x, dtype):
+    """float32 x as a model held in `dtype` ("bfloat16", "float16") holds it: nearest-even."""
+    return np.asarray(x, np.float32).astype(LOW_PRECISION[dtype]).astype(np.float32)
+
+
+def near_low_precision_mean(got, terms, dtype):
+    """Whether `got`, the average of `terms` (one per rank) taken by a framework's allreduce and
+    held in `dtype`, is the float64 average up to a few roundings of the dtype's relative step
+    on the terms' magnitudes, and as many of its smallest subnormal (float16's 2**-24)."""
+    info, world = ml_dtypes.finfo(LOW_PRECISION[dtype]), len(terms)
+    mean = np.sum([t.astype(np.float64) for t in terms], axis=0) / world
+    magnitude = np.sum([np.abs(t.astype(np.float64)) for t in terms], axis=0) / world
+    bound = 4 * float(info.eps) * magnitude + 4 * float(info.smallest_subnormal)
+    return got.shape == mean.shape and bool((np.abs(got - mean) <= bound).all())
 
 
 def rounded(x, fmt, shift):
@@ -111,3 +128,15 @@ def reduce_scatter(inputs, fmt):
                 row[a:a + BLOCK] = sum_in_order([rounded(p, fmt, shift) for p in parts]) / np.float32(world)
         rows.append(row)
     return rows
+
+
+def low_precision_mismatches(got, grads, want, dtype, shapes):
+    """Tensors (indices) whose result got[i] (a low-precision result as float32) is not the
+    model's: want[i] (the codes' model) rounded to the dtype, bit for bit; a tensor not in `want`
+    (too small for codes) near the float64 average of the ranks' grads[r][i]."""
+    bad = []
+    for i, shape in enumerate(shapes):
+        ok = (got[i].tobytes() == held_in(want[i], dtype).reshape(shape).tobytes() if i in want
+              else near_low_precision_mean(got[i], [g[i] for g in grads], dtype))
+        bad += [] if ok else [i]
+    return bad

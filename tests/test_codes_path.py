@@ -33,6 +33,22 @@ def test_equal_to_the_numpy_model_on_every_rank(ranks, fmt):
         assert all(r[f"{fmt}_{i}"].tobytes() == ranks[0][f"{fmt}_{i}"].tobytes() for i in range(len(CODES_SIZES)))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_low_precision_model_gets_its_dtype_back(ranks, dtype):
+    """Parameters held in bfloat16 or float16: the bucket's codes from the gradients' values
+    (exact in float32), each result rounded back to the dtype, bit for bit as the model; tensors
+    too small for codes through Horovod's allreduce (bfloat16, which Horovod's Gloo refuses, as
+    float32) within the dtype's roundings of the float64 average."""
+    n = len(ranks)
+    grads = [[model.held_in(g, dtype) for g in codes_grads(r)] for r in range(n)]
+    want = dict(zip(BIG[::-1], model.flat([[g[i].ravel() for i in BIG[::-1]] for g in grads], "e4m3")))
+    got = [ranks[0][f"{dtype}_{i}"] for i in range(len(CODES_SIZES))]
+    assert model.low_precision_mismatches(got, grads, want, dtype, CODES_SIZES) == []
+    for r in ranks:
+        assert [r[f"{dtype}_{i}"].tobytes() for i in range(len(CODES_SIZES))] == [g.tobytes() for g in got]
+        assert bool(r[f"{dtype}_dtype_ok"])
+
+
 def test_bytes_sent_per_rank(ranks):
     world = len(ranks)
     elements = sum(int(np.prod(s)) for s in CODES_SIZES if np.prod(s) >= 16)

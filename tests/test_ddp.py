@@ -61,13 +61,16 @@ def test_bytes_of_a_ring_of_one_byte_codes(ranks):
     assert ring <= mean <= ring + 3 * (n - 1) * (model.BLOCK + 16)
 
 
-def test_half_buckets_come_back_in_their_dtype(ranks):
-    grads = [[g.astype(np.float16).astype(np.float32) for g in codes_grads(r, DDP_SIZES)] for r in range(len(ranks))]
-    want = expected(grads, ranks[0]["half_0_order"].item())
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_buckets_come_back_in_their_dtype(ranks, dtype):
+    """A model held in float16 or bfloat16: codes from the gradients' values (exact in float32),
+    the results rounded back to the bucket's dtype, bit for bit as the model."""
+    grads = [[model.held_in(g, dtype) for g in codes_grads(r, DDP_SIZES)] for r in range(len(ranks))]
+    want = expected(grads, ranks[0][f"{dtype}_0_order"].item())
     for r in ranks:
-        assert bool(r["half_0_dtype_ok"])
+        assert bool(r[f"{dtype}_0_dtype_ok"])
         for i in range(len(DDP_SIZES)):
-            assert r[f"half_0_{i}"].tobytes() == want[i].astype(np.float16).astype(np.float32).tobytes()
+            assert r[f"{dtype}_0_{i}"].tobytes() == model.held_in(want[i], dtype).tobytes()
 
 
 def test_zeros_and_nan_on_one_rank_show_on_all(ranks):

@@ -103,15 +103,19 @@ def test_probe_rows():
     assert rows[0][3] < 0.03 and rows[2][3] == 1.0
 
 
-def test_codes_allreduce_is_the_exchange_real_ranks_run():
-    """The lockstep emulation against the thread-simulated ranks of tests/test_wire.py (the same
-    stages driven through exchange.run with real collectives), with error feedback over two
-    steps, bit for bit."""
-    from test_wire import rank_grads, simulate
+def test_codes_allreduce_runs_the_driver_flat_and_on_two_levels():
+    """The emulator is the exchange real ranks run (one driver on thread ranks): against the
+    independent NumPy model, flat with error feedback over two steps (each step's results its
+    own arrays, not buffers the next step reuses), and two hosts of two workers."""
+    import model
+    from test_wire import rank_grads
     steps = [rank_grads(3, [900, 40], seed=s) for s in range(2)]
-    emulated = [hvd_aps.APSCompressor("e2m1fn", error_feedback=True) for _ in range(3)]
-    threaded = [hvd_aps.APSCompressor("e2m1fn", error_feedback=True) for _ in range(3)]
-    for grads in steps:
-        want = simulate(grads, threaded)[0][0]
-        got = emulate.codes_allreduce(emulated, grads)
-        assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want))
+    compressors = [hvd_aps.APSCompressor("e2m1fn", error_feedback=True) for _ in range(3)]
+    got = [emulate.codes_allreduce(compressors, grads) for grads in steps]
+    for step, want in zip(got, model.with_error_feedback(steps, "e2m1fn")):
+        assert [g.tobytes() for g in step] == [w.tobytes() for w in want]
+    grads = rank_grads(4, [5000, 70], seed=3)
+    got = emulate.codes_allreduce([hvd_aps.APSCompressor("e4m3") for _ in range(4)], grads, ranks_per_host=2)
+    assert [g.tobytes() for g in got] == [w.tobytes() for w in model.two_levels(grads, "e4m3", [[0, 1], [2, 3]])]
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        emulate.codes_allreduce([hvd_aps.APSCompressor("e4m3") for _ in range(4)], grads, ranks_per_host=3)

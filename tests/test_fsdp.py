@@ -1,6 +1,6 @@
 """hvd_aps.fsdp in FSDP2 under real `torchrun` processes (Gloo on loopback), 2 and 3 ranks: the
 codes reduce-scatter bit-exact to the NumPy model for every shard, FSDP's own calls included;
-training with nested units, resharding on and off, bf16 reduce dtype, error feedback, hybrid."""
+training with nested units, resharding on and off, bf16 and fp16 reduce dtypes, error feedback, hybrid."""
 import os
 import subprocess
 import sys
@@ -37,6 +37,17 @@ def test_reduce_scatter_is_bit_exact_to_the_model_for_every_shard(ranks, fmt):
         assert got[f"direct_{fmt}"].tobytes() == want[r].tobytes(), r
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_reduce_dtype_comes_back_in_its_dtype(ranks, dtype):
+    """A reduce_dtype of bfloat16 or float16: codes from the rows' values, each shard's average
+    rounded back to the dtype, bit for bit as the model."""
+    world = len(ranks)
+    want = model.reduce_scatter([model.held_in(rows_of(r, world), dtype) for r in range(world)], "e4m3")
+    for r, got in enumerate(ranks):
+        assert got[f"direct_{dtype}"].tobytes() == model.held_in(want[r], dtype).tobytes(), r
+        assert bool(got[f"direct_{dtype}_dtype_ok"])
+
+
 def test_non_finite_blocks_reach_their_owner_as_nan(ranks):
     for r, got in enumerate(ranks):
         nan = np.isnan(got["poisoned"])
@@ -71,7 +82,7 @@ def test_native_reduce_scatter_is_the_float32_average(ranks):
             assert got["native"].tobytes() == exact.tobytes()
 
 
-@pytest.mark.parametrize("key", ["plain", "keep_unsharded", "bf16", "ef", "hybrid", "auto"])
+@pytest.mark.parametrize("key", ["plain", "keep_unsharded", "bf16", "fp16", "ef", "hybrid", "auto"])
 def test_training_leaves_parameters_identical_on_every_rank(ranks, key):
     for r in ranks:
         assert r[key].tobytes() == ranks[0][key].tobytes() and np.isfinite(r[key]).all()

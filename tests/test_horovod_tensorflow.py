@@ -72,6 +72,38 @@ def test_keras3_wrapper_averages_like_one_process_on_all_data(ranks):
     assert (np.abs(ranks[0]["keras_values"] - want) <= 0.07 * update + 1e-6).all()  # e4m3: 3 mantissa bits
 
 
+@pytest.mark.parametrize("path", ["grouped", "codes"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_gradients_come_back_in_their_dtype(ranks, path, dtype):
+    """bfloat16 and float16 gradients through Horovod's grouped allreduce with the compressor and
+    through the codes path: codes from their values, the average rounded back to their dtype, bit
+    for bit as the model; tensors too small for codes through Horovod's allreduce (the compressor
+    hands them over in float32, as its tokens; the codes path in their dtype, bfloat16, which
+    Horovod refuses, in float32) within the dtype's roundings of the float64 average."""
+    grads = [[model.held_in(g, dtype) for g in codes_grads(r)] for r in range(2)]
+    big = [i for i, s in enumerate(CODES_SIZES) if np.prod(s) >= 16]
+    order = big if path == "grouped" else big[::-1]  # one batch in call order; one bucket in reverse
+    want = dict(zip(order, model.flat([[g[i].ravel() for i in order] for g in grads], "e4m3")))
+    got = [ranks[0][f"{path}_{dtype}_{i}"] for i in range(len(CODES_SIZES))]
+    assert model.low_precision_mismatches(got, grads, want, dtype, CODES_SIZES) == []
+    for r in ranks:
+        assert [r[f"{path}_{dtype}_{i}"].tobytes() for i in range(len(CODES_SIZES))] == [g.tobytes() for g in got]
+        assert bool(r[f"{path}_{dtype}_dtype_ok"])
+
+
+def test_keras_mixed_precision_scales_the_loss_after_the_allreduce(ranks):
+    """mixed_float16 through the wrapper (loss scaling inside it): ranks train alike; when only
+    rank 1's scaled gradients overflow, every rank skips the steps (weights stay rank 0's) and
+    halves its loss scale."""
+    start = np.append(KERAS_W0.ravel(), 0.0).astype(np.float32)
+    for r in ranks:
+        assert bool(r["mixed_finite_wrapped"]) and bool(r["mixed_overflow_wrapped"])
+        assert r["mixed_finite"].tobytes() == ranks[0]["mixed_finite"].tobytes() and np.isfinite(r["mixed_finite"]).all()
+        assert float(r["mixed_finite_scale"]) == 2.0 ** 15
+        assert r["mixed_overflow"].tobytes() == start.tobytes() and float(r["mixed_overflow_scale"]) == 2.0 ** 13
+    assert not np.array_equal(ranks[0]["mixed_finite"], start)
+
+
 def test_format_mismatch_fails_on_every_rank(ranks):
     for r in ranks:
         assert "APSCompressor mismatch across ranks" in str(r["mismatch"])

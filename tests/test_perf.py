@@ -159,6 +159,29 @@ def test_plan_pins_policy_only_where_the_prediction_is_clear(tmp_path, params, l
               "--calibration", str(cal), "--pin", str(pin)])
 
 
+def test_plan_fsdp_prints_the_fsdp_step_model(tmp_path, capsys):
+    """plan --fsdp: the table's steps are perf.fsdp_step_time's for units of equal size (Gloo's
+    reduce-scatter on the CPU, resharding unless --no-reshard), not the bucket allreduce's."""
+    cal = tmp_path / "cal.json"
+    codec = perf.Codec(2e-3, 1e-9)
+    calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(codec)}}, cal)
+    from hvd_aps.__main__ import main
+    assert perf.fsdp_units(10, 4) == [3, 3, 2, 2]
+    with pytest.raises(ValueError, match="FSDP units"):
+        perf.fsdp_units(3, 4)
+    for extra, reshard in (([], True), (["--no-reshard"], False)):
+        main(["plan", "--params", "20M", "--compute-ms", "100", "--hosts", "4", "--links", "1gbit", "--format", "e4m3",
+              "--calibration", str(cal), "--fsdp", "6"] + extra)
+        printed = capsys.readouterr().out
+        work = perf.Workload(20_000_000, 0.1, buckets=perf.fsdp_units(20_000_000, 6))
+        cluster = perf.Cluster(4, perf.Link.parse("1gbit"))
+        for path in (perf.Path("float32", 32), perf.Path("codes e4m3", 8, codec)):
+            fsdp = perf.fsdp_step_time(work, path, cluster, reshard=reshard, gloo=True)
+            assert f"{fsdp * 1e3:.1f}" in printed.split(f"\n{path.name} ")[1].split()[0:1], path.name
+            assert abs(fsdp - perf.step_time(work, path, cluster)) > 1e-3  # another model than the buckets'
+        assert "FSDP2 in 6 units" in printed and ("no resharding" in printed) != reshard
+
+
 def test_at_scale_tables_and_the_dettmers_shape():
     """examples/perf_at_scale.py: the link found for 32-bit's 23x on 96 GPUs really gives 23x,
     and fewer bits scale further there; on NVLink alone nothing is worth compressing."""

@@ -6,10 +6,10 @@ import pytest
 
 import hvd_aps
 from hvd_aps import _host_engine, exchange
+from hvd_aps._inprocess import flat_levels, host_levels, run_ranks, subgroup_levels
 from hvd_aps._schedule import MAX_TRIAL_STEPS, STEP_TRIALS
 from hvd_aps._stages import HYBRID_SAMPLE, Bucket
 import model
-from threads import flat_levels, host_levels, run_ranks, subgroup_levels
 
 
 def simulate(grads, compressors, levels=None, average=True, name="bucket", keys=None, commit=True):

@@ -88,6 +88,15 @@ def is_dense_float(tensor):
     return isinstance(tensor, (tf.Tensor, tf.Variable)) and tensor.dtype.is_floating
 
 
+def is_empty(tensor):
+    return tensor.shape.num_elements() == 0  # None (a shape known when run) is not empty
+
+
+def world():
+    """The ranks Horovod's allreduce spans: a passed-through batch's bytes."""
+    return hvd.size()
+
+
 def numel(tensor):
     count = tensor.shape.num_elements()
     if count is None:

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from .. import _layout
 from ..compressor import APSCompressor
-from .adapter import committed, flatten, label, run
+from .adapter import committed, flatten, label, reducible, run
 
 
 def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
@@ -31,7 +31,7 @@ def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
     buckets, small = _layout.buckets(sizes, cfg.bucket_bytes, cfg.min_elements)
     out, exchanged = [None] * len(tensors), []
     for i in small:
-        out[i] = hvd.allreduce(tensors[i], op=op, name=f"{name}.small{i}")
+        out[i] = _plain_allreduce(tensors[i], op, f"{name}.small{i}")
     try:
         for b, bucket in enumerate(buckets):
             results = run(compression, f"{name}.bucket{b}", [flatten(tensors[i]) for i in bucket],
@@ -47,6 +47,13 @@ def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
         return out
     with tf.control_dependencies([done]):  # the step commits once every bucket is done; the results wait for it
         return [tf.identity(t) for t in out]
+
+
+def _plain_allreduce(tensor, op, name):
+    """Horovod's own allreduce; a dtype it refuses (bfloat16) in float32."""
+    if reducible(tensor):
+        return hvd.allreduce(tensor, op=op, name=name)
+    return tf.cast(hvd.allreduce(tf.cast(tensor, tf.float32), op=op, name=name), tensor.dtype)
 
 
 class DistributedGradientTape:

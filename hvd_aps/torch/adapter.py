@@ -72,7 +72,16 @@ def forget_groups() -> None:
 
 # The codes path through Horovod's own optimizer and allreduce ----------------------------------------
 def is_dense_float(tensor):
-    return tensor.is_floating_point() and tensor.layout == torch.strided and tensor.numel() > 0
+    return tensor.is_floating_point() and tensor.layout == torch.strided
+
+
+def is_empty(tensor):
+    return tensor.numel() == 0
+
+
+def world():
+    """The ranks Horovod's allreduce spans: a passed-through batch's bytes."""
+    return hvd.size()
 
 
 def numel(tensor):

@@ -18,7 +18,7 @@ import torch
 from .. import _arrays, _layout, exchange
 from .._stages import Bucket
 from ..compressor import APSCompressor
-from .adapter import flatten, label, levels, wait
+from .adapter import flatten, label, levels, reducible, wait
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -66,9 +66,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._launch(b)
 
     def _allreduce_small(self, p):
+        """Horovod's own allreduce, in place; a dtype it refuses (bfloat16 on Gloo) goes as a
+        float32 copy, written back in synchronize()."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        self._handles[p] = hvd.allreduce_async_(p.grad, op=self._op, name=f"hvd_aps.small.{self._names[p]}")
+        wire = p.grad if reducible(p.grad) else p.grad.to(torch.float32)
+        self._handles[p] = hvd.allreduce_async_(wire, op=self._op, name=f"hvd_aps.small.{self._names[p]}"), wire
 
     def _launch(self, b):
         for p in self._buckets[b]:  # parameters that got no gradient this step count as zeros
@@ -108,12 +111,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if p not in self._handles:
                     self._allreduce_small(p)
             results = {b: future.result() for b, future in self._futures.items()}
-            for handle in self._handles.values():
+            for handle, _ in self._handles.values():
                 wait(handle)
         except BaseException:
             for future in self._futures.values():
                 future.exception()  # nothing may still write once the step is forgotten
-            for handle in self._handles.values():
+            for handle, _ in self._handles.values():
                 with contextlib.suppress(Exception):
                     wait(handle)
             self._compression.state.rollback()
@@ -123,6 +126,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p, result in zip(self._buckets[b], targets):
                 if result.data_ptr() != p.grad.data_ptr():
                     p.grad.copy_(result.reshape(p.shape))
+        for p, (_, wire) in self._handles.items():
+            if wire is not p.grad:
+                p.grad.copy_(wire)
         self._compression.state.commit()
         self.bytes_sent = self._compression.bytes_sent - sent_before
         self._reset()

@@ -16,20 +16,26 @@ hvd.init()
 rank, size, out = hvd.rank(), hvd.size(), {}
 
 
-def exchange(grads, fmt, key, **kwargs):
-    """Parameters whose gradients are exactly `grads` (loss = sum(p * g)); returns the averaged grads."""
-    params = [torch.zeros(g.shape, requires_grad=True) for g in grads]
+def exchange(grads, fmt, key, dtype=torch.float32, **kwargs):
+    """Parameters of `dtype` whose gradients are exactly `grads` in that dtype (loss = sum(p * g));
+    returns the averaged grads (as float32)."""
+    params = [torch.zeros(g.shape, dtype=dtype, requires_grad=True) for g in grads]
     opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=1.0),
                                              compression=hvd_aps.APSCompressor(fmt, min_elements=16), **kwargs)
-    sum((p * torch.from_numpy(g)).sum() for p, g in zip(params, grads)).backward()
+    sum((p * torch.from_numpy(g).to(dtype)).sum() for p, g in zip(params, grads)).backward()
     opt.synchronize()
     out[f"{key}_bytes"] = np.array(opt.bytes_sent)
-    return [p.grad.numpy().copy() for p in params]
+    out[f"{key}_dtype_ok"] = np.array(all(p.grad.dtype == dtype for p in params))
+    return [p.grad.float().numpy().copy() for p in params]
 
 
 for fmt in ("e4m3", "e2m1fn"):
     for i, g in enumerate(exchange(codes_grads(rank), fmt, fmt)):
         out[f"{fmt}_{i}"] = g
+for dtype in (torch.bfloat16, torch.float16):  # a model held in low precision
+    key = str(dtype).replace("torch.", "")
+    for i, g in enumerate(exchange(codes_grads(rank), "e4m3", key, dtype)):
+        out[f"{key}_{i}"] = g
 poisoned = codes_grads(rank)
 poisoned[1][:] = 0.0  # an all-zero tensor
 if rank == size - 1:

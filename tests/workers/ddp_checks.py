@@ -57,7 +57,8 @@ def given_steps(key, grads_per_step, dtype=torch.float32, group=None, compressio
 grads = codes_grads(rank, DDP_SIZES)
 given_steps("plain", [grads, grads], bucket_cap_mb=0.01)
 given_steps("view", [grads], gradient_as_bucket_view=True)
-given_steps("half", [grads], dtype=torch.float16)
+given_steps("float16", [grads], dtype=torch.float16)  # models held in low precision
+given_steps("bfloat16", [grads], dtype=torch.bfloat16)
 given_steps("group", [grads], group=dist.new_group(list(range(size))))
 given_steps("chunked", [grads], compression={"chunk_bytes": 4 * 700})  # pipelined on async collectives
 poisoned = [g.copy() for g in grads]

@@ -34,6 +34,12 @@ def direct():
     hvd_aps.fsdp.APSReduceScatter(hvd_aps.APSCompressor("e4m3"), "poisoned")(
         output, torch.from_numpy(poisoned).reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM)
     out["poisoned"] = output.numpy()
+    for dtype in (torch.bfloat16, torch.float16):  # a MixedPrecisionPolicy's reduce_dtype
+        key = str(dtype).replace("torch.", "")
+        output = torch.empty(rows.shape[1], dtype=dtype)
+        hvd_aps.fsdp.APSReduceScatter(hvd_aps.APSCompressor("e4m3"), key)(
+            output, torch.from_numpy(rows).to(dtype).reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM)
+        out[f"direct_{key}"], out[f"direct_{key}_dtype_ok"] = output.float().numpy(), np.array(output.dtype == dtype)
     native = hvd_aps.APSCompressor("e4m3", policy="auto")
     native.pin({"policy": "native"})
     output = torch.empty(rows.shape[1])
@@ -100,6 +106,7 @@ out["rec_calls"] = np.array(out.pop("_calls"))
 train("plain")
 train("keep_unsharded", reshard=False)
 train("bf16", mp=torch.bfloat16)
+train("fp16", mp=torch.float16)
 train("ef", fmt="e2m1fn", error_feedback=True)
 train("hybrid", fmt="e2m1fn", hybrid="e4m3")
 train("auto", policy="auto", steps=AUTO_STEPS)

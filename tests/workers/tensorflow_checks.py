@@ -102,6 +102,46 @@ with tf.GradientTape() as tape:  # one variable, so one tensor in the bucket
     loss = tf.reduce_sum(single * float(rank + 1))
 out["single_variable"] = hvd_aps.tensorflow.DistributedGradientTape(tape, e4m3).gradient(loss, single).numpy()
 
+def low_precision():
+    """Gradients held in bfloat16 and float16: Horovod's own grouped allreduce with the compressor
+    (in a graph) and the codes path; the results in float32 for the test, with their dtypes."""
+    for dtype in (tf.bfloat16, tf.float16):
+        grads = [tf.cast(tf.constant(g), dtype) for g in codes_grads(rank)]
+        horovods = tf.function(lambda gs: hvd.grouped_allreduce(gs, op=hvd.Average, compression=e4m3))(grads)
+        codes = hvd_aps.tensorflow.allreduce_codes(grads, e4m3, name=f"low_{dtype.name}")
+        for path, results in (("grouped", horovods), ("codes", codes)):
+            for i, g in enumerate(results):
+                out[f"{path}_{dtype.name}_{i}"] = tf.cast(g, tf.float32).numpy()
+            out[f"{path}_{dtype.name}_dtype_ok"] = np.array(all(g.dtype == dtype for g in results))
+
+
+low_precision()
+
+
+def keras_mixed_float16(key, data_scales):
+    """Keras mixed precision (float16 compute, loss scaling from 2**15) through the wrapper, two
+    steps, rank r's data scaled by data_scales[r]: small data keep every scaled gradient finite;
+    large ones on rank 1 alone overflow float16 there and nowhere else, and every rank must then
+    skip both steps alike (and halve its loss scale twice)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.set_weights([KERAS_W0 * (rank + 1), np.array([rank], np.float32)])
+        opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.SGD(KERAS_LR), hvd_aps.APSCompressor("e4m3", min_elements=1))
+        model.compile(optimizer=opt, loss="mse")
+        x, y = keras_data(rank)
+        model.fit(x * data_scales[rank], y * data_scales[rank], batch_size=len(x) // 2, epochs=1, verbose=0,
+                  shuffle=False, callbacks=[hvd_aps.keras.BroadcastInitialState()])
+        out[key] = np.concatenate([w.ravel() for w in model.get_weights()])
+        out[f"{key}_scale"] = np.array(float(model.optimizer.dynamic_scale.numpy()))
+        out[f"{key}_wrapped"] = np.array(isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+keras_mixed_float16("mixed_finite", (1e-3, 1e-3))
+keras_mixed_float16("mixed_overflow", (1e-3, 1e4))
+
 out["keras_none"] = keras_step(hvd.Compression.none)
 out["keras_codes"] = keras_step(hvd_aps.APSCompressor("e4m3", min_elements=1))
 out["keras_values"] = keras_step(hvd_aps.APSCompressor("e4m3", wire="values"))

@@ -60,21 +60,24 @@ out["values_avg_shift"] = np.array(values.stats["float32[1000]"].shift)
 out["values_nan"] = reduce(poisoned(rank, np.nan), values, name="values_nan")
 
 
-def one_step(grads, **kwargs):
-    """horovod.torch.DistributedOptimizer on parameters whose gradients are exactly `grads`
-    (loss = sum(p * g)); every tensor is its own batch (bucket_bytes=1)."""
-    params = [torch.zeros(g.shape, requires_grad=True) for g in grads]
+def one_step(key, grads, dtype=torch.float32, **kwargs):
+    """horovod.torch.DistributedOptimizer on parameters of `dtype` whose gradients are exactly
+    `grads` in that dtype (loss = sum(p * g)); every tensor is its own batch (bucket_bytes=1)."""
+    params = [torch.zeros(g.shape, dtype=dtype, requires_grad=True) for g in grads]
     comp = hvd_aps.APSCompressor("e4m3", bucket_bytes=1, min_elements=16)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), compression=comp,
                                    named_parameters=[(f"p{i}", p) for i, p in enumerate(params)], **kwargs)
-    sum((p * torch.from_numpy(g)).sum() for p, g in zip(params, grads)).backward()
+    sum((p * torch.from_numpy(g).to(dtype)).sum() for p, g in zip(params, grads)).backward()
     opt.synchronize()
-    return [p.grad.numpy().copy() for p in params]
+    out[f"{key}_dtype_ok"] = np.array(all(p.grad.dtype == dtype for p in params))
+    return [p.grad.float().numpy().copy() for p in params]
 
 
-for key, kwargs in (("step_avg", {}), ("step_predivide", dict(gradient_predivide_factor=2.0)),
-                    ("step_sum_groups", dict(op=hvd.Sum, groups=2))):
-    for i, g in enumerate(one_step(codes_grads(rank), **kwargs)):
+for key, dtype, kwargs in (("step_avg", torch.float32, {}),
+                           ("step_predivide", torch.float32, dict(gradient_predivide_factor=2.0)),
+                           ("step_sum_groups", torch.float32, dict(op=hvd.Sum, groups=2)),
+                           ("step_bfloat16", torch.bfloat16, {}), ("step_float16", torch.float16, {})):
+    for i, g in enumerate(one_step(key, codes_grads(rank), dtype, **kwargs)):
         out[f"{key}_{i}"] = g
 
 
@@ -164,6 +167,7 @@ def auto_policy():
         out[f"native_{fallback}"] = hvd.allreduce(x, compression=comp, name=f"native_{fallback}").numpy()
         out[f"stock_{fallback}"] = hvd.allreduce(x, compression=stock, name=f"stock_{fallback}").numpy()
         out[f"native_{fallback}_bytes"] = np.array(comp.bytes_sent)
+        out[f"native_{fallback}_carried"] = np.array(comp.stats["float32[1000]"].fmt)
     comp = hvd_aps.APSCompressor("e4m3", policy="auto", min_elements=16, chunk_bytes=0)
     # the rounds of trial blocks (each an untimed step and timed ones), each round's step to agree on medians
     for step in range(MAX_TRIAL_STEPS + 3):
