@@ -71,7 +71,8 @@ def host_levels(hosts: int, ranks_per_host: int) -> List[exchange.Levels]:
     world = Group(hosts * ranks_per_host)
     local = [Group(ranks_per_host) for _ in range(hosts)]
     cross = [Group(hosts) for _ in range(ranks_per_host)]
-    return [exchange.Levels(ThreadCollectives(world, r), ThreadCollectives(cross[r % ranks_per_host], r // ranks_per_host),
+    return [exchange.Levels(ThreadCollectives(world, r),
+                            ThreadCollectives(cross[r % ranks_per_host], r // ranks_per_host),
                             ThreadCollectives(local[r // ranks_per_host], r % ranks_per_host))
             for r in range(hosts * ranks_per_host)]
 
@@ -84,8 +85,9 @@ def subgroup_levels(hosts: int, ranks_per_host: int) -> List[exchange.Levels]:
     for r in range(n):
         whole = ThreadCollectives(world, r, equal_allgather=False)
         host, local = divmod(r, ranks_per_host)
+        host_ranks = range(host * ranks_per_host, (host + 1) * ranks_per_host)
         levels.append(exchange.Levels(whole, exchange.Subgroup(whole, range(local, n, ranks_per_host)),
-                                      exchange.Subgroup(whole, range(host * ranks_per_host, (host + 1) * ranks_per_host))))
+                                      exchange.Subgroup(whole, host_ranks)))
     return levels
 
 

@@ -118,7 +118,8 @@ class APSCompressor:
         adapter = _adapter(tensor)
         if adapter is None or not adapter.is_dense_float(tensor):
             return tensor, None
-        if adapter.is_empty(tensor) or (self.config.wire == "codes" and adapter.numel(tensor) < self.config.min_elements):
+        small = self.config.wire == "codes" and adapter.numel(tensor) < self.config.min_elements
+        if small or adapter.is_empty(tensor):
             return self._pass_through(adapter, tensor)
         if self.config.wire == "values":
             return adapter.compress_values(tensor, self)

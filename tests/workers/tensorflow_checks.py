@@ -102,6 +102,7 @@ with tf.GradientTape() as tape:  # one variable, so one tensor in the bucket
     loss = tf.reduce_sum(single * float(rank + 1))
 out["single_variable"] = hvd_aps.tensorflow.DistributedGradientTape(tape, e4m3).gradient(loss, single).numpy()
 
+
 def low_precision():
     """Gradients held in bfloat16 and float16: Horovod's own grouped allreduce with the compressor
     (in a graph) and the codes path; the results in float32 for the test, with their dtypes."""
