@@ -148,11 +148,11 @@ class Batches:
         """No more gradients join `batch`: launch its exchange, or count the framework's allreduce
         that carries a passed-through batch as every native exchange is counted."""
         if batch.native:
-            world, dtype = batch.adapter.world(), np.dtype(str(self._comp.config.fallback))
+            dtype = np.dtype(str(self._comp.config.fallback))
             exchange.count_native(self._comp.recorder, self._comp.state,
                                   [f"{batch.name}[{i}]" for i in range(len(batch.sizes))],
                                   zip(batch.labels, batch.sizes), dtype.name,
-                                  2 * (world - 1) / world * dtype.itemsize * sum(batch.sizes))
+                                  exchange.ring_bytes(dtype.itemsize * sum(batch.sizes), batch.adapter.world()))
         else:
             batch.handle = batch.adapter.launch(self._comp, batch.name, batch.flats, batch.labels)
             self._launched.append(batch)

@@ -398,8 +398,13 @@ def _native(stages, bucket: Bucket, flats: list, world: Collectives, outs, divis
             out /= np.float32(divisor)
         at += n
     count_native(stages.stats, stages.state, bucket.keys, zip(bucket.labels, bucket.sizes), dtype.name,
-                 2 * (world.world - 1) / world.world * flat.nbytes)
+                 ring_bytes(flat.nbytes, world.world))
     return outs
+
+
+def ring_bytes(nbytes: float, world: int) -> float:
+    """What one rank sends in a ring allreduce of `nbytes` over `world` ranks."""
+    return 2 * (world - 1) / world * nbytes
 
 
 def count_native(stats, state, keys, labelled_sizes, dtype: str, sent_bytes: float) -> None:

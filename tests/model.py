@@ -130,13 +130,21 @@ def reduce_scatter(inputs, fmt):
     return rows
 
 
-def low_precision_mismatches(got, grads, want, dtype, shapes):
-    """Tensors (indices) whose result got[i] (a low-precision result as float32) is not the
-    model's: want[i] (the codes' model) rounded to the dtype, bit for bit; a tensor not in `want`
-    (too small for codes) near the float64 average of the ranks' grads[r][i]."""
+def low_precision_mismatches(ranks, key, grads, want, dtype, shapes):
+    """What is wrong with the ranks' low-precision results ranks[r][f"{key}_{i}"] (as float32):
+    (r, i) where tensor i is not the model's, want[i] (the codes' model) rounded to the dtype bit
+    for bit, or for a tensor not in `want` (too small for codes) not near the float64 average of
+    the ranks' grads[q][i]; (r, i, "rank 0") where it is not rank 0's bits; (r, "dtype") where
+    rank r's results did not come back in their dtype (f"{key}_dtype_ok")."""
     bad = []
-    for i, shape in enumerate(shapes):
-        ok = (got[i].tobytes() == held_in(want[i], dtype).reshape(shape).tobytes() if i in want
-              else near_low_precision_mean(got[i], [g[i] for g in grads], dtype))
-        bad += [] if ok else [i]
+    for r, got in enumerate(ranks):
+        for i, shape in enumerate(shapes):
+            result = got[f"{key}_{i}"]
+            if not (result.tobytes() == held_in(want[i], dtype).reshape(shape).tobytes() if i in want
+                    else near_low_precision_mean(result, [g[i] for g in grads], dtype)):
+                bad.append((r, i))
+            if result.tobytes() != ranks[0][f"{key}_{i}"].tobytes():
+                bad.append((r, i, "rank 0"))
+        if not bool(got[f"{key}_dtype_ok"]):
+            bad.append((r, "dtype"))
     return bad
