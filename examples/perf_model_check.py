@@ -2,16 +2,20 @@
 (docs/cluster/*.json: MLP, two huge layers, LM, ResNet-18 and transformer profiles; 2 and 4 hosts;
 1, 2 and 4 ranks a host; 1 Gbit/s, 10 Gbit/s and uncapped; Horovod, DDP and FSDP2; fp32, fp16, e4m3, e3m0).
 
-Protocol: the codes exchange's own time comes from `python -m hvd_aps calibrate` on this machine
-(--calibration, or calibrated now); each row's compute (forward, backward, optimizer) is the one
-its benchmark measured; each link class (a rate) gets one effective bandwidth and latency, fitted
-on the Horovod and DDP fp32 rows of that rate (the frameworks' own allreduce: what a link delivers
-to Gloo over TCP through tc is not its nominal rate). Every other row (16-bit, codes, and every
-FSDP2 row, its float32 reduce-scatter included: hvd_aps.perf.fsdp_step_time) is then predicted,
-not fitted. policy="auto" rows are left out (the model does not run the trials). The summary is
-given for every row and for the rows run with OpenMP's idle workers waiting passively (the row's
-omp_wait_policy, netns_cluster.py's default since 2026-11-24): in older rows spinning workers of
-one simulated host took the cores of another, which no cluster of separate machines sees.
+Protocol: the codes exchange's own time and the host's float32 copy rate come from `python -m
+hvd_aps calibrate` on this machine (--calibration, or calibrated now); each row's compute (forward,
+backward, optimizer) is the one its benchmark measured; each link class (a rate) gets one
+effective bandwidth and latency, fitted on the Horovod and DDP fp32 rows of that rate (the
+frameworks' own allreduce: what a link delivers to Gloo over TCP through tc is not its nominal
+rate); each framework's 16-bit allreduce gets one processor cost per element its ring reduces
+(hvd_aps.perf.Path.processor), fitted on its uncapped 16-bit rows, where the link matters least
+(torch's, fitted on DDP's rows, serves FSDP2's too). Every other row (16-bit rows on a capped
+link, codes, and every FSDP2 row, its float32 reduce-scatter included:
+hvd_aps.perf.fsdp_step_time) is then predicted, not fitted. policy="auto" rows are left out (the
+model does not run the trials). The summary is given for every row and for the rows run with
+OpenMP's idle workers waiting passively (the row's omp_wait_policy, netns_cluster.py's default
+since 2026-11-24): in older rows spinning workers of one simulated host took the cores of
+another, which no cluster of separate machines sees.
 
     .venv/bin/python examples/perf_model_check.py [--calibration cal.json] [--plot docs/perf_model.png]
 """
@@ -37,6 +41,7 @@ PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments
     ("resnet18", 11689512): dict(image_size=112), ("transformer", 18915328): dict(hidden=512, blocks=6),
     ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384)}
 LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
+HALF_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per element a 16-bit ring reduces: the fit's grid
 
 
 def measured_rows():
@@ -77,9 +82,15 @@ def shapes(profile, params, cache={}):
 
 
 def fitted(r):
-    """Whether a row is one the links are fitted on: Horovod's and DDP's float32 allreduce."""
+    """Whether a row is one the model is fitted on: Horovod's and DDP's float32 allreduce (the
+    links), their uncapped 16-bit allreduce (its processor cost)."""
     framework, name, _, _ = path_of(r["compression"])
-    return name == "none" and framework != "fsdp"
+    return framework != "fsdp" and (name == "none" or name == "fp16" and r["rate"] == "uncapped")
+
+
+def half_framework(r) -> str:
+    """Whose 16-bit allreduce a row ran: Horovod's, or torch.distributed's (DDP and FSDP2)."""
+    return "hvd" if path_of(r["compression"])[0] == "hvd" else "torch"
 
 
 def workload(r):
@@ -97,38 +108,55 @@ def workload(r):
                          shapes(r["profile"], n)[0])
 
 
-def cluster(r, link):
+def cluster(r, link, copy):
     """The row's cluster: two levels where hosts held several ranks and its bytes show them (8-bit
-    codes: about 0.17x an fp32 ring's bytes on two levels, 0.29-0.42x flat)."""
+    codes: about 0.17x an fp32 ring's bytes on two levels, 0.29-0.42x flat), through host memory
+    at the calibrated `copy` rate (every rank runs on the CPU)."""
     n = r["hosts"] * r["ranks_per_host"]
     ring = r["params"] * perf.FLOAT32_BYTES * 2 * (n - 1) / n
     # every rank of the netns cluster runs on this one machine, whose cores the calibration had
     return perf.Cluster(r["hosts"], link, r["ranks_per_host"], hierarchical=r["tx_bytes_per_step"] < TWO_LEVEL_BYTES * ring,
-                        sharing=n)
+                        sharing=n, copy=copy)
 
 
-def predict(r, link, codecs):
+def predict(r, link, calibrated, half_cost=0.0):
+    """The row's predicted step; `half_cost`: its framework's 16-bit processor cost (16-bit rows)."""
     framework, name, bits, fmt = path_of(r["compression"])
-    c = cluster(r, link)
+    codecs, copy = calibrated
+    c = cluster(r, link, copy)
     codec = None if fmt is None else codecs[(fmt, c.hosts if c.two_levels else c.world)]
+    path = perf.Path(name, bits, codec, half_cost if bits == 16 else 0.0)
     if framework == "fsdp":
-        return perf.fsdp_step_time(workload(r), perf.Path(name, bits, codec), c, r.get("reshard", True), gloo=True)
-    return perf.step_time(workload(r), perf.Path(name, bits, codec), c)
+        return perf.fsdp_step_time(workload(r), path, c, r.get("reshard", True), gloo=True)
+    return perf.step_time(workload(r), path, c)
 
 
-def fit_links(rows, codecs):
-    """Per rate: the (bandwidth, latency) whose fp32 predictions have the least median error."""
+def fit_links(rows, calibrated):
+    """Per rate: the Link (bandwidth, latency) that predicts its fp32 rows best."""
     links = {}
     for rate in sorted({r["rate"] for r in rows}):
-        fp32 = [r for r in rows if r["rate"] == rate and fitted(r)]
-        best = None
-        for gbit, latency in itertools.product([0.1 * 1.05 ** k for k in range(160)], LATENCIES):
-            link = perf.Link(gbit * 1e9 / 8, latency)
-            err = statistics.median(abs(predict(r, link, codecs) / r["step_median"] - 1) for r in fp32)
-            if best is None or err < best[0]:
-                best = (err, link)
-        links[rate] = best[1]
+        fp32 = [r for r in rows if r["rate"] == rate and fitted(r) and path_of(r["compression"])[2] == 32]
+        candidates = [perf.Link(gbit * 1e9 / 8, latency)
+                      for gbit, latency in itertools.product([0.1 * 1.05 ** k for k in range(160)], LATENCIES)]
+        links[rate] = _least_error(candidates, fp32, lambda r, link: predict(r, link, calibrated))
     return links
+
+
+def fit_half_costs(rows, links, calibrated):
+    """Per framework ('hvd', 'torch'): the 16-bit processor cost that predicts its uncapped
+    16-bit rows best (0 where it has none)."""
+    costs = {}
+    for framework in ("hvd", "torch"):
+        half = [r for r in rows if fitted(r) and path_of(r["compression"])[2] == 16 and half_framework(r) == framework]
+        costs[framework] = _least_error(HALF_COSTS, half, lambda r, cost: predict(r, links[r["rate"]], calibrated, cost)
+                                        ) if half else 0.0
+    return costs
+
+
+def _least_error(candidates, rows, predict_with):
+    """The candidate whose predictions of `rows` (predict_with(row, candidate)) have the least
+    median relative error."""
+    return min(candidates, key=lambda k: statistics.median(abs(predict_with(r, k) / r["step_median"] - 1) for r in rows))
 
 
 def main():
@@ -141,17 +169,24 @@ def main():
     rows = measured_rows()
     worlds = sorted({w for r in rows for w in (r["hosts"], r["hosts"] * r["ranks_per_host"])} - {1})
     codecs = {}
+    loaded = calibration.load(args.calibration) if args.calibration else None
     for world in worlds:
-        loaded = calibration.load(args.calibration) if args.calibration else {
-            f: calibration.fit_codec(f, world)[0] for f in FORMATS}
-        codecs.update({(f, world): loaded[f] for f in FORMATS})
-    links = fit_links(rows, codecs)
+        fitted_codecs = loaded.codecs if loaded else {f: calibration.fit_codec(f, world)[0] for f in FORMATS}
+        codecs.update({(f, world): fitted_codecs[f] for f in FORMATS})
+    copy = loaded.copy if loaded and loaded.copy else calibration.time_copy()
+    print(f"float32 copies through host memory: {copy * 1e9:.3f} ns per element (every core at once)")
+    calibrated = codecs, copy
+    links = fit_links(rows, calibrated)
     for rate, link in links.items():
         print(f"link {rate}: fitted on its fp32 rows {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
               f"latency {link.latency * 1e6:.0f} us")
+    half_costs = fit_half_costs(rows, links, calibrated)
+    for framework, cost in half_costs.items():
+        print(f"{framework}'s 16-bit allreduce: fitted on its uncapped rows {cost * 1e9:.2f} ns of processor per "
+              f"element its ring reduces")
     out = []
     for r in rows:
-        predicted = predict(r, links[r["rate"]], codecs)
+        predicted = predict(r, links[r["rate"]], calibrated, half_costs[half_framework(r)])
         out.append({k: r[k] for k in ("file", "profile", "hosts", "ranks_per_host", "rate", "compression")}
                    | {"measured": r["step_median"], "predicted": predicted, "error": predicted / r["step_median"] - 1,
                       "fitted": fitted(r), "passive": r.get("omp_wait_policy", "").upper() == "PASSIVE"})
@@ -168,7 +203,7 @@ def report(out):
     for o in out:
         print(f"{o['file']:>28} {o['profile']:>11} {o['hosts']}x{o['ranks_per_host']} {o['rate']:>8} "
               f"{o['compression']:>14} {o['measured']:7.3f} {o['predicted']:7.3f} {o['error']:+6.0%}"
-              f"{'  (link fit)' if o['fitted'] else ''}")
+              f"{'  (fitted)' if o['fitted'] else ''}")
     print()
     for title, rows in (("every row", out), ("rows run with OpenMP's passive wait", [o for o in out if o["passive"]])):
         if rows:
@@ -205,7 +240,7 @@ def plot(out, path):
             if pts:
                 ax.scatter([o["measured"] for o in pts], [o["predicted"] for o in pts], marker=marker, s=18,
                            facecolors="none" if fitted else color, edgecolors=color,
-                           label=f"{rate}{', fp32 (the link fit)' if fitted else ''}")
+                           label=f"{rate}{', fitted (fp32; 16-bit uncapped)' if fitted else ''}")
     lim = [min(o["measured"] for o in out) * 0.8, max(o["measured"] for o in out) * 1.2]
     ax.plot(lim, lim, "k-", lw=0.7)
     ax.plot(lim, [x * 1.25 for x in lim], "k:", lw=0.5)

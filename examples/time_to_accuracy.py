@@ -49,6 +49,7 @@ DDP_PEERS = ["ddp:none", "ddp:fp16", "ddp:powersgd1", "ddp:powersgd4", "ddp:aps-
 # on Gloo, which matches collectives by issue order, the ranks' orders can differ (a size mismatch
 # or a hang at the first compressed step). One bucket keeps one order.
 ONE_BUCKET_MB = 1024
+PANELS_PER_ROW = 3  # the figures' panels (one a cluster and link), in rows of this many
 HOROVOD_PEERS = ["hvd:none", "hvd:fp16", "hvd:aps-e4m3", "hvd:aps-e3m0-ef", "hvd:aps-e3m0-hybrid", "hvd:aps-e4m3-auto"]
 
 
@@ -211,7 +212,7 @@ def paused(clock):
 def train(args):
     """One peer, one seed: train args.task for its step budget; rank 0 prints the JSON line."""
     work = TASKS[args.task]()
-    task = work.task
+    task = dataclasses.replace(work.task, steps=args.steps or work.task.steps)
     framework, _, peer = args.peer.partition(":")
     torch.manual_seed(args.seed)  # the same initial model on every rank and for every peer
     run = FRAMEWORKS[framework](peer, work.model(), task.steps)
@@ -284,12 +285,19 @@ def plot(path, task, panels):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
-    for ax, (label, runs_by_peer) in zip(axes[0], panels.items()):
+    cols = min(PANELS_PER_ROW, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    peers = list(dict.fromkeys(peer for runs_by_peer in panels.values() for peer in runs_by_peer))
+    colors = {peer: plt.get_cmap("tab20")(i % 20) for i, peer in enumerate(peers)}  # a peer's color in every panel
+    for ax, (label, runs_by_peer) in zip(axes.flat, panels.items()):
         for peer, runs in runs_by_peer.items():
             run = sorted(runs, key=lambda r: r["log"][-1]["wall"])[len(runs) // 2]
             ax.plot([row["wall"] for row in run["log"]], [row["quality"] for row in run["log"]],
-                    "-" if peer.startswith("ddp:aps") or peer.startswith("hvd:aps") else "--", label=peer)
+                    "-" if peer.startswith("ddp:aps") or peer.startswith("hvd:aps") else "--", label=peer,
+                    color=colors[peer])
         ax.axhline(task.target, color="gray", lw=0.8)
         ax.set(xlabel="wall time, s (evaluation excluded)", ylabel=task.quality_name, title=f"{task.name}, {label}")
         if task.higher_is_better:
@@ -312,12 +320,13 @@ def grid(args):
         task = TASKS[task_name].task
         for hosts in (int(h) for h in args.hosts.split(",")):
             for rate in args.rates.split(","):
-                label = f"{hosts}x{args.ranks_per_host} {rate}"
+                label = f"{hosts}x{args.ranks_per_host} {rate}" + (f", {args.steps} steps" if args.steps else "")
                 with netns_cluster.cluster(hosts, None if rate == "uncapped" else rate) as names:
                     for seed in (int(s) for s in args.seeds.split(",")):
                         for peer in args.peers.split(","):
                             argv = [pathlib.Path(__file__).name, "--peer", peer, "--task", task_name,
-                                    "--seed", str(seed), "--iface", "hvd0"]
+                                    "--seed", str(seed), "--iface", "hvd0"] + (
+                                        ["--steps", str(args.steps)] if args.steps else [])
                             started = time.time()
                             try:
                                 result = netns_cluster.launch(names, args.ranks_per_host, argv, args.timeout,
@@ -350,6 +359,7 @@ def main():
     parser.add_argument("--peer", default="ddp:aps-e4m3", help="one run: framework:compression (see above)")
     parser.add_argument("--task", choices=sorted(TASKS), default="wide-mlp")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, help="step budget (default: the task's); the target stays the task's")
     parser.add_argument("--iface", default="", help="network interface whose tx counter to read")
     parser.add_argument("--progress", action="store_true", help="rank 0 prints every evaluation")
     parser.add_argument("--cluster", action="store_true", help="run the grid in network namespaces (root)")

@@ -1,9 +1,10 @@
 """Command line: `python -m hvd_aps formats`, `python -m hvd_aps probe --format e4m3 --ranks 8`,
-`python -m hvd_aps calibrate --out calibration.json` and
+`python -m hvd_aps calibrate --out calibration.json`, `torchrun ... -m hvd_aps calibrate --links` and
 `python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit [--fsdp 8]`."""
 import argparse
 import functools
 import json
+import os
 import pathlib
 import re
 import sys
@@ -41,6 +42,8 @@ def probe_command(args):
 
 
 def calibrate_command(args):
+    if args.links:
+        return _calibrate_links(args.out)
     print(f"timing the codes exchange as rank 0 of {args.world} ranks ({codec.engine_name()} engine)...",
           file=sys.stderr)
     result = calibration.calibrate([str(f) for f in args.format], args.world)
@@ -48,13 +51,41 @@ def calibrate_command(args):
     rows = [(fmt, f"{c['fixed'] * 1e3:.3f}", f"{c['per_tensor'] * 1e3:.3f}", f"{c['per_element'] * 1e9:.3f}")
             for fmt, c in result["codecs"].items()]
     print(_table(["format", "ms per exchange", "ms per tensor", "ns per element"], rows))
-    print(f"\nwritten to {args.out}")
+    print(f"\nfloat32 copies through host memory, every core at once: {result['copy'] * 1e9:.3f} ns per element")
+    print(f"written to {args.out}")
+
+
+def _calibrate_links(out):
+    """Inside a torchrun job (Gloo; NCCL where CUDA is there): time torch.distributed's float32
+    allreduce at several sizes on every rank, fit the link, and (rank 0) add it to `out`."""
+    import torch
+    import torch.distributed as dist
+    from .ddp import TorchDistributedCollectives, _place
+    if "RANK" not in os.environ:
+        raise ValueError("calibrate --links measures a running job: launch it with torchrun on every host "
+                         "(torchrun --nnodes H --nproc-per-node L ... -m hvd_aps calibrate --links)")
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group("nccl" if device != "cpu" else "gloo")
+    try:
+        places = [None] * dist.get_world_size()
+        dist.all_gather_object(places, _place()[0])
+        hosts = len(set(places))
+        cluster = perf.Cluster(hosts, perf.Link(1.0), dist.get_world_size() // hosts)
+        coll = TorchDistributedCollectives(None, device)
+        link, rows = calibration.time_links(lambda values: coll.allreduce(values, "calibrate"), cluster)
+        if dist.get_rank() == 0:
+            calibration.add_links(out, calibration.links_entry(link, cluster, rows))
+            print(f"{hosts} hosts x {cluster.ranks_per_host} ranks: torch.distributed's float32 allreduce gets "
+                  f"{_rate(link.bandwidth)} and {link.latency * 1e6:.0f} us a message step; written to {out}")
+    finally:
+        dist.destroy_process_group()
 
 
 def plan_command(args):
     formats = [str(f) for f in args.format]
-    codecs = calibration.load(args.calibration) if args.calibration else {
-        fmt: calibration.fit_codec(fmt, args.hosts * args.ranks_per_host)[0] for fmt in formats}
+    loaded = calibration.load(args.calibration) if args.calibration else calibration.Calibration(
+        {fmt: calibration.fit_codec(fmt, args.hosts * args.ranks_per_host)[0] for fmt in formats})
+    codecs = loaded.codecs
     missing = [f for f in formats if f not in codecs]
     if missing:
         raise SystemExit(f"{args.calibration} has no calibration for {', '.join(missing)}: "
@@ -65,7 +96,9 @@ def plan_command(args):
     step, split = _step_models(args)
     paths = [perf.Path("float32", 32), perf.Path("16-bit", 16)] + [
         perf.Path(f"codes {f}", FloatFormat.parse(f).bits, codecs[f]) for f in formats]
-    clusters = [perf.Cluster(args.hosts, perf.Link.parse(rate, args.latency_us / 1e6), args.ranks_per_host)
+    # on the CPU two levels run inside a host through its memory, at the rate calibrated (or measured now)
+    copy = 0.0 if args.accelerator else loaded.copy or calibration.time_copy()
+    clusters = [perf.Cluster(args.hosts, _link(rate, args, loaded), args.ranks_per_host, copy=copy)
                 for rate in args.links.split(",")]
     levels = " (two levels)" if clusters[0].two_levels and not units else ""
     print(f"{args.params:,} parameters, {args.compute_ms:g} ms compute a step, {args.hosts} hosts x "
@@ -76,7 +109,7 @@ def plan_command(args):
     for rate, cluster in zip(args.links.split(","), clusters):
         rows = perf.table(work, paths, cluster, step)
         print(f"\n{rate} between hosts: fastest {min(rows, key=lambda row: row[1])[0].name}")
-        print(_table(["path", "step ms", "x float32", "on the links ms", "codec ms"],
+        print(_table(["path", "step ms", "x float32", "on the links ms", "processor ms"],
                      [(p.name, f"{t * 1e3:.1f}", f"{x:.2f}", *(f"{v * 1e3:.1f}" for v in split(work, p, cluster)))
                       for p, t, x in rows]))
     print()
@@ -88,6 +121,19 @@ def plan_command(args):
         _write_pin(args.pin, work, paths, clusters, step)
     if args.plot:
         _plot(args.plot, work, paths, clusters[0], step)
+
+
+def _link(rate: str, args, loaded: calibration.Calibration) -> perf.Link:
+    """A rate as tc names it, or "measured": the link `calibrate --links` measured in a job."""
+    if rate != "measured":
+        return perf.Link.parse(rate, args.latency_us / 1e6)
+    if loaded.link is None:
+        raise ValueError("--links measured needs a --calibration file with a link measured in a job: "
+                         "torchrun ... -m hvd_aps calibrate --links --out FILE")
+    if loaded.link_shape != (args.hosts, args.ranks_per_host):
+        print(f"note: the link was measured on {loaded.link_shape[0]} hosts x {loaded.link_shape[1]} ranks, "
+              f"planned on {args.hosts} x {args.ranks_per_host}", file=sys.stderr)
+    return loaded.link
 
 
 def _step_models(args):
@@ -169,6 +215,8 @@ def main(argv=None):
     cal.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3 and e3m0")
     cal.add_argument("--world", type=int, default=2, help="ranks the timed rank stands among")
     cal.add_argument("--out", default="hvd_aps_calibration.json")
+    cal.add_argument("--links", action="store_true", help="inside a torchrun job: measure the link the framework's "
+                                                          "allreduce gets and add it to --out (plan --links measured)")
     cal.set_defaults(run=calibrate_command)
     plan = sub.add_parser("plan", help="predicted step time of each path and format, and where codes pay")
     plan.add_argument("--params", type=_count_arg, required=True, help="gradient elements, e.g. 25M")
@@ -177,7 +225,8 @@ def main(argv=None):
     plan.add_argument("--optimizer-ms", type=float, default=0.0)
     plan.add_argument("--hosts", type=int, default=2)
     plan.add_argument("--ranks-per-host", type=int, default=1)
-    plan.add_argument("--links", default="1gbit,10gbit,100gbit", help="rates between hosts, comma-separated")
+    plan.add_argument("--links", default="1gbit,10gbit,100gbit",
+                      help="rates between hosts, comma-separated; 'measured': the link in --calibration")
     plan.add_argument("--latency-us", type=float, default=perf.DEFAULT_LATENCY * 1e6, help="between hosts, us")
     plan.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3, e3m0")
     plan.add_argument("--calibration", help="a file from python -m hvd_aps calibrate (default: calibrate now)")

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _arrays, _metadata, codec
 from ._layout import BLOCK
-from ._stages import formats_and_shifts, hybrid_error
+from ._stages import corrected, formats_and_shifts, hybrid_error, keep_residual
 from ._state import SEND
 
 
@@ -121,8 +121,7 @@ class ScatterExchange:
                     codec.encode_into(x, fmt, segment, pos, self.config.rounding, a.seed, self.config.saturate,
                                       run.shift, r * n + run.lo)
                     if residual is not None:
-                        codec.decode_row(segment, fmt, pos, pos + x.size, run.shift, out=residual[r, run.lo:run.hi])
-                        xp.subtract(x, residual[r, run.lo:run.hi], out=residual[r, run.lo:run.hi])
+                        keep_residual(residual[r, run.lo:run.hi], x, segment, pos, run.shift, fmt)
                     measured = self.stats.of_codes(x, segment, pos, run.shift, fmt, a.rows.shape[1], run.lo)
                     stats = measured if stats is None else stats + measured if measured else stats
                     pos += x.size
@@ -151,7 +150,4 @@ class ScatterExchange:
     def _corrected(self, name, rows):
         if not self.config.error_feedback:
             return rows
-        xp = _arrays.array_module(rows)
-        total = self.state.buffers.get((name, "corrected"), rows.size, np.float32, xp).reshape(rows.shape)
-        xp.add(rows, self.state.residual((name, SEND, 0), rows.size, xp).reshape(rows.shape), out=total)
-        return total
+        return corrected(self.state, (name, "corrected"), (name, SEND, 0), rows.reshape(-1)).reshape(rows.shape)

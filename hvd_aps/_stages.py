@@ -221,8 +221,8 @@ class CodesExchange:
         self._encode(piece, row, pos, shift, lane.fmt, a.seeds.get(p.tensor), p.start)
         if self.config.error_feedback:
             residual = self.state.next_residual((a.bucket.keys[p.tensor], SEND, seg.start), seg.size, _xp(x))
-            _keep_residual(residual[p.start - seg.start:p.start - seg.start + piece.size], piece, row, pos, shift,
-                           lane.fmt)
+            keep_residual(residual[p.start - seg.start:p.start - seg.start + piece.size], piece, row, pos, shift,
+                          lane.fmt)
         self._record(a, k, piece, row, pos, shift, lane.fmt, p.start - seg.start)
 
     def _leave_out(self, a: Agreement) -> None:
@@ -270,7 +270,7 @@ class CodesExchange:
             seed = self.state.seed_for(-1, a.bucket.keys[p.tensor], OWNER) if self.config.rounding == "stochastic" else None
             self._encode(part, codes, p.lo - lo, shifts, lane.fmt, seed, p.start, block=BLOCK)
             if residual is not None:
-                _keep_residual(residual[1], part, codes, p.lo - lo, shifts, lane.fmt, block=BLOCK)
+                keep_residual(residual[1], part, codes, p.lo - lo, shifts, lane.fmt, block=BLOCK)
             fresh.append(shifts)
         end = size + _SHIFT.itemsize * lane.layout.blocks_in(lo, hi)
         if fresh:
@@ -352,13 +352,8 @@ class CodesExchange:
         """Error feedback: each segment plus its committed residual; the data as given otherwise."""
         if not self.config.error_feedback:
             return data
-        out = []
-        for k, (seg, x) in enumerate(zip(bucket.segments, data)):
-            x, xp = x.ravel(), _xp(x)
-            total = self.state.buffers.get((bucket.name, "corrected", k), x.size, np.float32, xp)
-            xp.add(x, self.state.residual((bucket.keys[seg.tensor], SEND, seg.start), seg.size, xp), out=total)
-            out.append(total)
-        return out
+        return [corrected(self.state, (bucket.name, "corrected", k), (bucket.keys[seg.tensor], SEND, seg.start),
+                          x.ravel()) for k, (seg, x) in enumerate(zip(bucket.segments, data))]
 
 
 def _xp(x):
@@ -373,7 +368,16 @@ def _fresh_row(row, count: int, fmt):
     return row
 
 
-def _keep_residual(residual, x, row, pos: int, shift, fmt, block=None) -> None:
+def corrected(state, buffer_key: tuple, residual_key: tuple, x):
+    """Error feedback: flat x plus the residual committed under `residual_key`, in the state's
+    buffer `buffer_key`."""
+    xp = _xp(x)
+    total = state.buffers.get(buffer_key, x.size, np.float32, xp)
+    xp.add(x, state.residual(residual_key, x.size, xp), out=total)
+    return total
+
+
+def keep_residual(residual, x, row, pos: int, shift, fmt, block=None) -> None:
     """Error feedback: what the codes at pos.. of packed `row` lost of x (x - their values), into
     `residual`, for the next exchange."""
     codec.decode_row(row, fmt, pos, pos + x.size, shift, out=residual, block=block)

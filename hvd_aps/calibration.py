@@ -1,6 +1,8 @@
 """What the performance model (hvd_aps.perf) needs measured on the machine at hand: the codes
-exchange's own time per bucket (`python -m hvd_aps calibrate`), written to and read from one
-JSON file, so numbers taken on another machine (a GPU's codec) load into the same model.
+exchange's own time per bucket and the host's float32 copy rate (`python -m hvd_aps calibrate`),
+and, inside a running job, the link the framework's allreduce gets (`calibrate --links` under
+torchrun), written to and read from one JSON file, so numbers taken on another machine (a GPU's
+codec, a cluster's links) load into the same model.
 
 The exchange is timed on the real driver (hvd_aps.exchange.run, with a compressor configured as
 users configure it, stats included), in this one process standing for rank 0 of `world` ranks
@@ -8,16 +10,18 @@ that all hold the same gradients: every pass the rank makes (encode, decode-and-
 copies of its share, re-encode, decode of every share) runs on the real sizes, and nothing waits
 for a wire.
 """
+import concurrent.futures
 import dataclasses
 import json
+import os
 import pathlib
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from . import codec, exchange
+from . import codec, exchange, perf
 from ._stages import Bucket
 from .compressor import APSCompressor
 from .perf import Codec
@@ -26,6 +30,9 @@ from .perf import Codec
 # and per element, so sizes and tensor counts both vary
 BUCKETS = ((1 << 14, 1), (1 << 18, 1), (1 << 22, 1), (1 << 14, 16), (1 << 18, 16), (1 << 22, 16))
 REPEATS = 5  # timed exchanges per bucket (after one untimed): the median is fitted
+COPY_ELEMENTS = 1 << 23  # float32 a core copies per timed copy: 32 MiB, past the caches as gradients are
+# float32 elements of the framework's allreduces timed for the link fit: latency-bound to bandwidth-bound
+LINK_ELEMENTS = (1 << 6, 1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)
 FORMAT = "calibration/1"
 
 
@@ -84,6 +91,67 @@ def fit_codec(fmt: str, world: int, buckets: Sequence = BUCKETS, repeats: int = 
     return Codec(fixed, per_element, per_tensor), rows
 
 
+def time_copy(elements: int = COPY_ELEMENTS, repeats: int = REPEATS) -> float:
+    """Seconds per float32 element this host copies through its memory, every core this process
+    may use copying at once (as the ranks of a host do; hvd_aps.perf.Cluster.copy): the median of
+    `repeats` rounds after one untimed."""
+    cores = len(os.sched_getaffinity(0))
+    sources = [np.ones(elements, np.float32) for _ in range(cores)]
+    targets = [np.empty(elements, np.float32) for _ in range(cores)]
+    times = []
+    with concurrent.futures.ThreadPoolExecutor(cores) as pool:  # NumPy copies outside the GIL
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            list(pool.map(np.copyto, targets, sources))
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]) / (cores * elements)
+
+
+def fit_link(rows: Sequence, cluster: perf.Cluster) -> perf.Link:
+    """The Link (bandwidth, latency) with which hvd_aps.perf.allreduce best predicts the measured
+    (float32 elements, seconds) of the framework's allreduce on `cluster`'s shape: least squares
+    relative to each time (they span orders of magnitude), on the ring's latency steps and bytes."""
+    # allreduce() over links of one byte a second and no latency counts the bytes through a link;
+    # of nothing over links of one second a message step, the message steps
+    unit = perf.Cluster(cluster.hosts, perf.Link(1.0, 0.0), cluster.ranks_per_host, perf.Link(1.0, 0.0),
+                        tree=cluster.tree)
+    steps = perf.allreduce(0, dataclasses.replace(unit, between=perf.Link(1.0, 1.0), inside=perf.Link(1.0, 1.0)))
+    seconds = np.array([s for _, s in rows])
+    a = np.array([[steps, perf.allreduce(n * perf.FLOAT32_BYTES, unit)] for n, _ in rows]) / seconds[:, None]
+    (latency, per_byte), *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
+    if per_byte <= 0:
+        raise ValueError(f"the allreduce's times do not grow with its size ({rows}): time larger messages")
+    return perf.Link(1.0 / float(per_byte), max(float(latency), 0.0))
+
+
+def time_links(allreduce: Callable[[np.ndarray], object], cluster: perf.Cluster,
+               elements: Sequence[int] = LINK_ELEMENTS, repeats: int = REPEATS) -> tuple:
+    """(Link, [(elements, seconds)]): the framework's float32 `allreduce` (a blocking call every
+    rank makes alike) timed inside the job at each size, median of `repeats` after one untimed,
+    and fitted as fit_link does. Every rank must call it."""
+    rows = []
+    for n in elements:
+        values = np.ones(n, np.float32)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            allreduce(values)
+            times.append(time.perf_counter() - started)
+        rows.append((n, statistics.median(times[1:])))
+    return fit_link(rows, cluster), rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A calibration file's contents for the model: a Codec per format name, the host's copy rate,
+    the link measured inside a job and the (hosts, ranks a host) it was measured on (None where the
+    file has none)."""
+    codecs: dict
+    copy: Optional[float] = None
+    link: Optional[perf.Link] = None
+    link_shape: Optional[tuple] = None
+
+
 def calibrate(formats: Sequence[str], world: int, buckets: Sequence = BUCKETS, repeats: int = REPEATS) -> dict:
     """The calibration file's contents for these formats at `world` ranks."""
     codecs, measured = {}, {}
@@ -91,16 +159,45 @@ def calibrate(formats: Sequence[str], world: int, buckets: Sequence = BUCKETS, r
         fitted, rows = fit_codec(fmt, world, buckets, repeats)
         codecs[fmt] = dataclasses.asdict(fitted)
         measured[fmt] = [{"elements": n, "tensors": t, "seconds": s} for n, t, s in rows]
-    return {"format": FORMAT, "engine": codec.engine_name(), "world": world, "codecs": codecs, "measured": measured}
+    return {"format": FORMAT, "engine": codec.engine_name(), "world": world, "codecs": codecs, "measured": measured,
+            "copy": time_copy(repeats=repeats)}
 
 
 def save(calibration: dict, path) -> None:
-    pathlib.Path(path).write_text(json.dumps(calibration, indent=1) + "\n")
+    """Write a calibration file, keeping the link an earlier `calibrate --links` added to it."""
+    links = _read(path).get("links")
+    pathlib.Path(path).write_text(json.dumps(calibration | ({"links": links} if links else {}), indent=1) + "\n")
 
 
-def load(path) -> dict:
-    """{format name: Codec} from a calibration file."""
-    data = json.loads(pathlib.Path(path).read_text())
+def add_links(path, entry: dict) -> None:
+    """Add a measured link (links_entry) to the calibration file at `path`, or start one."""
+    data = _read(path) or {"format": FORMAT}
+    pathlib.Path(path).write_text(json.dumps(data | {"links": entry}, indent=1) + "\n")
+
+
+def _read(path) -> dict:
+    """A calibration file's contents, {} where there is none yet."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
     if data.get("format") != FORMAT:
         raise ValueError(f"{path} is not an hvd_aps calibration file ({FORMAT}): run python -m hvd_aps calibrate")
-    return {fmt: Codec(**fitted) for fmt, fitted in data["codecs"].items()}
+    return data
+
+
+def links_entry(link: perf.Link, cluster: perf.Cluster, rows: Sequence) -> dict:
+    """A calibration file's "links" entry: the fitted link, the shape it was measured on, the times."""
+    return {"bandwidth": link.bandwidth, "latency": link.latency, "hosts": cluster.hosts,
+            "ranks_per_host": cluster.ranks_per_host, "measured": [{"elements": n, "seconds": s} for n, s in rows]}
+
+
+def load(path) -> Calibration:
+    """A calibration file's Codecs, copy rate and measured link."""
+    if not pathlib.Path(path).exists():
+        raise ValueError(f"no calibration file {path}: run python -m hvd_aps calibrate --out {path}")
+    data = _read(path)
+    links = data.get("links")
+    return Calibration({fmt: Codec(**fitted) for fmt, fitted in data.get("codecs", {}).items()}, data.get("copy"),
+                       perf.Link(links["bandwidth"], links["latency"]) if links else None,
+                       (links["hosts"], links["ranks_per_host"]) if links else None)

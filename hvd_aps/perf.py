@@ -14,16 +14,20 @@ them; `python -m hvd_aps calibrate` measures the codes exchange's own time, `Cod
   real driver as `Codec.fixed + Codec.per_element * n`. In chunks the processor and the wire
   overlap; the run-time schedule keeps the faster chunking, and so does the model.
 - Two levels (several hosts of several ranks): float32 reduce-scatter and allgather inside the
-  host, codes between hosts on a 1/L slice a rank.
+  host, codes between hosts on a 1/L slice a rank. Inside a GPU host that is a link (NVLink); on
+  the CPU hvd_aps runs it through the host's shared memory, so it is processor time: the copies and
+  sums HOST_COPIES counts, at the host's calibrated copy rate (`Cluster.copy`).
+- A framework's 16-bit allreduce on the CPU casts and sums 16-bit values on the processor: the
+  path's `processor` cost per element its ring reduces (fitted per framework: on this project's
+  cluster rows Horovod 0.28's float16 allreduce over Gloo costs far more than torch's).
 - The step is a timeline: the forward, then the backward during which the buckets become ready in
   proportion to their elements (DDP's order: the last layers first), each exchange starting when
   its bucket is ready and the one before it has ended; the optimizer after both. Where compute
-  and the codec share one processor (training on the CPU), the codec's time is added to the
-  backward's.
+  and the codec share one processor (training on the CPU), the codec's time and the passes of
+  processor_time are added to the backward's.
 
 What the model leaves out (a reason for a measured step to differ): the framework's own
-processor time per collective, stragglers, congestion beyond the link's rate, and the cast of a
-16-bit allreduce (one pass over the gradients each way).
+processor time per float32 collective, stragglers, and congestion beyond the link's rate.
 """
 import dataclasses
 import math
@@ -37,6 +41,11 @@ DDP_FIRST_BUCKET_BYTES = 1 << 20      # torch DDP: the first bucket (the last la
 DDP_BUCKET_BYTES = 25 << 20           # the others at bucket_cap_mb=25
 CHUNK_CHOICES = (0, 4 << 20, 1 << 20)  # float32 bytes per chunk the schedule tries (0: unchunked)
 LOOPBACK = (10e9, 20e-6)              # a host's own memory and loopback, bytes/s and s: where nothing was measured
+# float32 copies (or sums) a rank's processor makes per element of its bucket on two levels through host
+# memory (hvd_aps.exchange._scatter/_gather over hvd_aps._host_memory): pack, write the box, read the
+# host's parts, sum them, read every slice of the results, unpack them into the gradients; plus
+# writing the result of its own slice (the 1 / L in processor_time)
+HOST_COPIES = 6
 DEFAULT_LATENCY = 50e-6               # between hosts, where nothing was measured (Ethernet with TCP)
 # bits a second as tc names them (1gbit, 10Gbit/s), or bytes (12.5GB, 12.5GB/s); "bps" is left
 # out: tc reads it as bytes, a NIC's data sheet as bits
@@ -72,7 +81,10 @@ class Cluster:
     (the ranks of a host on a CPU cluster; every rank where a test cluster runs on one machine):
     the codec takes that many times its calibrated time; `tree`: the framework's allreduce takes
     the faster of a ring and a double binary tree (NCCL does, Gloo's ring does not), whose
-    latency grows with log2 of the ranks, not with the ranks."""
+    latency grows with log2 of the ranks, not with the ranks; `copy`: seconds per float32 element
+    the host's processor copies through its memory (`python -m hvd_aps calibrate`, every core at
+    once, so scaled by `sharing` as the codec is): where > 0, two levels run their host level
+    through that memory on the processor (hvd_aps on the CPU), where 0 over the `inside` link."""
     hosts: int
     between: Link
     ranks_per_host: int = 1
@@ -80,10 +92,11 @@ class Cluster:
     hierarchical: bool = True
     sharing: float = 1.0
     tree: bool = False
+    copy: float = 0.0
 
     def __post_init__(self):
-        if self.hosts < 1 or self.ranks_per_host < 1 or self.sharing < 1:
-            raise ValueError(f"a cluster needs hosts and ranks_per_host >= 1 and sharing >= 1, got {self}")
+        if self.hosts < 1 or self.ranks_per_host < 1 or self.sharing < 1 or self.copy < 0:
+            raise ValueError(f"a cluster needs hosts and ranks_per_host >= 1, sharing >= 1 and copy >= 0, got {self}")
 
     @property
     def world(self) -> int:
@@ -161,10 +174,14 @@ def ddp_buckets(parameters: int, first_bytes: int = DDP_FIRST_BUCKET_BYTES, byte
 @dataclasses.dataclass(frozen=True)
 class Path:
     """A way to exchange a bucket: the framework's allreduce of `bits`-bit values, or hvd_aps's
-    codes of a `bits`-bit format (codec: its calibrated time)."""
+    codes of a `bits`-bit format (codec: its calibrated time). `processor`: seconds the
+    framework's allreduce spends on the processor per element its ring reduces ((N-1)/N of the
+    bucket a rank: a 16-bit allreduce's casts and sums on the CPU), scaled by the cluster's
+    `sharing`."""
     name: str
     bits: int
     codec: Optional[Codec] = None
+    processor: float = 0.0
 
     @property
     def codes(self) -> bool:
@@ -205,11 +222,23 @@ def codes_bytes(elements: float, bits: int) -> float:
 
 
 def exchange_time(elements: int, path: Path, c: Cluster, tensors: float = 1) -> float:
-    """Seconds from a bucket's start to its averaged gradients, codec included."""
+    """Seconds from a bucket's start to its averaged gradients, codec and processor passes included."""
     if not path.codes:
-        return allreduce(elements * path.bits / BITS_PER_BYTE, c)
+        return allreduce(elements * path.bits / BITS_PER_BYTE, c) + processor_time(elements, path, c)
     host, between = _codes_wire(elements, path.bits, c)
-    return host + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between)
+    return (host + processor_time(elements, path, c)
+            + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between))
+
+
+def processor_time(elements: int, path: Path, c: Cluster) -> float:
+    """Seconds a rank's processor spends on a bucket's exchange outside the codec: a framework
+    allreduce's own passes (`path.processor`), or the host level of two levels through host
+    memory (`c.copy`)."""
+    if not path.codes:
+        return path.processor * (c.world - 1) / c.world * elements * c.sharing
+    if not (c.two_levels and c.copy):
+        return 0.0
+    return (HOST_COPIES + 1 / c.ranks_per_host) * elements * c.copy * c.sharing
 
 
 def wire_time(elements: int, path: Path, c: Cluster) -> float:
@@ -235,7 +264,10 @@ def _codes_wire(elements: int, bits: int, c: Cluster) -> tuple:
     local = Cluster(1, c.inside, c.ranks_per_host, c.inside, tree=c.tree)
     cross = Cluster(c.hosts, c.between, 1, c.inside, tree=c.tree)
     codes = codes_bytes(elements, bits)  # every slice of the host's ranks together
-    host = 2 * alltoall(elements * FLOAT32_BYTES, local)
+    if c.copy:  # through host memory: its latencies here, its copies in processor_time
+        host = 2 * (c.ranks_per_host - 1) * c.inside.latency
+    else:
+        host = 2 * alltoall(elements * FLOAT32_BYTES, local)
     return host, metadata_allreduce(c) + alltoall(codes, cross) + allgather(codes / c.hosts, cross)
 
 
@@ -270,14 +302,16 @@ def step_time(w: Workload, path: Path, c: Cluster) -> float:
     """Seconds of one training step: forward, backward with the exchanges as their buckets become
     ready, then the optimizer."""
     backward = w.compute * w.backward
-    ready, done, free, codec_total = 0.0, 0, 0.0, 0.0
+    ready, done, free, busy = 0.0, 0, 0.0, 0.0
     for n in w.bucket_sizes():
         done += n
         ready = backward * done / w.parameters
         free = max(ready, free) + exchange_time(n, path, c, w.tensors_in(n))
-        if path.codes and w.shared_processor:
-            codec_total += _shared(path.codec, c).busy(_codes_elements(n, c), w.tensors_in(n))
-    return w.compute - backward + max(backward + codec_total, free) + w.optimizer
+        if w.shared_processor:
+            busy += processor_time(n, path, c)
+            if path.codes:
+                busy += _shared(path.codec, c).busy(_codes_elements(n, c), w.tensors_in(n))
+    return w.compute - backward + max(backward + busy, free) + w.optimizer
 
 
 # FSDP2's reduce-scatter on the codes: encode every row, sum this rank's row from N copies; about
@@ -313,6 +347,7 @@ def fsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
         else:
             message = n * path.bits / BITS_PER_BYTE
             wire += allreduce(message, c) if gloo else alltoall(message, c)
+            codec += processor_time(n, path, c)
     return wire, codec
 
 
@@ -342,10 +377,11 @@ def break_even(w: Workload, path: Path, peer: Path, c: Cluster, low: float = 1e6
 
 
 def breakdown(w: Workload, path: Path, c: Cluster) -> tuple:
-    """(seconds on the links, seconds of codec) a step's exchanges add up to, overlaps ignored."""
+    """(seconds on the links, seconds of processor: codec and passes) a step's exchanges add up
+    to, overlaps ignored."""
     sizes = w.bucket_sizes()
     codec = sum(_shared(path.codec, c).time(_codes_elements(n, c), w.tensors_in(n)) for n in sizes) if path.codes else 0.0
-    return sum(wire_time(n, path, c) for n in sizes), codec
+    return sum(wire_time(n, path, c) for n in sizes), codec + sum(processor_time(n, path, c) for n in sizes)
 
 
 def table(w: Workload, paths: Sequence[Path], c: Cluster, step: StepModel = step_time) -> list:

@@ -3,6 +3,7 @@ calibration's stand-in ranks (hvd_aps.calibration.Mirror) against the emulated e
 workers, bit for bit."""
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import hvd_aps
 from hvd_aps import calibration, emulate, exchange, perf
 from hvd_aps import _layout
 from hvd_aps._stages import Bucket
+
+from horovod_run import free_port
 
 ALPHA, BW = 1e-4, 1e8
 SLOW = perf.Link(BW, ALPHA)
@@ -62,6 +65,42 @@ def test_two_levels_send_a_slice_of_codes_between_hosts():
     host = 2 * (1e-6 + 0.5 * 4 * n / 1e10)          # float32 scatter and gather inside the host
     cross = 2 * (ALPHA + 0.5 * n * (1 + 2 / 2048) / BW)  # both local ranks' slices share the link
     assert perf.exchange_time(n, perf.Path("e4m3", 8, FREE), c) == pytest.approx(host + 6 * ALPHA + cross)
+
+
+def test_host_level_through_memory_and_a_16_bit_sum_take_the_processor():
+    """On the CPU two levels copy float32 through host memory (HOST_COPIES per element of the
+    bucket, plus the own slice's result) and a framework's 16-bit allreduce sums on the
+    processor ((N-1)/N of the bucket): both scale with the ranks sharing it, both come out of the
+    backward where it computes, and neither counts where the model says it does not apply."""
+    n, inside, copy = 1 << 20, perf.Link(1e10, 1e-6), 1e-9
+    memory = perf.Cluster(2, SLOW, 2, inside, sharing=4, copy=copy)
+    passes = (6 + 1 / 2) * n * copy * 4
+    cross = 2 * (ALPHA + 0.5 * n * (1 + 2 / 2048) / BW)
+    e4m3 = perf.Path("e4m3", 8, FREE)
+    assert perf.exchange_time(n, e4m3, memory) == pytest.approx(2 * 1e-6 + passes + 6 * ALPHA + cross)
+    assert perf.processor_time(n, e4m3, dataclasses.replace(memory, ranks_per_host=1)) == 0.0  # flat: no host level
+    half = perf.Path("fp16", 16, processor=3e-9)
+    four = perf.Cluster(4, SLOW, sharing=2)
+    summed = 3e-9 * 0.75 * n * 2
+    assert perf.exchange_time(n, half, four) == pytest.approx(perf.allreduce(2 * n, four) + summed)
+    fast = perf.Cluster(4, perf.Link(1e30, 0.0), sharing=2)
+    shared = perf.Workload(2 * n, compute=1.0, backward=1.0, buckets=[n, n])
+    assert perf.step_time(shared, half, fast) == pytest.approx(1.0 + 2 * summed)
+    assert perf.step_time(dataclasses.replace(shared, shared_processor=False), half, fast) == pytest.approx(1.0 + summed)
+    assert perf.breakdown(shared, half, fast)[1] == pytest.approx(2 * summed)
+    with pytest.raises(ValueError, match="copy >= 0"):
+        perf.Cluster(2, SLOW, copy=-1.0)
+
+
+def test_link_fit_recovers_the_alpha_and_beta_the_allreduce_times_came_from():
+    shape = perf.Cluster(2, perf.Link(1.0), 2)
+    truth = perf.Link(3e8, 7e-5)
+    rows = [(n, perf.allreduce(4 * n, dataclasses.replace(shape, between=truth))) for n in calibration.LINK_ELEMENTS]
+    link = calibration.fit_link(rows, shape)
+    assert link.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+    assert link.latency == pytest.approx(truth.latency, rel=1e-6)
+    with pytest.raises(ValueError, match="do not grow"):
+        calibration.fit_link([(1 << 6, 2e-3), (1 << 20, 1e-3)], shape)
 
 
 def test_step_overlaps_exchanges_with_backward_and_adds_a_shared_codec():
@@ -126,13 +165,39 @@ def test_calibrate_and_plan_from_the_command_line(tmp_path):
     saved = calibration.calibrate(["e4m3"], 2, buckets, repeats=1)
     calibration.save(saved, out)
     assert [r["elements"] for r in json.loads(out.read_text())["measured"]["e4m3"]] == [1 << 10, 1 << 14, 1 << 14]
-    codec = calibration.load(out)["e4m3"]
+    loaded = calibration.load(out)
+    codec = loaded.codecs["e4m3"]
     assert codec.fixed >= 0 and codec.per_tensor >= 0 and codec.per_element >= 0
+    assert 1e-12 < loaded.copy < 1e-7  # seconds per float32 element: between 40 TB/s and 40 MB/s
     run = subprocess.run([sys.executable, "-m", "hvd_aps", "plan", "--params", "4.3M", "--compute-ms", "40",
                           "--links", "1gbit,100gbit", "--format", "e4m3", "--calibration", str(out)],
                          capture_output=True, text=True, check=True)
     assert "1gbit between hosts" in run.stdout and "100gbit between hosts" in run.stdout
     assert "codes e4m3" in run.stdout and ("faster than both below" in run.stdout or "faster than neither" in run.stdout)
+
+
+def test_links_measured_inside_a_torchrun_job_feed_the_plan(tmp_path):
+    """calibrate --links under torchrun (2 ranks, Gloo on loopback) adds the link its allreduce
+    got to a calibration file, keeping the codec's; plan --links measured plans on it."""
+    out = tmp_path / "cal.json"
+    calibration.save(calibration.calibrate(["e4m3"], 2, ((1 << 10, 1), (1 << 14, 1), (1 << 14, 4)), repeats=1), out)
+    refused = subprocess.run([sys.executable, "-m", "hvd_aps", "calibrate", "--links", "--out", str(out)],
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and "torchrun" in refused.stderr
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(free_port()), "-m", "hvd_aps", "calibrate", "--links",
+                          "--out", str(out)], capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert job.returncode == 0, job.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert saved["links"]["hosts"] == 1 and saved["links"]["ranks_per_host"] == 2
+    assert [r["elements"] for r in saved["links"]["measured"]] == list(calibration.LINK_ELEMENTS)
+    loaded = calibration.load(out)
+    assert "e4m3" in loaded.codecs and loaded.link.bandwidth > 0 and loaded.link_shape == (1, 2)
+    run = subprocess.run([sys.executable, "-m", "hvd_aps", "plan", "--params", "4.3M", "--compute-ms", "40",
+                          "--hosts", "1", "--ranks-per-host", "2", "--links", "measured", "--format", "e4m3",
+                          "--calibration", str(out)], capture_output=True, text=True, check=True)
+    assert "measured between hosts" in run.stdout and "codes e4m3" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "hvd_aps", "plan", "--params", "4.3M", "--compute-ms", "40",
                           "--format", "e3m0", "--calibration", str(out)], capture_output=True, text=True)
     assert bad.returncode != 0 and "no calibration for e3m0" in bad.stderr
