@@ -134,10 +134,10 @@ def predict(r, link, calibrated, half_cost=0.0):
 def fit_links(rows, calibrated):
     """Per rate: the Link (bandwidth, latency) that predicts its fp32 rows best."""
     links = {}
+    candidates = [perf.Link(gbit * 1e9 / 8, latency)
+                  for gbit, latency in itertools.product([0.1 * 1.05 ** k for k in range(160)], LATENCIES)]
     for rate in sorted({r["rate"] for r in rows}):
         fp32 = [r for r in rows if r["rate"] == rate and fitted(r) and path_of(r["compression"])[2] == 32]
-        candidates = [perf.Link(gbit * 1e9 / 8, latency)
-                      for gbit, latency in itertools.product([0.1 * 1.05 ** k for k in range(160)], LATENCIES)]
         links[rate] = _least_error(candidates, fp32, lambda r, link: predict(r, link, calibrated))
     return links
 

@@ -194,9 +194,9 @@ def links_entry(link: perf.Link, cluster: perf.Cluster, rows: Sequence) -> dict:
 
 def load(path) -> Calibration:
     """A calibration file's Codecs, copy rate and measured link."""
-    if not pathlib.Path(path).exists():
-        raise ValueError(f"no calibration file {path}: run python -m hvd_aps calibrate --out {path}")
     data = _read(path)
+    if not data:
+        raise ValueError(f"no calibration file {path}: run python -m hvd_aps calibrate --out {path}")
     links = data.get("links")
     return Calibration({fmt: Codec(**fitted) for fmt, fitted in data.get("codecs", {}).items()}, data.get("copy"),
                        perf.Link(links["bandwidth"], links["latency"]) if links else None,
