@@ -65,8 +65,6 @@ class HorovodAverager:
 
     def optimizer(self, model, lr):
         opt = self.task.optimizer(model.parameters(), lr)
-        self.small = sum(p.numel() for p in model.parameters() if self.compressor
-                         and p.numel() < self.compressor.config.min_elements)
         if self.codes:
             import hvd_aps.torch
             return hvd_aps.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
@@ -84,9 +82,7 @@ class HorovodAverager:
         """Payload one rank hands to the collectives per step (a ring moves 2(N-1)/N of it)."""
         if self.compressor is None:
             return n_params * (2 if self.setting == "fp16" else 4)
-        # hvd_aps.torch.DistributedOptimizer reduces small tensors itself: not in the stats
-        small = 4 * self.small if self.codes else 0
-        return self.compressor.totals().bytes_carried // self.steps + small
+        return self.compressor.totals().bytes_carried // self.steps
 
 
 class DDPAverager:

@@ -69,13 +69,15 @@ class ScatterExchange:
             errors = [hybrid_error(self.config, rows[r, j * BLOCK:(j + 1) * BLOCK], amaxes[r * self._blocks(n) + j],
                                    self.world)
                       for r in range(self.world) for j in range(self._blocks(n))]
-        return _metadata.vector(self.config, amaxes, self._sizes(n), errors, self.state.schedule.entries(name)), rows
+        return _metadata.vector(self.config, amaxes, self._sizes(n), errors, self.state.schedule.entries(name),
+                                self.state.resumed_world), rows
 
     def agree(self, name: str, agreed, rows, divisor: float) -> ScatterAgreement:
         n = rows.shape[1]
         sizes = self._sizes(n)
         amaxes, errors, timing = _metadata.read(self.config, agreed, sizes,
-                                                [f"{name}[block {k}]" for k in range(len(sizes))])
+                                                [f"{name}[block {k}]" for k in range(len(sizes))], self.world)
+        self.state.ran_on(self.world)
         self.state.schedule.agreed(name, timing)
         finite, wide, shifts = formats_and_shifts(self.config, amaxes, errors, self.world)
         per_row = self._blocks(n)

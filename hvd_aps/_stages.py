@@ -144,7 +144,7 @@ class CodesExchange:
             if self.config.hybrid is not None:
                 errors[seg.tensor] = max(errors[seg.tensor], self._sampled_error(x, peak))
         vector = _metadata.vector(self.config, amaxes, bucket.sizes, errors if self.config.hybrid is not None else (),
-                                      self.state.schedule.entries(bucket.name))
+                                  self.state.schedule.entries(bucket.name), self.state.resumed_world)
         return vector, data
 
     # 2. agreement ---------------------------------------------------------------------------------
@@ -181,7 +181,8 @@ class CodesExchange:
     def check(self, bucket: Bucket, agreed) -> tuple:
         """The metadata allreduce's result checked (every rank configured alike, with the same
         tensors) -> (amaxes, errors); the schedule's timing entries recorded."""
-        amaxes, errors, timing = _metadata.read(self.config, agreed, bucket.sizes, bucket.labels)
+        amaxes, errors, timing = _metadata.read(self.config, agreed, bucket.sizes, bucket.labels, self.world)
+        self.state.ran_on(self.world)
         self.state.schedule.agreed(bucket.name, timing)
         return amaxes, errors
 

@@ -70,6 +70,8 @@ class ExchangeState:
         self._residuals, self._spare, self._pending = {}, {}, set()
         self._steps, self._stepped = {}, set()
         self._layouts, self._laid_out = {}, {}
+        self.world = 0          # the ranks of this state's exchanges (0: none yet)
+        self.resumed_world = 0  # the ranks of the exchanges a loaded state_dict came from (0: none loaded)
         self.buffers = BufferPool()
         self._workers, self._closed = None, False
 
@@ -122,6 +124,10 @@ class ExchangeState:
             for key in list(self.held(keys, side)):
                 del self._residuals[key]
             self._residuals.update(residuals)
+
+    def ran_on(self, world: int) -> None:
+        """An exchange over `world` ranks agreed its metadata (which checked resumed_world)."""
+        self.world = world
 
     # steps ----------------------------------------------------------------------------------------
     def step_of(self, tensor_key: str) -> int:
@@ -184,6 +190,7 @@ class ExchangeState:
             for store in (self._residuals, self._spare):
                 for key in [k for k in store if k[1] == OWNER]:
                     del store[key]
+            self.world = self.resumed_world = 0
             self._layouts.clear()
             self._laid_out.clear()
             self.buffers.clear()
@@ -191,12 +198,13 @@ class ExchangeState:
     # checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What resuming bit for bit needs: residuals (NumPy), where they lay, step counts, seed,
-        schedule."""
+        schedule, and the ranks of the exchanges they came from."""
         with self._lock:
             residuals = {_name(key): _arrays.to_numpy(r).copy() for key, r in self._residuals.items()}
             layouts = {f"{key}|{side}": signature for (key, side), signature in self._layouts.items()}
             return {"residuals": residuals, "steps": dict(self._steps), "seed": self.seed,
-                    "layouts": layouts, "schedule": self.schedule.state_dict()}
+                    "layouts": layouts, "schedule": self.schedule.state_dict(),
+                    "world": self.world or self.resumed_world}
 
     def load_state_dict(self, state: dict) -> None:
         residuals = {_key(name): np.array(r, np.float32) for name, r in state["residuals"].items()}
@@ -206,6 +214,7 @@ class ExchangeState:
             self._layouts = {tuple(name.rsplit("|", 1)): signature
                              for name, signature in state.get("layouts", {}).items()}
             self._laid_out = {}
+            self.world, self.resumed_world = 0, int(state.get("world", 0))
             self.seed = int(state["seed"])
             self.schedule.load_state_dict(state["schedule"])
 

@@ -4,8 +4,9 @@ Horovod calls compress(t) on every gradient, allreduces what it returns and hand
 decompress(): torch's optimizer ends with `p.grad.set_(decompress(output, ctx))`, TF's allreduce
 is `decompress(_allreduce(compress(t)), ctx)`, and grouped allreduces compress every tensor first.
 So compress() adds the gradient to the open *batch* and returns a one-element token of 1.0. A
-batch's codes exchange (hvd_aps.exchange) starts once it holds bucket_bytes of gradients (torch:
-on the compressor's threads, while backward goes on) or at the first decompress() that needs it.
+batch's codes exchange (hvd_aps.exchange, handed to the exchanger) starts once it holds
+bucket_bytes of gradients (torch: on the exchanger's threads, while backward goes on) or at the
+first decompress() that needs it.
 
 Horovod reduces the token with the op and the pre/postscale factors it applies to a gradient
 (`gradient_predivide_factor`, Average's 1/N), so its value tells decompress() what to do with the
@@ -14,38 +15,106 @@ average, c = 1 sum, anything else that factor; a reduction that is no scaled sum
 Max, Product) breaks the ratio and is refused with an error instead of returning wrong numbers.
 
 A step is every batch handed out until each of its gradients came back through decompress():
-then the step commits (residuals, step counts, the schedule's timings: hvd_aps._state) and the
-next step names its batches hvd_aps.0, hvd_aps.1, ... again, so names repeat from step to step
+then the step ends (hvd_aps.exchanger: it commits residuals, step counts, the schedule's
+timings) and the next step names its batches hvd_aps.0, hvd_aps.1, ... again, so names repeat from step to step
 (Horovod's response cache, reused buffers) and match across ranks that hand compress() the same
 tensors in the same order (the metadata allreduce catches ranks that do not). A step whose
 exchange raises is abandoned: nothing it did is kept, its other gradients' decompress() raise
 too, and the next compress() starts a fresh step with the same names.
 With policy="auto", a batch whose schedule settled on the framework's own allreduce is not
 batched at all: its gradients go back to Horovod as they are (or cast to the fallback dtype),
-counted in the stats and bytes as every native exchange is (hvd_aps.exchange.count_native).
+counted in the stats and bytes as every native exchange is (Exchanger.count_native).
+
+The frameworks come in through adapters (Adapter, declared below): hvd_aps.torch.adapter and
+hvd_aps.tensorflow.adapter, chosen by the tensor's type.
 """
+import contextlib
 import dataclasses
 import threading
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from . import exchange
+from ._stages import Bucket
+from .config import Fallback
 
 # The token's reduced value is 1 or N up to a few float32 roundings of the scale factors.
 _TOKEN_TOLERANCE = 1e-4
+ADAPTERS = {"torch": "hvd_aps.torch.adapter", "tensorflow": "hvd_aps.tensorflow.adapter"}
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """What the Horovod path needs of a framework: conversions between its tensors and the
+    codec's arrays, its collectives as exchange.Levels, and where its exchanges run. Each of
+    hvd_aps.torch.adapter and hvd_aps.tensorflow.adapter is a module of these functions."""
+
+    threaded: bool  # exchanges run on the exchanger's threads (eager torch, so backward goes on)
+
+    def is_dense_float(self, tensor) -> bool: ...
+
+    def is_empty(self, tensor) -> bool: ...
+
+    def numel(self, tensor) -> int: ...
+
+    def label(self, tensor) -> str:
+        """The tensor's name in the stats."""
+
+    def flatten(self, tensor):
+        """The gradient as a float32 flat array (a graph tensor in a graph)."""
+
+    def token(self, tensor):
+        """What Horovod allreduces in place of a gradient sent as codes (token_values)."""
+
+    def rank(self) -> int: ...
+
+    def world(self) -> int:
+        """The ranks Horovod's allreduce spans."""
+
+    def levels(self, hierarchical) -> exchange.Levels:
+        """The exchange's groups in this job (collective on first use)."""
+
+    def forget_groups(self) -> None: ...
+
+    def finish(self, total, token_out, like):
+        """The exchanged sum `total` (float32 flat) as Horovod's op left `token_out`, in the
+        gradient's shape and dtype."""
+
+    def at_step_end(self, out, end_step, results):
+        """`out` (the step's last result) once `end_step` ran after every one of `results`."""
+
+    def native_wire(self, tensor, fallback):
+        """The tensor in the dtype the framework's allreduce carries it in."""
+
+    def native_result(self, reduced, like): ...
+
+    def compress_values(self, tensor, exchanger) -> tuple:
+        """wire="values": (what Horovod allreduces, decompress_values' context)."""
+
+    def decompress_values(self, tensor, ctx, exchanger): ...
+
+
+def adapter_of(tensor) -> "Adapter | None":
+    """The framework adapter for a tensor, or None for anything else."""
+    root = type(tensor).__module__.split(".")[0]
+    if root not in ADAPTERS:
+        return None
+    # __import__, not importlib: TF's autograph traces compress() and warns on importlib's frames
+    return __import__(ADAPTERS[root], fromlist=["compress"])
 
 
 @dataclasses.dataclass
 class _Batch:
     name: str
-    adapter: object      # the framework adapter module of every tensor in the batch
+    adapter: Adapter     # the framework adapter of every tensor in the batch
     native: bool = False  # the schedule settled on the framework's allreduce: tensors pass through
     flats: list = dataclasses.field(default_factory=list)   # codes batches: the gradients as float32 flats
     labels: list = dataclasses.field(default_factory=list)
     sizes: list = dataclasses.field(default_factory=list)
     nbytes: int = 0      # float32 bytes of the gradients in it
     closed: bool = False  # no more gradients join it: launched, or (native) counted
-    handle: object = None  # what adapter.launch returned, once launched
+    future: object = None  # the exchange's Future (exchanger.bucket), once launched
 
 
 class Context:
@@ -56,7 +125,7 @@ class Context:
         self.generation, self.like, self.batch = generation, like, batch
 
     @property
-    def adapter(self):
+    def adapter(self) -> Adapter:
         return self.batch.adapter
 
 
@@ -73,21 +142,22 @@ class Passed(Context):
 
 
 class Batches:
-    """The open batch and the step's naming, for one compressor. compress() runs on the thread
+    """The open batch and the step's naming, for one exchanger. compress() runs on the thread
     backward runs on, decompress() on the thread that steps: a lock keeps them apart."""
 
-    def __init__(self, compressor):
-        self._comp, self._lock = compressor, threading.Lock()
+    def __init__(self, exchanger):
+        self._ex, self._lock = exchanger, threading.Lock()
         self._open, self._count, self._outstanding, self._generation, self._launched = None, 0, 0, 0, []
 
-    def add(self, adapter, tensor) -> tuple:
+    def add(self, adapter: Adapter, tensor) -> tuple:
         """-> (what Horovod allreduces, Context) for compress()."""
-        with self._lock:
+        config = self._ex.config
+        with self._lock, self._aborting():
             if self._open is not None and self._open.adapter is not adapter:
                 self._close(self._open)
             if self._open is None:
                 name = f"hvd_aps.{self._count}"
-                self._open = _Batch(name, adapter, self._comp.state.schedule.native(name))
+                self._open = _Batch(name, adapter, self._ex.state.schedule.native(name))
                 self._count += 1
             batch = self._open
             batch.nbytes += 4 * adapter.numel(tensor)
@@ -96,12 +166,12 @@ class Batches:
             self._outstanding += 1
             if batch.native:
                 context = Passed(self._generation, tensor, batch)
-                wire = adapter.native_wire(tensor, self._comp.config.fallback)
+                wire = adapter.native_wire(tensor, config.fallback)
             else:
                 context = Ticket(self._generation, tensor, batch, len(batch.flats))
                 batch.flats.append(adapter.flatten(tensor))
                 wire = adapter.token(tensor)
-            if batch.nbytes >= self._comp.config.bucket_bytes:
+            if batch.nbytes >= config.bucket_bytes:
                 self._close(batch)
         return wire, context
 
@@ -112,12 +182,14 @@ class Batches:
                 raise RuntimeError("this gradient's step was abandoned after an error in an earlier exchange: "
                                    "start the step again")
             if not context.batch.closed:
-                self._close(context.batch)
+                with self._aborting():
+                    self._close(context.batch)
         try:
             if isinstance(context, Passed):
                 out = context.adapter.native_result(reduced, context.like)
             else:
-                out = context.adapter.finish(context.batch.handle, context.index, reduced, context.like)
+                total = context.batch.future.result()[context.index]
+                out = context.adapter.finish(total, reduced, context.like)
         except BaseException:
             self.abort()
             raise
@@ -128,37 +200,66 @@ class Batches:
         return out
 
     def _end_step(self, context: Context, out):
-        """Commit the step (after every exchange of it, in a graph too) and restart the naming."""
-        handles = [b.handle for b in self._launched]
+        """End the step (after every exchange of it, in a graph too) and restart the naming."""
+        results = [t for batch in self._launched for t in batch.future.result()]
         self._open, self._count, self._launched = None, 0, []
-        return context.adapter.after(out, self._comp.state.commit, handles)
+        return context.adapter.at_step_end(out, self._ex.end_step, results)
 
     def abort(self) -> None:
         """Forget the step in flight: its exchanges waited for (none may write after this), its
         state rolled back, its contexts void, the naming restarted."""
         with self._lock:
-            launched = self._launched
-            self._open, self._count, self._outstanding, self._launched = None, 0, 0, []
-            self._generation += 1
-        for batch in launched:
-            batch.adapter.settle(batch.handle)
-        self._comp.state.rollback()
+            self._forget()
+        self._ex.abort_step()
+
+    def _forget(self) -> None:
+        self._open, self._count, self._outstanding, self._launched = None, 0, 0, []
+        self._generation += 1
+
+    @contextlib.contextmanager
+    def _aborting(self):
+        """A launch that raises (the lock held) gives the step up as abort() does."""
+        try:
+            yield
+        except BaseException:
+            self._forget()
+            self._ex.abort_step()
+            raise
 
     def _close(self, batch: _Batch) -> None:
         """No more gradients join `batch`: launch its exchange, or count the framework's allreduce
         that carries a passed-through batch as every native exchange is counted."""
+        adapter = batch.adapter
         if batch.native:
-            dtype = np.dtype(str(self._comp.config.fallback))
-            exchange.count_native(self._comp.recorder, self._comp.state,
-                                  [f"{batch.name}[{i}]" for i in range(len(batch.sizes))],
+            dtype = np.dtype(str(self._ex.config.fallback))
+            self._ex.count_native([f"{batch.name}[{i}]" for i in range(len(batch.sizes))],
                                   zip(batch.labels, batch.sizes), dtype.name,
-                                  exchange.ring_bytes(dtype.itemsize * sum(batch.sizes), batch.adapter.world()))
+                                  exchange.ring_bytes(dtype.itemsize * sum(batch.sizes), adapter.world()))
         else:
-            batch.handle = batch.adapter.launch(self._comp, batch.name, batch.flats, batch.labels)
+            bucket = Bucket.whole(batch.name, [f"{batch.name}[{i}]" for i in range(len(batch.sizes))], batch.labels,
+                                  batch.sizes)
+            batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical), adapter.rank(), bucket,
+                                           batch.flats, adapter.threaded)
             self._launched.append(batch)
         batch.closed = True
         if self._open is batch:
             self._open = None
+
+
+def pass_through(adapter: Adapter, tensor, exchanger) -> tuple:
+    """A tensor too small for codes: the framework's plain allreduce carries it, in float32 as
+    the codes' tokens are (Horovod's grouped allreduce takes one dtype, its Gloo no bfloat16),
+    and decompress() gives it back in its dtype -> (wire, Cast context)."""
+    exchanger.pass_through(adapter.label(tensor), adapter.numel(tensor))
+    return adapter.native_wire(tensor, Fallback.FLOAT32), Cast(tensor)
+
+
+class Cast:
+    """decompress()'s context for a gradient too small for codes that went through the
+    framework's allreduce in float32: `like` holds the dtype it comes back in."""
+
+    def __init__(self, like):
+        self.like = like
 
 
 def token_values(rank: int) -> np.ndarray:

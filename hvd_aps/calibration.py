@@ -62,7 +62,7 @@ def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: in
     """Median seconds of one codes exchange of a bucket of `elements` float32 in `tensors` equal
     tensors, as rank 0 of `world` ranks runs it, unchunked."""
     comp = APSCompressor(fmt, chunk_bytes=0)
-    stages = comp.stages(world, 0)
+    stages = comp.exchanger.stages(world, 0)
     sizes = [elements // tensors] * tensors
     rng = np.random.default_rng(0)
     flats = [rng.standard_normal(n).astype(np.float32) * np.float32(1e-3) for n in sizes]

@@ -1,5 +1,6 @@
-"""APSCompressor: one Horovod Compressor for horovod.torch and horovod.tensorflow alike, and the
-owner of the configuration, the exchange state and the stats every other entry point uses.
+"""APSCompressor: one Horovod Compressor for horovod.torch and horovod.tensorflow alike: Horovod's
+two methods, the configuration, and the Exchanger (hvd_aps.exchanger: state, stats, threads, the
+step) that every other entry point is handed through it.
 
 wire="codes" (the default) sends the format's codes themselves, 1 byte per element for 8-bit
 formats and packed below that: compress() hands the gradient to a codes exchange (hvd_aps._tokens,
@@ -7,34 +8,21 @@ hvd_aps.exchange) and gives Horovod a one-element token to allreduce, whose resu
 decompress() what op and scale factors Horovod applied. wire="values" rounds onto the format's
 grid and lets Horovod's own allreduce carry float16 (hvd_aps._values).
 
-The per-framework steps (collectives, moving data between tensor and array) live in thin
-adapters, chosen per tensor; the numerics in hvd_aps._stages, the state in hvd_aps._state.
+The per-framework conversions and collectives live in thin adapters (hvd_aps._tokens.Adapter),
+chosen per tensor; the numerics in hvd_aps._stages, the state in hvd_aps._state.
 """
 import enum
 import secrets
 import sys
-import threading
 from typing import Optional, Union
 
 from . import _tokens
 from ._schedule import Schedule
-from ._stages import CodesExchange
 from ._state import ExchangeState
 from ._stats import STATS_SAMPLE, StatsRecorder, TensorStats
-from .config import (AUTO, DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS, APSConfig,
-                     Fallback, recipe)
+from .config import AUTO, DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS, APSConfig, recipe
+from .exchanger import Exchanger
 from .formats import FloatFormat
-
-_ADAPTERS = {"torch": "hvd_aps.torch.adapter", "tensorflow": "hvd_aps.tensorflow.adapter"}
-
-
-def _adapter(tensor):
-    """The framework adapter module for a tensor, or None for anything else."""
-    root = type(tensor).__module__.split(".")[0]
-    if root not in _ADAPTERS:
-        return None
-    # __import__, not importlib: TF's autograph traces compress() and warns on importlib's frames
-    return __import__(_ADAPTERS[root], fromlist=["compress"])
 
 
 class APSCompressor:
@@ -93,13 +81,24 @@ class APSCompressor:
         """A compressor from a named recipe (hvd_aps.config.RECIPES), e.g. "aps-e3m0-ef"."""
         return cls.from_config(recipe(name, **overrides), seed, stats)
 
-    def _setup(self, config: APSConfig, seed: Optional[int], stats: StatsRecorder) -> None:
+    def _setup(self, config: APSConfig, seed: Optional[int], stats: StatsRecorder,
+               state: Optional[ExchangeState] = None) -> None:
         if not isinstance(config, APSConfig):
             raise TypeError(f"expected an APSConfig, got {type(config).__name__}")
-        self.config, self.recorder = config, stats
-        self.state = ExchangeState(secrets.randbits(63) if seed is None else int(seed), Schedule(config.candidates, config.policy == "auto"))
-        self._batches = _tokens.Batches(self)
-        self._stages, self._lock = {}, threading.Lock()
+        if state is None:
+            state = ExchangeState(secrets.randbits(63) if seed is None else int(seed),
+                                  Schedule(config.candidates, config.policy == "auto"))
+        self.config, self.exchanger = config, Exchanger(config, state, stats)
+        self._batches = _tokens.Batches(self.exchanger)
+
+    @property
+    def state(self) -> ExchangeState:
+        """The exchange state (the exchanger's)."""
+        return self.exchanger.state
+
+    @property
+    def recorder(self) -> StatsRecorder:
+        return self.exchanger.recorder
 
     @property
     def fmt(self) -> FloatFormat:
@@ -115,46 +114,35 @@ class APSCompressor:
 
     # Horovod's Compressor interface -----------------------------------------------------------
     def compress(self, tensor):
-        adapter = _adapter(tensor)
+        adapter = _tokens.adapter_of(tensor)
         if adapter is None or not adapter.is_dense_float(tensor):
             return tensor, None
         small = self.config.wire == "codes" and adapter.numel(tensor) < self.config.min_elements
         if small or adapter.is_empty(tensor):
-            return self._pass_through(adapter, tensor)
+            return _tokens.pass_through(adapter, tensor, self.exchanger)
         if self.config.wire == "values":
-            return adapter.compress_values(tensor, self)
+            return adapter.compress_values(tensor, self.exchanger)
         return self._batches.add(adapter, tensor)
-
-    def _pass_through(self, adapter, tensor):
-        """The framework's plain allreduce carries the tensor, in float32 as the codes' tokens are
-        (Horovod's grouped allreduce takes one dtype, its Gloo no bfloat16), back in its dtype."""
-        self.recorder.passed_through(adapter.label(tensor), adapter.numel(tensor))
-        return adapter.native_wire(tensor, Fallback.FLOAT32), _Cast(tensor)
 
     def decompress(self, tensor, ctx):
         if ctx is None:  # not compressed (integers, sparse), or Horovod's sparse path calling without one
             return tensor
-        if isinstance(ctx, _Cast):
-            return _adapter(tensor).native_result(tensor, ctx.like)
+        if isinstance(ctx, _tokens.Cast):
+            return _tokens.adapter_of(tensor).native_result(tensor, ctx.like)
         if isinstance(ctx, _tokens.Context):
             return self._batches.result(tensor, ctx)
-        return _adapter(tensor).decompress_values(tensor, ctx, self)
+        return _tokens.adapter_of(tensor).decompress_values(tensor, ctx, self.exchanger)
 
     # What every entry point shares -------------------------------------------------------------
-    def stages(self, world: int, rank: int, global_rank: Optional[int] = None) -> CodesExchange:
-        """The codes exchange's stages for this rank of a codes group of `world` ranks."""
-        key = (world, rank, rank if global_rank is None else global_rank)
-        with self._lock:
-            if key not in self._stages:
-                self._stages[key] = CodesExchange(self.config, self.state, self.recorder, *key)
-            return self._stages[key]
-
     def state_dict(self) -> dict:
         """What a checkpoint must hold to resume bit for bit: the error-feedback residuals (as
         NumPy arrays), every tensor's step count, the seed and the schedule's decisions."""
         return self.state.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from this rank's state_dict(), on every rank, before the same step. Loaded on
+        another world size, or on some ranks only, the first exchange raises on every rank;
+        on_world_change() after loading drops what belongs to the old world instead."""
         self.state.load_state_dict(state)
 
     def reset(self) -> None:
@@ -169,9 +157,8 @@ class APSCompressor:
         self.reset()
         self.state.forget_shards()
         self.state.schedule.reset()
-        with self._lock:
-            self._stages.clear()
-        for name in _ADAPTERS.values():
+        self.exchanger.forget_stages()
+        for name in _tokens.ADAPTERS.values():
             if name in sys.modules:  # only frameworks in use hold groups
                 sys.modules[name].forget_groups()
 
@@ -209,8 +196,7 @@ class APSCompressor:
         return {"config": self.config, "state": self.state, "recorder": (self.recorder.enabled, self.recorder.sample)}
 
     def __setstate__(self, saved: dict) -> None:
-        self._setup(saved["config"], saved["state"].seed, StatsRecorder(*saved["recorder"]))
-        self.state = saved["state"]
+        self._setup(saved["config"], None, StatsRecorder(*saved["recorder"]), saved["state"])
 
     # Stats -------------------------------------------------------------------------------------
     @property
@@ -231,14 +217,6 @@ class APSCompressor:
 
     def reset_stats(self) -> None:
         self.recorder.reset()
-
-
-class _Cast:
-    """decompress()'s context for a gradient too small for codes that went through the
-    framework's allreduce in float32: `like` holds the dtype it comes back in."""
-
-    def __init__(self, like):
-        self.like = like
 
 
 def _shown(value) -> str:

@@ -150,6 +150,11 @@ class APSConfig:
         return CHUNK_CANDIDATES if self.chunk_bytes == AUTO else (self.chunk_bytes,)
 
     @property
+    def graph_chunk_bytes(self) -> int:
+        """The chunking of an exchange inside a graph, fixed when it is traced."""
+        return GRAPH_CHUNK_BYTES if self.chunk_bytes == AUTO else self.chunk_bytes
+
+    @property
     def signature(self) -> int:
         """An integer naming the whole configuration: equal on every rank or the exchange raises.
         48 bits of a hash of every field, so it rides exactly in the float64 metadata vector

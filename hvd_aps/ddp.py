@@ -15,7 +15,6 @@ import concurrent.futures
 import os
 import socket
 import threading
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -120,37 +119,6 @@ def _place() -> tuple:
     return host, int(os.environ.get("LOCAL_RANK", "0"))
 
 
-class _Steps:
-    """Which buckets of the step DDP is in have finished: the step commits when its last bucket
-    (bucket.is_last()) and every bucket before it are done; if one raised, it rolls back once all
-    of them have ended (none may write after), before the next step's first bucket starts."""
-
-    def __init__(self, state):
-        self._exchange_state, self._ended = state, threading.Condition()
-        self._started, self._finished, self._last, self._failed = set(), set(), None, False
-
-    def started(self, index: int, last: bool) -> None:
-        with self._ended:
-            if index in self._started:  # a bucket seen again: a new step (the last one raised)
-                self._ended.wait_for(lambda: self._finished >= self._started)
-                self._started, self._finished, self._last, self._failed = set(), set(), None, False
-            self._started.add(index)
-            if last:
-                self._last = index
-
-    def finished(self, index: int, error: Optional[BaseException]) -> None:
-        with self._ended:
-            self._finished.add(index)
-            self._failed = self._failed or error is not None
-            if self._finished >= self._started and (self._failed or self._last is not None):
-                if self._failed:
-                    self._exchange_state.rollback()
-                else:
-                    self._exchange_state.commit()
-                    self._started, self._finished, self._last = set(), set(), None
-            self._ended.notify_all()
-
-
 class APSState:
     """What aps_hook keeps between steps, grouped as torch's PowerSGDState is.
 
@@ -160,8 +128,8 @@ class APSState:
     host and cross groups too) and one communication thread: bucket b goes to lane b % LANES, so
     one bucket's encoding overlaps another's transfers, every lane's collectives are issued in
     bucket order on every rank, and none interleave with DDP's own; `close()` stops the threads
-    and destroys the groups. A step commits (residuals, step counts) when its last bucket is done;
-    a bucket that raises rolls the step back.
+    and destroys the groups. A step (hvd_aps.exchanger) ends when its last bucket is handed over
+    and done: it commits (residuals, step counts), or rolls back if a bucket raised.
     Stats: `compressor.bytes_sent`, `compressor.totals()`, `buckets_exchanged`.
     """
 
@@ -175,7 +143,7 @@ class APSState:
         self.compressor, self.process_group = compressor, process_group
         self.buckets_exchanged = 0
         self._lock = threading.Lock()
-        self._steps, self._levels, self._keys = _Steps(compressor.state), {}, {}
+        self._seen, self._levels, self._keys = set(), {}, {}
         self._lanes = [(group_levels(process_group, compressor.config.hierarchical),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hvd_aps_ddp{lane}"))
                        for lane in range(self.LANES)]
@@ -198,6 +166,22 @@ class APSState:
         place do not name a parameter from one step, or one process, to the next)."""
         with self._lock:
             return [self._keys.setdefault(id(p), f"ddp.param{len(self._keys)}") for p in parameters]
+
+    def opened(self, index: int) -> None:
+        """Bucket `index` starts. Seen before in this step: the step never handed over its last
+        bucket (backward raised after this one), so it is given up and this bucket opens the next."""
+        with self._lock:
+            again = index in self._seen
+            self._seen = {index} | (set() if again else self._seen)
+        if again:
+            self.compressor.exchanger.abort_step()
+
+    def handed_over(self, last: bool) -> None:
+        """A bucket's exchange is under way; after the step's last, the step ends once all are done."""
+        if last:
+            with self._lock:
+                self._seen = set()
+            self.compressor.exchanger.end_step()
 
     def counted(self) -> None:
         with self._lock:
@@ -246,17 +230,18 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         ddp_model.register_comm_hook(state, hvd_aps.ddp.aps_hook)
     """
     buffer, grads, index = bucket.buffer(), bucket.gradients(), bucket.index()
-    name = f"ddp.bucket{index}"
-    state._steps.started(index, bucket.is_last())
+    name, exchanger = f"ddp.bucket{index}", state.compressor.exchanger
+    state.opened(index)
     keys = state.keys(bucket.parameters())
-    if state.compressor.state.schedule.native(name):
-        return _native(state, bucket, index)
+    if exchanger.state.schedule.native(name):
+        future = _native(state, bucket, name, keys)
+        state.handed_over(bucket.is_last())
+        return future
     future = torch.futures.Future()
     levels, thread = state.lane(index, buffer.device)
 
     def run():
-        comp = state.compressor
-        stages = comp.stages(levels.cross.world, levels.cross.rank, dist.get_rank())
+        stages = exchanger.stages(levels.cross.world, levels.cross.rank, dist.get_rank())
         flats = [_arrays.as_array(g.detach().to(torch.float32).reshape(-1)) for g in grads]
         # float32 buckets take the results in place (the flats are read before the results are
         # written); the buffer is the bucket's gradients end to end
@@ -270,14 +255,13 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         return buffer
 
     def settle(done):
-        error = done.exception()
-        state._steps.finished(index, error)
-        if error is not None:
-            future.set_exception(error)
+        if done.exception() is not None:
+            future.set_exception(done.exception())
         else:
             future.set_result(done.result())
 
-    thread.submit(run).add_done_callback(settle)
+    exchanger.submit(run, executor=thread).add_done_callback(settle)  # after the step has counted it done
+    state.handed_over(bucket.is_last())
     return future
 
 
@@ -285,18 +269,23 @@ _NATIVE_HOOKS = {"float32": default_hooks.allreduce_hook, "float16": default_hoo
                  "bfloat16": default_hooks.bf16_compress_hook}
 
 
-def _native(state: APSState, bucket: dist.GradBucket, index: int) -> torch.futures.Future[torch.Tensor]:
+def _native(state: APSState, bucket: dist.GradBucket, name: str, keys: list) -> torch.futures.Future[torch.Tensor]:
     """policy="auto" settled on the framework's own allreduce for this bucket: torch's own hook
-    for the fallback dtype (in place, no copies), the step's bookkeeping kept."""
+    for the fallback dtype (in place, no copies), in flight in the step and counted as every
+    native exchange is."""
+    exchanger = state.compressor.exchanger
+    fallback = str(exchanger.config.fallback)
+    sizes = [g.numel() for g in bucket.gradients()]
+
     def settle(done):
-        try:
-            value = done.value()
-        except Exception as error:
-            state._steps.finished(index, error)
-            raise
-        state._steps.finished(index, None)
+        value = done.value()
+        itemsize = torch.empty(0, dtype=getattr(torch, fallback)).element_size()
+        world = dist.get_world_size(state.process_group)
+        exchanger.count_native(keys, [(f"{name}[{i}]", n) for i, n in enumerate(sizes)], fallback,
+                               exchange.ring_bytes(itemsize * sum(sizes), world))
         state.counted()
         return value
 
-    fallback = str(state.compressor.config.fallback)
-    return _NATIVE_HOOKS[fallback](state.process_group, bucket).then(settle)
+    future = _NATIVE_HOOKS[fallback](state.process_group, bucket).then(settle)
+    exchanger.track(future)
+    return future

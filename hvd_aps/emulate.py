@@ -91,14 +91,13 @@ def codes_allreduce(compressors, grads, name="emulated", ranks_per_host=1):
     xp = _arrays.array_module(flats[0][0]) if flats[0] else np  # NumPy, or CuPy for arrays on a GPU
     results = [xp.empty(f.size, xp.float32) for f in flats[0]]
 
-    def worker(w):
-        lv = levels[w]
-        stages = compressors[w].stages(lv.cross.world, lv.cross.rank, w)
-        exchange.run(stages, bucket, flats[w], lv, results if w == 0 else None, average=True)
+    def worker(w):  # one step of worker w's exchanger, as an entry point runs it
+        exchanger = compressors[w].exchanger
+        exchanger.bucket(levels[w], w, bucket, flats[w], threaded=False, outs=results if w == 0 else None,
+                         average=True)
+        exchanger.end_step()
 
     _inprocess.run_ranks(worker, world)
-    for c in compressors:
-        c.state.commit()
     return results
 
 

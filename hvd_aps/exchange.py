@@ -23,8 +23,10 @@ framework's own allreduce, from measured times.
 """
 import abc
 import dataclasses
+import functools
 import hashlib
 import time
+import warnings
 from typing import Optional, Sequence
 
 import numpy as np
@@ -33,6 +35,7 @@ from . import _arrays, _layout
 from ._schedule import NATIVE
 from ._stages import Bucket
 from ._state import OWNER, SEND
+from .config import Policy
 
 
 class Collectives(abc.ABC):
@@ -185,15 +188,17 @@ class Levels:
 
 
 def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list] = None, average: bool = False,
-        graph_chunk_bytes: int = 0, divisor: Optional[int] = None) -> list:
+        divisor: Optional[int] = None) -> list:
     """One bucket's exchange -> the float32 sums across ranks (average=True: divided by N), one
     flat per tensor (NaN-filled where a rank held NaN/Inf). `stages`: a CodesExchange for the codes
     group; bucket.name: stable from step to step and equal on every rank (collective names, buffer
     keys, the schedule); `outs`: eager callers may pass the arrays to write the results into.
-    graph_chunk_bytes: the chunking of a graph (non-eager) exchange, fixed when it is traced.
     divisor: what the sums are divided by, where it is not the group's size (FSDP's two levels:
     every rank's count, the hosts' sums having come from a reduce-scatter inside each host)."""
     schedule, coll = stages.state.schedule, levels.cross
+    if not coll.eager and stages.config.policy == Policy.AUTO:
+        _warn_graph_policy()
+    graph_chunk_bytes = stages.config.graph_chunk_bytes  # a graph's (non-eager) chunking, fixed when traced
     candidate = schedule.candidate(bucket.name) if coll.eager else graph_chunk_bytes
     divisor = divisor or (levels.world.world if average else 1)
     if candidate == NATIVE:  # policy="auto" chose, or is timing, the framework's own allreduce
@@ -241,6 +246,13 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     if coll.eager:
         schedule.measured(bucket.name, candidate, time.perf_counter() - started)
     return results
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_graph_policy() -> None:
+    warnings.warn("hvd_aps: inside a graph (tf.function) the exchange is fixed when traced, so policy='auto' cannot "
+                  "switch buckets to the framework's allreduce there: codes are sent (run eagerly to let it choose)",
+                  RuntimeWarning, stacklevel=4)
 
 
 def _signature(bucket: Bucket, *layout) -> str:

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from . import _arrays, exchange
-from ._scatter import ScatterExchange
 from ._stages import Bucket
 from ._topology import Topology
 from .compressor import APSCompressor
@@ -85,8 +84,7 @@ class APSReduceScatter(ReduceScatter):
         key = (id(group), str(device))
         if key not in self._exchanges:
             coll = TorchDistributedCollectives(group, device)
-            comp = self.compressor
-            self._exchanges[key] = coll, ScatterExchange(comp.config, comp.state, comp.recorder, coll.world, coll.rank)
+            self._exchanges[key] = coll, self.compressor.exchanger.scatter_stages(coll.world, coll.rank)
         return self._exchanges[key]
 
     def _native(self, rows: torch.Tensor, out: torch.Tensor, group) -> None:
@@ -97,9 +95,9 @@ class APSReduceScatter(ReduceScatter):
         shard = torch.empty(out.numel(), dtype=dtype, device=out.device)
         dist.reduce_scatter_tensor(shard, rows.to(dtype).reshape(-1), op=dist.ReduceOp.SUM, group=group)
         torch.div(shard.to(torch.float32), world, out=out)
-        exchange.count_native(self.compressor.recorder, self.compressor.state, [self.name],
-                              [(self.name, rows.numel())], str(self.compressor.config.fallback),
-                              (world - 1) * shard.numel() * shard.element_size())
+        self.compressor.exchanger.count_native([self.name], [(self.name, rows.numel())],
+                                               str(self.compressor.config.fallback),
+                                               (world - 1) * shard.numel() * shard.element_size())
 
 
 class CrossHostHook:
@@ -115,7 +113,7 @@ class CrossHostHook:
         if device not in self._collectives:
             self._collectives[device] = TorchDistributedCollectives(self.group, reduce_output.device)
         coll = self._collectives[device]
-        stages = self.compressor.stages(coll.world, coll.rank, dist.get_rank())
+        stages = self.compressor.exchanger.stages(coll.world, coll.rank, dist.get_rank())
         flat = reduce_output.detach().reshape(-1)
         values = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
         bucket = Bucket.whole(self.name, [self.name], [self.name], [values.numel()])
@@ -127,26 +125,26 @@ class CrossHostHook:
 
 
 class _BackwardStep:
-    """One step of an exchange state per autograd backward: the first exchange of a backward
-    queues the step's end on autograd's engine (after FSDP's own final callback, which may still
-    reduce), which commits it. An exchange that raises rolls the step back at once (a failed
+    """One step of an exchanger per autograd backward: the first exchange of a backward queues
+    the step's end on autograd's engine (after FSDP's own final callback, which may still
+    reduce). An exchange that raises gives the step up at once (Exchanger.exchange: a failed
     backward runs no final callbacks) and the callback already queued does nothing. An exchange
     outside any backward is a step by itself."""
 
-    def __init__(self, state):
-        self.state, self._open, self._generation = state, False, 0
+    def __init__(self, exchanger):
+        self.exchanger, self._open, self._generation = exchanger, False, 0
 
     @contextlib.contextmanager
     def exchange(self):
         inside = self._open or self._open_step()
         try:
-            yield
+            with self.exchanger.exchange():
+                yield
         except BaseException:
             self._open, self._generation = False, self._generation + 1
-            self.state.rollback()
             raise
         if not inside:
-            self.state.commit()
+            self.exchanger.end_step()
 
     def _open_step(self) -> bool:
         generation = self._generation
@@ -160,17 +158,18 @@ class _BackwardStep:
     def _end(self, generation: int) -> None:
         if self._open and generation == self._generation:
             self._open, self._generation = False, generation + 1
-            self.state.commit()
+            self.exchanger.end_step()
 
 
-_BACKWARD_STEPS = weakref.WeakKeyDictionary()  # exchange state -> its _BackwardStep
+_BACKWARD_STEPS = weakref.WeakKeyDictionary()  # exchanger -> its _BackwardStep
 
 
 def _backward_step(compressor: APSCompressor):
     """The context of one exchange inside the compressor's step of the current backward."""
-    steps = _BACKWARD_STEPS.get(compressor.state)
+    exchanger = compressor.exchanger
+    steps = _BACKWARD_STEPS.get(exchanger)
     if steps is None:
-        steps = _BACKWARD_STEPS[compressor.state] = _BackwardStep(compressor.state)
+        steps = _BACKWARD_STEPS[exchanger] = _BackwardStep(exchanger)
     return steps.exchange()
 
 

@@ -111,4 +111,8 @@ def test_a_step_that_raises_leaves_the_state_as_it_was(ranks):
 
 
 def test_policy_auto_native_buckets_take_torchs_own_allreduce_hook(ranks):
-    assert all(bool(r["native_equals_default"]) for r in ranks)
+    world, elements = len(ranks), sum(int(np.prod(shape)) for shape in DDP_SIZES)
+    for r in ranks:
+        assert bool(r["native_equals_default"])
+        assert int(r["native_bytes"]) == int(2 * (world - 1) / world * 4 * elements)
+        assert list(r["native_formats"]) == ["float32"] and int(r["native_elements"]) == elements

@@ -102,6 +102,7 @@ def test_one_step_per_backward_commits_at_its_end_and_rolls_back_a_failed_one():
     when autograd's backward ends; an exchange that raises rolls the step back; an exchange
     outside a backward is a step of its own."""
     import torch
+    from hvd_aps.exchanger import Exchanger
     from hvd_aps.fsdp import _BackwardStep
     events = []
 
@@ -112,7 +113,7 @@ def test_one_step_per_backward_commits_at_its_end_and_rolls_back_a_failed_one():
         def rollback(self):
             events.append("rollback")
 
-    steps, x = _BackwardStep(State()), torch.ones(3, requires_grad=True)
+    steps, x = _BackwardStep(Exchanger(None, State(), None)), torch.ones(3, requires_grad=True)
 
     def exchanging(fail=False):
         def hook(grad):

@@ -62,3 +62,40 @@ def test_horovod_optimizer_resumes_on_the_same_bits(horovod_runs, setting):
     straight, resumed = horovod_runs
     for rank in range(RANKS):
         assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)
+
+
+def test_a_state_resumed_on_another_world_or_some_ranks_only_fails_on_every_rank():
+    """Residuals belong to the world they were made in: loading them into 3 ranks, or on some
+    ranks only, raises the same clear error on every rank (the metadata allreduce carries what
+    each rank resumed from) instead of drifting or hanging; on_world_change() is the reset."""
+    import hvd_aps
+    from hvd_aps import emulate
+
+    def compressors(n):
+        return [hvd_aps.APSCompressor("e3m0", error_feedback=True, chunk_bytes=0, seed=1) for _ in range(n)]
+
+    def grads(n):
+        rng = np.random.default_rng(0)
+        return [[rng.standard_normal(6000).astype(np.float32)] for _ in range(n)]
+
+    two = compressors(2)
+    emulate.codes_allreduce(two, grads(2))
+    saved = [c.state_dict() for c in two]
+    assert [s["world"] for s in saved] == [2, 2]
+    three = compressors(3)
+    for c, state in zip(three, saved + [saved[0]]):
+        c.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved by exchanges over 2 ranks and is resumed over 3"):
+        emulate.codes_allreduce(three, grads(3))
+    some = compressors(2)
+    some[0].load_state_dict(saved[0])
+    with pytest.raises(ValueError, match="some loaded a state_dict saved on 2 ranks and others none"):
+        emulate.codes_allreduce(some, grads(2))
+    for c in three:
+        c.on_world_change()
+    emulate.codes_allreduce(three, grads(3))  # the documented reset
+    resumed = compressors(2)
+    for c, state in zip(resumed, saved):
+        c.load_state_dict(state)
+    again = emulate.codes_allreduce(resumed, grads(2))
+    assert again[0].tobytes() == emulate.codes_allreduce(two, grads(2))[0].tobytes()

@@ -20,7 +20,7 @@ def simulate(grads, compressors, levels=None, average=True, name="bucket", keys=
 
     def rank_run(r):
         lv, sizes = levels[r], [g.size for g in grads[r]]
-        stages = compressors[r].stages(lv.cross.world, lv.cross.rank, r)
+        stages = compressors[r].exchanger.stages(lv.cross.world, lv.cross.rank, r)
         bucket = Bucket.whole(name, keys or [f"{name}[{i}]" for i in range(len(sizes))],
                               [f"{name}[{i}]" for i in range(len(sizes))], sizes)
         out = exchange.run(stages, bucket, grads[r], lv, average=average)
@@ -260,7 +260,7 @@ def test_hybrid_error_estimate_is_the_sampled_relative_error():
     """The estimate behind the hybrid choice, against ml_dtypes: the mean of |q(s) - s| / |s| over
     the strided sample's nonzero entries, at the shift this rank's amax gives."""
     x = np.random.default_rng(2).laplace(0, 1e-3, 100_000).astype(np.float32)
-    stages = hvd_aps.APSCompressor("e2m1fn", hybrid="e4m3").stages(2, 0)
+    stages = hvd_aps.APSCompressor("e2m1fn", hybrid="e4m3").exchanger.stages(2, 0)
     sample = x[::(x.size // HYBRID_SAMPLE) | 1]
     s = hvd_aps.scaling.shift_for(float(np.abs(x).max()), 2, "e2m1fn", model.F32_MAX)
     want = np.mean(np.abs(model.rounded(sample, "e2m1fn", s) - sample) / np.abs(sample))

@@ -1,18 +1,14 @@
-"""horovod.tensorflow adapter for APSCompressor: Horovod's graph collectives for the exchange
-driver (one object per process set), with the host stages in tf.numpy_function, so the same code
-runs eagerly and inside tf.function (TF traces compress/decompress once: nothing per step lives
-in Python attributes of the trace). No APS math here."""
-import functools
-import warnings
-
+"""horovod.tensorflow adapter for APSCompressor (hvd_aps._tokens.Adapter): Horovod's graph
+collectives for the exchange driver (one object per process set), with the host stages in
+tf.numpy_function, so the same code runs eagerly and inside tf.function (TF traces
+compress/decompress once: nothing per step lives in Python attributes of the trace). No APS math
+here."""
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
 from .. import _metadata, _tokens, _values, codec, exchange
 from .._horovod import HorovodLevels
-from .._stages import Bucket
-from ..config import AUTO, GRAPH_CHUNK_BYTES
 
 
 class HorovodCollectives(exchange.Collectives):
@@ -61,27 +57,10 @@ def forget_groups() -> None:
     _LEVELS.forget()
 
 
-def run(compressor, name, flats, labels, keys=None, average=False):
-    """A bucket's exchange as graph ops (run now when eager): the sums (averages), one per flat."""
-    lv = levels(compressor.config.hierarchical)
-    stages = compressor.stages(lv.cross.world, lv.cross.rank, hvd.rank())
-    sizes = [numel(f) for f in flats]
-    bucket = Bucket.whole(name, keys or [f"{name}[{i}]" for i in range(len(flats))], labels, sizes)
-    config = compressor.config
-    if not tf.executing_eagerly() and config.policy == "auto":
-        _warn_graph_policy()
-    return exchange.run(stages, bucket, flats, lv, average=average,
-                        graph_chunk_bytes=GRAPH_CHUNK_BYTES if config.chunk_bytes == AUTO else config.chunk_bytes)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_graph_policy():
-    warnings.warn("hvd_aps: inside tf.function the exchange is fixed when traced, so policy='auto' cannot switch "
-                  "buckets to the framework's allreduce there: codes are sent (run eagerly to let it choose)",
-                  RuntimeWarning, stacklevel=4)
-
-
 # The codes path through Horovod's own allreduce ------------------------------------------------------
+threaded = False  # exchanges are graph ops (run at once when eager), which TF runs in parallel
+
+
 def is_dense_float(tensor):
     """IndexedSlices never get here dense: Horovod allgathers them uncompressed (or densifies them
     first with sparse_as_dense=True, and then they are compressed like any gradient)."""
@@ -119,42 +98,39 @@ def token(tensor):
     return tf.constant(_tokens.token_values(hvd.rank()))
 
 
-def launch(compressor, name, flats, labels):
-    return run(compressor, name, flats, labels)
+def rank():
+    return hvd.rank()
 
 
-def finish(handle, index, token_out, like):
+def finish(total, token_out, like):
     size = hvd.size()
     # a copy: numpy_function's inputs may share TF's (read-only) memory
-    reduced = tf.numpy_function(lambda total, t: _tokens.apply_op(total.copy(), t, size), [handle[index], token_out],
-                                tf.float32, stateful=False)
+    reduced = tf.numpy_function(lambda t, o: _tokens.apply_op(t.copy(), o, size), [total, token_out], tf.float32,
+                                stateful=False)
     return tf.cast(tf.reshape(reduced, tf.shape(like)), like.dtype)
 
 
-def committed(commit, results):
-    """Commit now when eager (-> None), else -> a graph op that commits once `results` exist."""
+def ended(end_step, results):
+    """Run `end_step` now when eager (-> None), else -> a graph op that runs it once `results`
+    exist."""
     if tf.executing_eagerly():
-        commit()
+        end_step()
         return None
 
     def run(*_):
-        commit()
+        end_step()
         return np.zeros(0, np.uint8)
 
     return tf.numpy_function(run, list(results), tf.uint8, stateful=True)
 
 
-def after(out, commit, handles):
-    """The step's last result, returned once the step has committed (every exchange of it done)."""
-    done = committed(commit, [t for handle in handles for t in handle] or [out])
+def at_step_end(out, end_step, results):
+    """The step's last result, returned once the step has ended (every exchange of it done)."""
+    done = ended(end_step, list(results) or [out])
     if done is None:
         return out
     with tf.control_dependencies([done]):
         return tf.identity(out)
-
-
-def settle(handle):
-    """Nothing to wait for: eager exchanges have ended, graph ones end with their step."""
 
 
 def reducible(tensor):
@@ -172,31 +148,31 @@ def native_result(reduced, like):
 
 
 # wire="values" ------------------------------------------------------------------------------------
-def compress_values(tensor, comp):
+def compress_values(tensor, exchanger):
     x = tf.cast(tensor, tf.float32)
-    local = tf.numpy_function(lambda a: _metadata.vector(comp.config, [codec.amax(a)], [a.size]), [x], tf.float64,
+    local = tf.numpy_function(lambda a: _metadata.vector(exchanger.config, [codec.amax(a)], [a.size]), [x], tf.float64,
                               stateful=True)
-    local.set_shape([3 + _metadata.TIMING + 2])
+    local.set_shape([3 + _metadata.TIMING + _metadata.TAIL])
     agreed = hvd.allreduce(local, op=hvd.Max)
     size, rank_now, name = hvd.size(), hvd.rank(), label(tensor)
 
     def to_wire(a, g):
-        amax = float(_metadata.read(comp.config, g, [a.size], [name])[0][0])
-        seed = comp.state.values_seed(rank_now, name)
-        wire, shift = _values.to_wire(comp.config, comp.recorder, a, amax, size, seed, name)
+        amax = float(_metadata.read(exchanger.config, g, [a.size], [name])[0][0])
+        seed = exchanger.state.values_seed(rank_now, name)
+        wire, shift = _values.to_wire(exchanger.config, exchanger.recorder, a, amax, size, seed, name)
         return wire.reshape(a.shape), np.int32(shift)
 
-    wire, shift = tf.numpy_function(to_wire, [x, agreed], [tf.as_dtype(_values.carrier(comp.fmt)), tf.int32],
+    wire, shift = tf.numpy_function(to_wire, [x, agreed], [tf.as_dtype(_values.carrier(exchanger.config.fmt)), tf.int32],
                                     stateful=True)
     wire.set_shape(tensor.shape)
     return wire, (shift, tensor.dtype, name)
 
 
-def decompress_values(tensor, ctx, comp):
+def decompress_values(tensor, ctx, exchanger):
     shift, dtype, name = ctx
 
     def from_wire(w, s):
-        comp.state.values_done(name)
+        exchanger.state.values_done(name)
         return _values.from_wire(w, s).reshape(w.shape)
 
     out = tf.numpy_function(from_wire, [tensor, shift], tf.float32, stateful=True)

@@ -7,8 +7,9 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from .. import _layout
+from .._stages import Bucket
 from ..compressor import APSCompressor
-from .adapter import committed, flatten, label, reducible, run
+from .adapter import ended, flatten, label, levels, reducible
 
 
 def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
@@ -27,25 +28,27 @@ def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
     sizes = [t.shape.num_elements() for t in tensors]
     if None in sizes:
         raise ValueError("allreduce_codes needs tensors of known shape")
-    cfg = compression.config
+    cfg, exchanger = compression.config, compression.exchanger
     buckets, small = _layout.buckets(sizes, cfg.bucket_bytes, cfg.min_elements)
     out, exchanged = [None] * len(tensors), []
     for i in small:
         out[i] = _plain_allreduce(tensors[i], op, f"{name}.small{i}")
-    try:
-        for b, bucket in enumerate(buckets):
-            results = run(compression, f"{name}.bucket{b}", [flatten(tensors[i]) for i in bucket],
-                          [label(tensors[i]) for i in bucket], average=op == hvd.Average)
-            exchanged.append(results)
-            for i, result in zip(bucket, results):
-                out[i] = tf.cast(tf.reshape(result, tf.shape(tensors[i])), tensors[i].dtype)
-    except BaseException:
-        compression.state.rollback()
-        raise
-    done = committed(compression.state.commit, [t for results in exchanged for t in results]) if buckets else None
+        exchanger.pass_through(label(tensors[i]), sizes[i])
+    lv = levels(cfg.hierarchical)
+    for b, members in enumerate(buckets):
+        keys = [f"{name}.bucket{b}[{j}]" for j in range(len(members))]
+        bucket = Bucket.whole(f"{name}.bucket{b}", keys, [label(tensors[i]) for i in members],
+                              [sizes[i] for i in members])
+        # a bucket that raises gives the step up (Exchanger.exchange): the state as before the call
+        results = exchanger.bucket(lv, hvd.rank(), bucket, [flatten(tensors[i]) for i in members], threaded=False,
+                                   average=op == hvd.Average).result()
+        exchanged.extend(results)
+        for i, result in zip(members, results):
+            out[i] = tf.cast(tf.reshape(result, tf.shape(tensors[i])), tensors[i].dtype)
+    done = ended(exchanger.end_step, exchanged) if buckets else None
     if done is None:
         return out
-    with tf.control_dependencies([done]):  # the step commits once every bucket is done; the results wait for it
+    with tf.control_dependencies([done]):  # the step ends once every bucket is done; the results wait for it
         return [tf.identity(t) for t in out]
 
 

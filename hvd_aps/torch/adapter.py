@@ -1,6 +1,6 @@
-"""horovod.torch adapter for APSCompressor: Horovod's collectives for the exchange driver (one
-object per process set), the groups of a two-level exchange, the codes path's batch launch (on
-the compressor's threads, so backward goes on), and the values path. Tensors reach the codec
+"""horovod.torch adapter for APSCompressor (hvd_aps._tokens.Adapter): Horovod's collectives for
+the exchange driver (one object per process set), the groups of a two-level exchange,
+conversions between tensors and the codec's arrays, and the values path. Tensors reach the codec
 through DLPack: zero-copy on the CPU, and on a GPU through the CuPy engine. No APS math here."""
 import time
 
@@ -9,7 +9,6 @@ import torch
 
 from .. import _arrays, _metadata, _tokens, _values, codec, exchange
 from .._horovod import HorovodLevels
-from .._stages import Bucket
 
 # hvd.synchronize() spins (std::this_thread::yield, taking the GIL back on every turn): two
 # exchange threads waiting in it took a core from backward and the GIL from its hooks. Waiting
@@ -71,6 +70,9 @@ def forget_groups() -> None:
 
 
 # The codes path through Horovod's own optimizer and allreduce ----------------------------------------
+threaded = True  # exchanges run on the exchanger's threads, so backward goes on
+
+
 def is_dense_float(tensor):
     return tensor.is_floating_point() and tensor.layout == torch.strided
 
@@ -107,30 +109,19 @@ def token(tensor):
     return torch.from_numpy(_tokens.token_values(hvd.rank())).to(tensor.device)
 
 
-def launch(compressor, name, flats, labels):
-    """A batch's exchange on the compressor's threads -> a future of its results."""
-    lv = levels(compressor.config.hierarchical)
-    stages = compressor.stages(lv.cross.world, lv.cross.rank, hvd.rank())
-    bucket = Bucket.whole(name, [f"{name}[{i}]" for i in range(len(flats))], labels, [f.size for f in flats])
-    return compressor.state.workers().submit(exchange.run, stages, bucket, flats, lv)
+def rank():
+    return hvd.rank()
 
 
-def finish(handle, index, token_out, like):
-    total = handle.result()[index]
+def finish(total, token_out, like):
     reduced = _tokens.apply_op(total, token_out.cpu().numpy(), hvd.size())
     return torch.from_dlpack(reduced).reshape(like.shape).to(like.dtype)
 
 
-def after(out, commit, handles):
-    """The step's last result: every exchange of it has finished, so it commits now."""
-    commit()
+def at_step_end(out, end_step, results):
+    """The step's last result: every exchange of it has finished, so it ends now."""
+    end_step()
     return out
-
-
-def settle(handle):
-    """Wait for an abandoned exchange to end, whatever it ends in."""
-    if handle is not None:
-        handle.exception()
 
 
 def native_wire(tensor, fallback):
@@ -142,18 +133,17 @@ def native_result(reduced, like):
 
 
 # wire="values" ------------------------------------------------------------------------------------
-def compress_values(tensor, comp):
-    x = flatten(tensor)
-    vector = _metadata.vector(comp.config, [codec.amax(x)], [x.size])
+def compress_values(tensor, exchanger):
+    config, x = exchanger.config, flatten(tensor)
+    vector = _metadata.vector(config, [codec.amax(x)], [x.size])
     agreed = hvd.allreduce(torch.from_numpy(vector), op=hvd.Max, name=_METADATA)
-    amax = float(_metadata.read(comp.config, agreed.numpy(), [x.size], [label(tensor)])[0][0])
-    seed = comp.state.values_seed(hvd.rank(), label(tensor))
-    wire, shift = _values.to_wire(comp.config, comp.recorder, x, amax, hvd.size(), seed, label(tensor))
+    amax = float(_metadata.read(config, agreed.numpy(), [x.size], [label(tensor)])[0][0])
+    seed = exchanger.state.values_seed(hvd.rank(), label(tensor))
+    wire, shift = _values.to_wire(config, exchanger.recorder, x, amax, hvd.size(), seed, label(tensor))
     return torch.from_dlpack(wire).reshape(tensor.shape), (shift, tensor.dtype, label(tensor))
 
 
-def decompress_values(tensor, ctx, comp):
+def decompress_values(tensor, ctx, exchanger):
     shift, dtype, name = ctx
-    comp.state.values_done(name)
+    exchanger.state.values_done(name)
     return torch.from_dlpack(_values.from_wire(flatten(tensor), shift)).reshape(tensor.shape).to(dtype)
-

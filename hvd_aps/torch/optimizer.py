@@ -15,7 +15,7 @@ import warnings
 import horovod.torch as hvd
 import torch
 
-from .. import _arrays, _layout, exchange
+from .. import _arrays, _layout
 from .._stages import Bucket
 from ..compressor import APSCompressor
 from .adapter import flatten, label, levels, reducible, wait
@@ -48,7 +48,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _reset(self):
         self._passes = {p: 0 for p in self._names}
         self._ready = [set() for _ in self._buckets]
-        self._futures, self._handles = {}, {}
+        self._futures, self._targets, self._handles = {}, {}, {}
 
     def _on_grad(self, p):
         if self._passes[p] >= self._passes_per_step:
@@ -71,6 +71,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         wire = p.grad if reducible(p.grad) else p.grad.to(torch.float32)
+        self._compression.exchanger.pass_through(label(p.grad), p.grad.numel())
         self._handles[p] = hvd.allreduce_async_(wire, op=self._op, name=f"hvd_aps.small.{self._names[p]}"), wire
 
     def _launch(self, b):
@@ -78,21 +79,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self._buckets[b]]
-        self._futures[b] = self._compression.state.workers().submit(self._exchange_bucket, b, grads)
-
-    def _exchange_bucket(self, b, grads):
-        """One bucket through the driver; float32 gradients take the result in place, others a
-        float32 copy converted back in synchronize()."""
-        params = self._buckets[b]
+        # float32 gradients take the result in place, others a float32 copy converted back in synchronize()
         targets = [g.view(-1) if g.dtype == torch.float32 and g.is_contiguous()
                    else torch.empty(g.numel(), dtype=torch.float32, device=g.device) for g in grads]
-        bucket = Bucket.whole(f"hvd_aps.bucket{b}", [self._names[p] for p in params], [label(g) for g in grads],
-                              [g.numel() for g in grads])
+        bucket = Bucket.whole(f"hvd_aps.bucket{b}", [self._names[p] for p in self._buckets[b]],
+                              [label(g) for g in grads], [g.numel() for g in grads])
         lv = levels(self._compression.config.hierarchical)  # anew after an elastic reset
-        stages = self._compression.stages(lv.cross.world, lv.cross.rank, hvd.rank())
-        exchange.run(stages, bucket, [flatten(g) for g in grads], lv,
-                     [_arrays.as_array(t) for t in targets], self._op == hvd.Average)
-        return targets
+        self._futures[b] = self._compression.exchanger.bucket(
+            lv, hvd.rank(), bucket, [flatten(g) for g in grads], outs=[_arrays.as_array(t) for t in targets],
+            average=self._op == hvd.Average)
+        self._targets[b] = targets
 
     def synchronize(self):
         """Finish every exchange of this step and write the results into the gradients. If one
@@ -110,26 +106,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in self._small:
                 if p not in self._handles:
                     self._allreduce_small(p)
-            results = {b: future.result() for b, future in self._futures.items()}
+            for future in self._futures.values():
+                future.result()
             for handle, _ in self._handles.values():
                 wait(handle)
         except BaseException:
-            for future in self._futures.values():
-                future.exception()  # nothing may still write once the step is forgotten
             for handle, _ in self._handles.values():
                 with contextlib.suppress(Exception):
                     wait(handle)
-            self._compression.state.rollback()
+            self._compression.exchanger.abort_step()  # after its exchanges: nothing writes once forgotten
             self._reset()
             raise
-        for b, targets in results.items():
+        for b, targets in self._targets.items():
             for p, result in zip(self._buckets[b], targets):
                 if result.data_ptr() != p.grad.data_ptr():
                     p.grad.copy_(result.reshape(p.shape))
         for p, (_, wire) in self._handles.items():
             if wire is not p.grad:
                 p.grad.copy_(wire)
-        self._compression.state.commit()
+        self._compression.exchanger.end_step()
         self.bytes_sent = self._compression.bytes_sent - sent_before
         self._reset()
         self._synchronized = True

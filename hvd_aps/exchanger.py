@@ -1,0 +1,166 @@
+"""Exchanger: what every entry point hands its exchanges to, and the one step protocol they follow.
+
+An APSCompressor holds one. It owns the configuration, the exchange state (hvd_aps._state), the
+stats, the threads and each group's stages, and the *step* in flight, a transaction over the
+state:
+
+    future = exchanger.submit(fn, *args)     # an exchange on the threads (or a DDP lane's)
+    future = exchanger.bucket(levels, ...)   # one bucket through the driver, the same way
+    with exchanger.exchange(): ...           # an exchange in the caller's thread
+    exchanger.count_native(...)              # tensors the framework's own collective carried
+    exchanger.pass_through(label, n)         # a tensor too small for codes, the same
+    exchanger.end_step()                     # the step's last exchange is handed over
+    exchanger.abort_step()                   # the step is given up
+
+A step opens with its first exchange. end_step() ends it once everything in flight has ended:
+it commits (residuals, step counts, the schedule's timings) or, where an exchange raised, rolls
+back. abort_step() waits for what is in flight (nothing may write after) and rolls back at once;
+an exchange in the caller's thread that raises aborts the step itself.
+Entry points differ only in how they know a step's last exchange was handed over: Horovod's
+compress()/decompress() at the last gradient's decompress() (hvd_aps._tokens), DDP at its last
+bucket, FSDP2 when autograd's backward ends, the codes optimizer in synchronize(), the TF tape at
+the end of its call (in a graph: an op after every bucket's results).
+"""
+import concurrent.futures
+import contextlib
+import threading
+from typing import Callable, Optional
+
+from . import exchange
+from ._scatter import ScatterExchange
+from ._stages import Bucket, CodesExchange
+from ._state import ExchangeState
+from ._stats import StatsRecorder
+from .config import APSConfig
+
+
+class Exchanger:
+    """Configuration, state, stats, threads, stages and the step in flight of one compressor
+    (see the module docstring)."""
+
+    def __init__(self, config: APSConfig, state: ExchangeState, recorder: StatsRecorder):
+        self.config, self.state, self.recorder = config, state, recorder
+        self._stages, self._lock = {}, threading.Lock()
+        self._step = threading.Condition()
+        self._in_flight, self._error, self._ending = 0, None, False
+
+    # stages per group --------------------------------------------------------------------------
+    def stages(self, world: int, rank: int, global_rank: Optional[int] = None) -> CodesExchange:
+        """The codes exchange's stages for this rank of a codes group of `world` ranks (kept: they
+        hold the group's buffers)."""
+        key = ("codes", world, rank, rank if global_rank is None else global_rank)
+        with self._lock:
+            if key not in self._stages:
+                self._stages[key] = CodesExchange(self.config, self.state, self.recorder, *key[1:])
+            return self._stages[key]
+
+    def scatter_stages(self, world: int, rank: int) -> ScatterExchange:
+        """The reduce-scatter's stages for this rank of a group of `world` ranks."""
+        key = ("scatter", world, rank)
+        with self._lock:
+            if key not in self._stages:
+                self._stages[key] = ScatterExchange(self.config, self.state, self.recorder, world, rank)
+            return self._stages[key]
+
+    def forget_stages(self) -> None:
+        with self._lock:
+            self._stages.clear()
+
+    # the step ------------------------------------------------------------------------------------
+    def submit(self, fn: Callable, *args, executor: Optional[concurrent.futures.Executor] = None,
+               **kwargs) -> concurrent.futures.Future:
+        """Run an exchange of the step on the exchanger's threads (or `executor`) -> its Future."""
+        self._opened()
+        try:
+            future = (executor or self.state.workers()).submit(fn, *args, **kwargs)
+        except BaseException as error:
+            self._ended(error)
+            raise
+        future.add_done_callback(lambda done: self._ended(done.exception()))
+        return future
+
+    def bucket(self, levels: exchange.Levels, global_rank: int, bucket: Bucket, flats: list,
+               threaded: bool = True, **options) -> concurrent.futures.Future:
+        """One bucket through the driver (hvd_aps.exchange.run, `options` its keywords) -> a
+        Future of its results: on the threads where `threaded` (eager torch, so backward goes
+        on), else in the caller's thread (TF's ops, which TF itself runs in parallel)."""
+        stages = self.stages(levels.cross.world, levels.cross.rank, global_rank)
+        if threaded:
+            return self.submit(exchange.run, stages, bucket, flats, levels, **options)
+        future = concurrent.futures.Future()
+        with self.exchange():
+            future.set_result(exchange.run(stages, bucket, flats, levels, **options))
+        return future
+
+    @contextlib.contextmanager
+    def exchange(self):
+        """An exchange of the step that runs in the caller's thread; if it raises, the step is
+        given up at once (abort_step), as a caller that sees the error would."""
+        self._opened()
+        try:
+            yield
+        except BaseException as error:
+            self._ended(error)
+            self.abort_step()
+            raise
+        self._ended(None)
+
+    def track(self, future) -> None:
+        """Count a framework's own asynchronous collective (a torch Future) as in flight."""
+        self._opened()
+        future.add_done_callback(lambda done: self._ended(_error_of(done)))
+
+    def pass_through(self, label: str, elements: int) -> None:
+        """A tensor too small for codes that the framework's own allreduce carried, in the stats."""
+        self.recorder.passed_through(label, elements)
+
+    def count_native(self, keys, labelled_sizes, dtype: str, sent_bytes: float) -> None:
+        """Tensors the framework's own collective carried (policy="auto" chose it), counted as
+        every native exchange is (hvd_aps.exchange.count_native)."""
+        exchange.count_native(self.recorder, self.state, keys, labelled_sizes, dtype, sent_bytes)
+
+    def end_step(self) -> None:
+        """The step's last exchange is handed over: the step commits once every exchange of it
+        has ended (at once if none is in flight), or rolls back if one raised."""
+        with self._step:
+            self._ending = True
+            if self._in_flight == 0:
+                self._close()
+
+    def abort_step(self) -> None:
+        """Give the step up: wait for its exchanges in flight, then roll it back."""
+        with self._step:
+            self._step.wait_for(lambda: self._in_flight == 0)
+            self._ending, self._error = False, None
+            self.state.rollback()
+
+    def _opened(self) -> None:
+        with self._step:
+            self._step.wait_for(lambda: not self._ending)  # the step before commits first
+            self._in_flight += 1
+
+    def _ended(self, error: Optional[BaseException]) -> None:
+        with self._step:
+            self._in_flight -= 1
+            self._error = self._error or error
+            if self._ending and self._in_flight == 0:
+                self._close()
+            self._step.notify_all()
+
+    def _close(self) -> None:
+        """End the step (the condition held, nothing in flight)."""
+        failed, self._ending, self._error = self._error is not None, False, None
+        if failed:
+            self.state.rollback()
+        else:
+            self.state.commit()
+        self._step.notify_all()
+
+
+def _error_of(done) -> Optional[BaseException]:
+    """The error a finished torch Future holds, or None."""
+    try:
+        done.wait()
+    except BaseException as error:
+        return error
+    return None

@@ -1,0 +1,143 @@
+"""The one step protocol (hvd_aps.exchanger) and the adapters' declared contract."""
+import concurrent.futures
+import inspect
+import threading
+
+import numpy as np
+import pytest
+
+import hvd_aps
+from hvd_aps import _tokens, exchange
+from hvd_aps._stages import Bucket
+from hvd_aps.calibration import Mirror
+
+
+class _Events:
+    """An exchange state that records what the step did to it."""
+
+    def __init__(self):
+        self.events = []
+
+    def commit(self):
+        self.events.append("commit")
+
+    def rollback(self):
+        self.events.append("rollback")
+
+    def workers(self):
+        return _POOL
+
+
+_POOL = concurrent.futures.ThreadPoolExecutor(4)
+
+
+def _exchanger():
+    return hvd_aps.exchanger.Exchanger(None, _Events(), None)
+
+
+def test_a_step_commits_once_every_exchange_in_flight_has_ended():
+    ex, release = _exchanger(), threading.Event()
+    futures = [ex.submit(release.wait, 10) for _ in range(3)]
+    ex.end_step()  # handed over while all three still run
+    assert ex.state.events == []
+    release.set()
+    concurrent.futures.wait(futures)
+    assert ex.state.events == ["commit"]
+    ex.end_step()  # a step with nothing in flight ends at once
+    assert ex.state.events == ["commit", "commit"]
+
+
+def test_a_step_with_a_failed_exchange_rolls_back_after_the_others_end():
+    ex, release = _exchanger(), threading.Event()
+
+    def fail():
+        raise RuntimeError("a rank left")
+
+    slow = ex.submit(release.wait, 10)
+    failed = ex.submit(fail)
+    assert isinstance(failed.exception(10), RuntimeError)
+    ex.end_step()
+    assert ex.state.events == []  # the slow exchange may still write
+    release.set()
+    slow.result(10)
+    assert ex.state.events == ["rollback"]
+    ex.submit(lambda: None).result(10)  # the next step starts clean
+    ex.end_step()
+    assert ex.state.events == ["rollback", "commit"]
+
+
+def test_abort_waits_for_the_exchanges_in_flight_and_rolls_back():
+    ex, release, order = _exchanger(), threading.Event(), []
+
+    def slow():
+        release.wait(10)
+        order.append("exchange ended")
+
+    ex.submit(slow)
+    threading.Timer(0.2, release.set).start()
+    ex.abort_step()
+    order.append("aborted")
+    assert order == ["exchange ended", "aborted"] and ex.state.events == ["rollback"]
+
+
+def test_an_exchange_in_the_callers_thread_that_raises_gives_the_step_up():
+    ex = _exchanger()
+    with ex.exchange():
+        pass
+    with pytest.raises(ValueError):
+        with ex.exchange():
+            raise ValueError("bad bucket")
+    assert ex.state.events == ["rollback"]
+    ex.end_step()
+    assert ex.state.events == ["rollback", "commit"]
+
+
+def test_the_next_step_waits_for_the_one_ending():
+    """An exchange of the next step does not start before the step handed over has committed:
+    it must read that step's residuals."""
+    ex, release = _exchanger(), threading.Event()
+    ex.submit(release.wait, 10)
+    ex.end_step()
+    started = []
+    opener = threading.Thread(target=lambda: (ex.submit(lambda: None).result(10), started.append(
+        list(ex.state.events))))
+    opener.start()
+    opener.join(0.2)
+    assert not started  # still waiting
+    release.set()
+    opener.join(10)
+    assert started == [["commit"]]
+
+
+def test_a_bucket_through_the_exchanger_commits_its_residuals_at_the_steps_end():
+    """The real state: error feedback's residual is kept only once the step ends."""
+    comp = hvd_aps.APSCompressor("e3m0", error_feedback=True, chunk_bytes=0)
+    grads = [np.linspace(-1, 1, 5000, dtype=np.float32)]
+    bucket = Bucket.whole("b", ["t"], ["t"], [5000])
+    levels = exchange.Levels.flat(Mirror(2))
+    before = comp.state_dict()["residuals"]
+    comp.exchanger.bucket(levels, 0, bucket, [g.copy() for g in grads]).result(10)
+    assert comp.state_dict()["residuals"] == before == {}
+    comp.exchanger.end_step()
+    residuals = comp.state_dict()["residuals"]
+    assert residuals and any(np.abs(r).max() > 0 for r in residuals.values())
+    assert comp.state_dict()["steps"]["t"] == 1
+    comp.close()
+
+
+def _members(protocol) -> dict:
+    return {name: member for name, member in vars(protocol).items()
+            if not name.startswith("_") and callable(member)}
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_each_adapter_is_the_declared_protocol(framework):
+    """Every function the Horovod path calls is declared on _tokens.Adapter, and each adapter
+    module has it with the declared arguments."""
+    pytest.importorskip("horovod")
+    module = __import__(_tokens.ADAPTERS[framework], fromlist=["threaded"])
+    assert isinstance(module, _tokens.Adapter)
+    for name, declared in _members(_tokens.Adapter).items():
+        expected = list(inspect.signature(declared).parameters)[1:]  # less self
+        assert list(inspect.signature(getattr(module, name)).parameters) == expected, name
+    assert isinstance(module.threaded, bool)
