@@ -23,6 +23,15 @@ mistake the slower path for the faster: where the agreed medians lie within CLEA
 other, another round runs (up to ROUNDS), its steps pooled with the earlier ones; then codes must
 be CODES_MARGIN faster to be kept. The decisions are in the compressor's state_dict, so a
 resumed run keeps them.
+
+With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calibration.job_link), policy="auto"
+starts from the performance model (hvd_aps.perf) instead: when the chunking is fixed, each rank
+takes its codes step as measured during the chunking's steps (the median after the first) and
+predicts the framework's step from it, the codes exchanges' measured time taken out and the
+model's allreduce of every bucket over the link put in; the next step agrees both on its
+metadata (the slowest rank's), and where they differ by more than PRIOR_MARGIN the decision is
+made without a trial step. A closer call is timed as above. Both the prediction and the trials'
+medians are reported.
 """
 import dataclasses
 import logging
@@ -31,6 +40,8 @@ import threading
 import time
 
 import numpy as np
+
+from . import perf
 
 NATIVE = -1
 ENTRIES = 4       # timing entries on the metadata vector (Schedule.entries)
@@ -47,6 +58,9 @@ MAX_TRIAL_STEPS = ROUNDS * (TRIAL_STEPS + 1)  # every round's steps and its deci
 # policy="auto" keeps codes only where their median step is this much shorter than the native one:
 # the medians of six steps that vary by a quarter differ by about that much for equal policies
 CODES_MARGIN = 0.05
+# a predicted step margin past this (a fraction of the faster step) decides without trial steps:
+# the model's median error on this project's cluster rows is 11 %, its worst rows 25-45 %
+PRIOR_MARGIN = 0.25
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
 log = logging.getLogger("hvd_aps")
 
@@ -71,6 +85,9 @@ class _Policy:
         self.block, self.timed = 0, 0  # the trial block under way, its timed steps so far
         self.warming = WARMUP_STEPS  # steps of the current block still left untimed
         self.rounds = 1  # rounds of trials begun
+        self.chunk_steps = []  # this rank's steps while the chunking was chosen (all of them codes)
+        self.predicting = False  # the deciding step agrees a prediction, not trials' medians
+        self.prediction = None  # the agreed (codes, native) steps the model predicted
 
     @property
     def trying(self) -> "str | None":
@@ -82,12 +99,13 @@ class Schedule:
     """The chunk candidates, per bucket name the trials and the decision, and (policy="auto")
     the step trials between codes and the framework's own allreduce."""
 
-    def __init__(self, candidates: tuple, auto: bool = False):
+    def __init__(self, candidates: tuple, auto: bool = False, link: "perf.Link | None" = None):
         if not candidates:
             raise ValueError("a schedule needs at least one candidate")
-        self.candidates, self.auto = tuple(candidates), bool(auto)
+        self.candidates, self.auto, self.link = tuple(candidates), bool(auto), link
         self._buckets, self._lock = {}, threading.Lock()
         self._policy = _Policy() if auto else None
+        self._estimates = {}  # bucket name -> the model's seconds of the framework's allreduce of it
 
     @property
     def tuning(self) -> bool:
@@ -148,6 +166,19 @@ class Schedule:
                 [UNMEASURED, UNMEASURED]
         return exchange + steps
 
+    @property
+    def predicting(self) -> bool:
+        """Whether exchanges should tell estimate_native() their size: policy="auto" with a link,
+        while the chunking is chosen."""
+        return self._policy is not None and self.link is not None and self._policy.phase == "chunking"
+
+    def estimate_native(self, name: str, nbytes: int, hosts: int, ranks_per_host: int) -> None:
+        """The model's time of the framework's allreduce of bucket `name` (`nbytes` in the fallback
+        dtype) on hosts x ranks_per_host ranks over the link."""
+        seconds = perf.allreduce(nbytes, perf.Cluster(hosts, self.link, ranks_per_host))
+        with self._lock:
+            self._estimates[name] = seconds
+
     def measured(self, name: str, candidate: int, seconds: float) -> None:
         """This rank's wall time of an exchange of `name` that ran as `candidate`."""
         if self.tuning:
@@ -173,6 +204,9 @@ class Schedule:
         by CODES_MARGIN: within it the medians do not tell them apart, and the framework's own
         path is the one never slower than itself."""
         p = self._policy
+        if p.predicting:
+            self._decide_predicted(codes, native)
+            return
         if abs(codes - native) < CLEAR_MARGIN * native and p.rounds < ROUNDS:
             p.phase, p.block, p.timed, p.warming, p.medians = "trials", 0, 0, WARMUP_STEPS, None
             p.rounds += 1
@@ -183,6 +217,35 @@ class Schedule:
         p.chosen, p.phase = ("native" if native_wins else "codes"), "decided"
         log.info("hvd_aps schedule: every bucket sends %s (steps: codes %.1f ms, native allreduce %.1f ms)",
                  "the framework's own allreduce" if native_wins else "codes", 1e3 * codes, 1e3 * native)
+
+    def _decide_predicted(self, codes: float, native: float) -> None:
+        """The agreed prediction -> the policy where one step is predicted PRIOR_MARGIN shorter,
+        else the trial steps (a close call the model cannot settle)."""
+        p = self._policy
+        p.predicting, p.prediction, p.steps = False, (codes, native), {"codes": [], "native": []}
+        if abs(codes - native) <= PRIOR_MARGIN * min(codes, native):
+            p.phase, p.block, p.timed, p.warming, p.medians = "trials", 0, 0, WARMUP_STEPS, None
+            log.info("hvd_aps schedule: predicted steps codes %.1f ms, native allreduce %.1f ms: a close call, "
+                     "timed", 1e3 * codes, 1e3 * native)
+            return
+        p.chosen, p.phase = ("native" if native < codes else "codes"), "decided"
+        log.info("hvd_aps schedule: every bucket sends %s, as predicted without trials (steps: codes %.1f ms "
+                 "measured, native allreduce %.1f ms predicted)",
+                 "the framework's own allreduce" if p.chosen == "native" else "codes", 1e3 * codes, 1e3 * native)
+
+    def _predict(self) -> bool:
+        """policy="auto" with a link, the chunking just fixed: this rank's codes step and the
+        framework's step the model predicts from it, to agree on the next step -> whether there
+        is a prediction (a link, two steps of chunking, every bucket's exchanges timed)."""
+        p, buckets = self._policy, self._buckets.values()
+        if (self.link is None or len(p.chunk_steps) < 2 or set(self._estimates) != set(self._buckets)
+                or any(b.chosen not in b.times for b in buckets)):
+            return False
+        codes = statistics.median(p.chunk_steps[1:])  # the first step of all allocates
+        exchanges = sum(statistics.median(b.times[b.chosen]) for b in buckets)
+        native = max(codes - exchanges, 0.0) + sum(self._estimates.values())
+        p.steps, p.predicting = {"codes": [codes], "native": [native]}, True
+        return True
 
     # steps ------------------------------------------------------------------------------------------
     def commit(self) -> None:
@@ -210,8 +273,11 @@ class Schedule:
         if p.phase == "deciding" and p.medians is not None:
             self._decide(*p.medians)
             return
-        if p.phase == "chunking" and self._buckets and all(b.chosen is not None for b in self._buckets.values()):
-            p.phase = "trials"  # the first trial step starts here
+        if p.phase == "chunking":
+            if took is not None:
+                p.chunk_steps.append(took)
+            if self._buckets and all(b.chosen is not None for b in self._buckets.values()):
+                p.phase = "deciding" if self._predict() else "trials"  # the first trial step starts here
             return
         if p.phase == "trials" and took is not None:
             log.debug("hvd_aps schedule: a %s step took %.1f ms%s", p.trying, 1e3 * took, " (warm-up)" if p.warming else "")
@@ -237,6 +303,7 @@ class Schedule:
         """Start over (the world changed: what was measured no longer holds)."""
         with self._lock:
             self._buckets.clear()
+            self._estimates.clear()
             self._policy = _Policy() if self.auto else None
 
     # reports and checkpoints -------------------------------------------------------------------------
@@ -249,8 +316,10 @@ class Schedule:
                     for name, b in self._buckets.items()]
             if self._policy is not None:
                 p = self._policy
-                rows.append({"bucket": "(policy: every bucket)", "chosen": p.chosen,
-                             "seconds": {f"{k} step": statistics.median(v) for k, v in p.steps.items() if v}})
+                seconds = {f"{k} step": statistics.median(v) for k, v in p.steps.items() if v and not p.predicting}
+                if p.prediction is not None:
+                    seconds |= {"codes step (chunking)": p.prediction[0], "native step (predicted)": p.prediction[1]}
+                rows.append({"bucket": "(policy: every bucket)", "chosen": p.chosen, "seconds": seconds})
             return rows
 
     def decisions(self) -> dict:
@@ -299,7 +368,8 @@ class Schedule:
             if self._policy is not None:
                 p = self._policy
                 state["(policy)"] = {"phase": p.phase, "chosen": p.chosen, "block": p.block, "timed": p.timed,
-                                     "rounds": p.rounds, "steps": {k: list(v) for k, v in p.steps.items()}}
+                                     "rounds": p.rounds, "steps": {k: list(v) for k, v in p.steps.items()},
+                                     "predicting": p.predicting, "prediction": p.prediction}
             return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -312,6 +382,7 @@ class Schedule:
                 p = self._policy
                 p.phase, p.chosen, p.block, p.timed = policy["phase"], policy["chosen"], policy.get("block", 0), policy.get("timed", 0)
                 p.rounds = policy.get("rounds", 1)
+                p.predicting, p.prediction = policy.get("predicting", False), policy.get("prediction")
                 p.steps = {k: list(v) for k, v in policy["steps"].items()}
                 if p.phase == "trials":  # timing a step begun before the checkpoint
                     p.last_commit = None

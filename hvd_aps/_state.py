@@ -219,10 +219,11 @@ class ExchangeState:
             self.schedule.load_state_dict(state["schedule"])
 
     def __getstate__(self) -> dict:
-        return {"state": self.state_dict(), "candidates": self.schedule.candidates, "auto": self.schedule.auto}
+        return {"state": self.state_dict(), "candidates": self.schedule.candidates, "auto": self.schedule.auto,
+                "link": self.schedule.link}
 
     def __setstate__(self, saved: dict) -> None:
-        self.__init__(saved["state"]["seed"], Schedule(saved["candidates"], saved["auto"]))
+        self.__init__(saved["state"]["seed"], Schedule(saved["candidates"], saved["auto"], saved.get("link")))
         self.load_state_dict(saved["state"])
 
     # threads --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ copies of its share, re-encode, decode of every share) runs on the real sizes, a
 for a wire.
 """
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,6 +35,7 @@ COPY_ELEMENTS = 1 << 23  # float32 a core copies per timed copy: 32 MiB, past th
 # float32 elements of the framework's allreduces timed for the link fit: latency-bound to bandwidth-bound
 LINK_ELEMENTS = (1 << 6, 1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)
 FORMAT = "calibration/1"
+LINK_ENV = "HVD_APS_LINK"  # the link policy="auto" predicts from (job_link)
 
 
 class Mirror(exchange.Eager):
@@ -190,6 +192,25 @@ def links_entry(link: perf.Link, cluster: perf.Cluster, rows: Sequence) -> dict:
     """A calibration file's "links" entry: the fitted link, the shape it was measured on, the times."""
     return {"bandwidth": link.bandwidth, "latency": link.latency, "hosts": cluster.hosts,
             "ranks_per_host": cluster.ranks_per_host, "measured": [{"elements": n, "seconds": s} for n, s in rows]}
+
+
+def job_link() -> Optional[perf.Link]:
+    """The link policy="auto" predicts from (hvd_aps._schedule): HVD_APS_LINK, a rate between
+    hosts ("10gbit", at the model's default latency) or a calibration file holding a link measured
+    inside a job (`calibrate --links`); None where it is unset."""
+    value = os.environ.get(LINK_ENV)
+    if not value:
+        return None
+    with contextlib.suppress(ValueError):
+        return perf.Link.parse(value)
+    if not pathlib.Path(value).is_file():
+        raise ValueError(f"{LINK_ENV} is a link rate (1gbit, 10Gbit/s) or a calibration file with a measured link, "
+                         f"got {value!r}")
+    link = load(value).link
+    if link is None:
+        raise ValueError(f"{LINK_ENV}={value} holds no link: add one with `torchrun ... -m hvd_aps calibrate --links "
+                         f"--out {value}`, or give a rate (10gbit)")
+    return link
 
 
 def load(path) -> Calibration:

@@ -86,8 +86,9 @@ class APSCompressor:
         if not isinstance(config, APSConfig):
             raise TypeError(f"expected an APSConfig, got {type(config).__name__}")
         if state is None:
+            auto = config.policy == "auto"
             state = ExchangeState(secrets.randbits(63) if seed is None else int(seed),
-                                  Schedule(config.candidates, config.policy == "auto"))
+                                  Schedule(config.candidates, auto, _job_link() if auto else None))
         self.config, self.exchanger = config, Exchanger(config, state, stats)
         self._batches = _tokens.Batches(self.exchanger)
 
@@ -217,6 +218,12 @@ class APSCompressor:
 
     def reset_stats(self) -> None:
         self.recorder.reset()
+
+
+def _job_link():
+    """HVD_APS_LINK's link (hvd_aps.calibration, which times compressors, so imported here)."""
+    from .calibration import job_link
+    return job_link()
 
 
 def _shown(value) -> str:

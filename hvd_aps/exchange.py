@@ -245,6 +245,10 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
         results = _gather(bucket, slices, results, levels.local, outs, slice_message)
     if coll.eager:
         schedule.measured(bucket.name, candidate, time.perf_counter() - started)
+        if schedule.predicting:  # policy="auto" will predict the framework's step from the model
+            per_host = 1 if levels.local is None else levels.local.world
+            schedule.estimate_native(bucket.name, np.dtype(str(stages.config.fallback)).itemsize * sum(bucket.sizes),
+                                     levels.world.world // per_host, per_host)
     return results
 
 

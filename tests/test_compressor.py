@@ -325,3 +325,35 @@ def test_values_seed_moves_on_when_the_sum_comes_back():
     resumed = hvd_aps.APSCompressor("e4m3", wire="values", rounding="stochastic", seed=3, stats=False)
     resumed.load_state_dict(comp.state_dict())
     assert resumed.state.values_seed(0, "grad.w") == second
+
+
+@pytest.mark.parametrize("codes, native, chosen", [(1.0, 1.2, None), (1.2, 1.0, None), (1.0, 1.3, "codes"),
+                                                   (1.3, 1.0, "native")])
+def test_a_predicted_margin_past_prior_margin_decides_and_a_closer_one_is_timed(codes, native, chosen):
+    from hvd_aps._schedule import Schedule
+    schedule = Schedule((0,), auto=True)
+    schedule._policy.predicting = True
+    schedule._decide(codes, native)
+    assert schedule.report()[-1]["chosen"] == chosen
+    assert schedule.state_dict()["(policy)"]["phase"] == ("trials" if chosen is None else "decided")
+    assert schedule.state_dict()["(policy)"]["prediction"] == (codes, native)
+
+
+def test_job_link_reads_a_rate_or_a_calibration_file(monkeypatch, tmp_path):
+    from hvd_aps import calibration, perf
+    monkeypatch.delenv(calibration.LINK_ENV, raising=False)
+    assert calibration.job_link() is None
+    monkeypatch.setenv(calibration.LINK_ENV, "10gbit")
+    assert calibration.job_link() == perf.Link(10e9 / 8)
+    cal = tmp_path / "cal.json"
+    calibration.add_links(cal, calibration.links_entry(perf.Link(1e8, 3e-5), perf.Cluster(2, perf.Link(1e8)), []))
+    monkeypatch.setenv(calibration.LINK_ENV, str(cal))
+    assert calibration.job_link() == perf.Link(1e8, 3e-5)
+    assert hvd_aps.APSCompressor("e4m3", policy="auto").state.schedule.link == perf.Link(1e8, 3e-5)
+    assert hvd_aps.APSCompressor("e4m3").state.schedule.link is None  # only policy="auto" predicts
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"format": "calibration/1"}')
+    for bad, message in ((str(empty), "holds no link"), ("fast", "a link rate")):
+        monkeypatch.setenv(calibration.LINK_ENV, bad)
+        with pytest.raises(ValueError, match=message):
+            calibration.job_link()

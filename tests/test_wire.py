@@ -288,3 +288,24 @@ def test_policy_auto_times_whole_steps_and_decides_alike():
     assert set(policy[0]["seconds"]) == {"codes step", "native step"}
     assert natives >= STEP_TRIALS  # the native trial steps, and every step after if native won
     assert compressors[0].state_dict()["schedule"]["(policy)"]["chosen"] == policy[0]["chosen"]
+
+
+@pytest.mark.parametrize("link, chosen", [("1mbit", "codes"), ("10000gbit", "native")])
+def test_policy_auto_with_a_link_decides_from_the_model_without_trials(monkeypatch, link, chosen):
+    """HVD_APS_LINK gives policy="auto" a link: once the chunking is fixed, the framework's step is
+    predicted from the measured codes step and the model's allreduce; a margin past PRIOR_MARGIN
+    decides on the next step, alike on every rank, with no trial step (a link far slower than
+    the codes' own time: codes; far faster: the framework's allreduce), both reported."""
+    monkeypatch.setenv("HVD_APS_LINK", link)
+    grads = rank_grads(2, [1 << 20], seed=9)
+    compressors = same_format("e4m3", 2, policy="auto")
+    chunking = 1 + 2 * len(compressors[0].config.candidates)  # a warm-up, then each chunking twice
+    natives = 0
+    for _ in range(chunking + 3):
+        natives += compressors[0].state.schedule.native("bucket")
+        simulate(grads, compressors)
+    policy = [c.schedule_report()[-1] for c in compressors]
+    assert policy[0]["chosen"] == policy[1]["chosen"] == chosen
+    assert natives == (2 if chosen == "native" else 0)  # the two steps after the deciding one
+    assert {"codes step (chunking)", "native step (predicted)"} <= set(policy[0]["seconds"])
+    assert "native step" not in policy[0]["seconds"]  # nothing was timed natively
