@@ -248,7 +248,7 @@ def table(results, hosts, per_host, rate, args):
                    best_ratio=r["step_median"] / best["step_median"] if best else None,
                    bytes_ratio=r["tx_bytes_per_step"] / none["tx_bytes_per_step"] if none else None)
         rows.append(row)
-        chosen = sorted({s["chosen"] for s in r.get("schedule") or []})
+        chosen = sorted({s["chosen"] or "undecided" for s in r.get("schedule") or []})
         print(f"{c:>18} {r['step_median']:8.3f} {row['step_ratio'] or 0:7.2f} {row['best_ratio'] or 0:7.2f} "
               f"{floor:8.3f} {r['step_median'] / floor:7.2f} "
               f"{r['tx_bytes_per_step'] / 1e6:8.2f} {row['bytes_ratio'] or 0:7.3f}  {', '.join(chosen)}", flush=True)

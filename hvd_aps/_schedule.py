@@ -25,12 +25,12 @@ be CODES_MARGIN faster to be kept. The decisions are in the compressor's state_d
 resumed run keeps them.
 
 With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calibration.job_link), policy="auto"
-starts from the performance model (hvd_aps.perf) instead: when the chunking is fixed, each rank
-takes its codes step as measured during the chunking's steps (the median after the first) and
-predicts the framework's step from it, the codes exchanges' measured time taken out and the
-model's allreduce of every bucket over the link put in; the next step agrees both on its
-metadata (the slowest rank's), and where they differ by more than PRIOR_MARGIN the decision is
-made without a trial step. A closer call is timed as above. Both the prediction and the trials'
+starts from the performance model (hvd_aps.perf): after the first block of trial steps (codes,
+at the chunking fixed), each rank predicts the framework's step from its median codes step, the
+codes exchanges' measured time taken out and the model's allreduce of every bucket over the link
+put in; the next step agrees both on its metadata (the slowest rank's), and where they differ by
+more than PRIOR_MARGIN the decision is made there, with no native trial step. A closer call goes
+on with the trials, the codes steps already timed kept. Both the prediction and the trials'
 medians are reported.
 """
 import dataclasses
@@ -85,9 +85,8 @@ class _Policy:
         self.block, self.timed = 0, 0  # the trial block under way, its timed steps so far
         self.warming = WARMUP_STEPS  # steps of the current block still left untimed
         self.rounds = 1  # rounds of trials begun
-        self.chunk_steps = []  # this rank's steps while the chunking was chosen (all of them codes)
-        self.predicting = False  # the deciding step agrees a prediction, not trials' medians
-        self.prediction = None  # the agreed (codes, native) steps the model predicted
+        self.predicting = None  # this rank's (codes, native) prediction the deciding step agrees
+        self.prediction = None  # the agreed (codes, native) steps: the codes median and the model's native
 
     @property
     def trying(self) -> "str | None":
@@ -161,16 +160,22 @@ class Schedule:
         with self._lock:
             last = self._bucket(name).last
             exchange = [UNMEASURED, UNMEASURED] if last is None else [last[1], float(last[0])]
-            deciding = self._policy is not None and self._policy.phase == "deciding"
-            steps = [statistics.median(self._policy.steps[k]) for k in ("codes", "native")] if deciding else \
-                [UNMEASURED, UNMEASURED]
+            p = self._policy
+            deciding = p is not None and p.phase == "deciding"
+            if deciding and p.predicting is not None:
+                steps = list(p.predicting)
+            elif deciding:
+                steps = [statistics.median(p.steps[k]) for k in ("codes", "native")]
+            else:
+                steps = [UNMEASURED, UNMEASURED]
         return exchange + steps
 
     @property
     def predicting(self) -> bool:
         """Whether exchanges should tell estimate_native() their size: policy="auto" with a link,
-        while the chunking is chosen."""
-        return self._policy is not None and self.link is not None and self._policy.phase == "chunking"
+        before its prediction."""
+        p = self._policy
+        return p is not None and self.link is not None and p.prediction is None and p.phase in ("chunking", "trials")
 
     def estimate_native(self, name: str, nbytes: int, hosts: int, ranks_per_host: int) -> None:
         """The model's time of the framework's allreduce of bucket `name` (`nbytes` in the fallback
@@ -204,7 +209,7 @@ class Schedule:
         by CODES_MARGIN: within it the medians do not tell them apart, and the framework's own
         path is the one never slower than itself."""
         p = self._policy
-        if p.predicting:
+        if p.predicting is not None:
             self._decide_predicted(codes, native)
             return
         if abs(codes - native) < CLEAR_MARGIN * native and p.rounds < ROUNDS:
@@ -222,11 +227,11 @@ class Schedule:
         """The agreed prediction -> the policy where one step is predicted PRIOR_MARGIN shorter,
         else the trial steps (a close call the model cannot settle)."""
         p = self._policy
-        p.predicting, p.prediction, p.steps = False, (codes, native), {"codes": [], "native": []}
+        p.predicting, p.prediction, p.medians = None, (codes, native), None
         if abs(codes - native) <= PRIOR_MARGIN * min(codes, native):
-            p.phase, p.block, p.timed, p.warming, p.medians = "trials", 0, 0, WARMUP_STEPS, None
-            log.info("hvd_aps schedule: predicted steps codes %.1f ms, native allreduce %.1f ms: a close call, "
-                     "timed", 1e3 * codes, 1e3 * native)
+            p.phase = "trials"  # on from the native block, the codes steps kept
+            log.info("hvd_aps schedule: steps codes %.1f ms measured, native allreduce %.1f ms predicted: a close "
+                     "call, timed", 1e3 * codes, 1e3 * native)
             return
         p.chosen, p.phase = ("native" if native < codes else "codes"), "decided"
         log.info("hvd_aps schedule: every bucket sends %s, as predicted without trials (steps: codes %.1f ms "
@@ -234,17 +239,17 @@ class Schedule:
                  "the framework's own allreduce" if p.chosen == "native" else "codes", 1e3 * codes, 1e3 * native)
 
     def _predict(self) -> bool:
-        """policy="auto" with a link, the chunking just fixed: this rank's codes step and the
-        framework's step the model predicts from it, to agree on the next step -> whether there
-        is a prediction (a link, two steps of chunking, every bucket's exchanges timed)."""
+        """policy="auto" with a link, the first block of codes steps timed: this rank's median
+        codes step and the framework's step the model predicts from it, for the next step to
+        agree -> whether there is a prediction (a link, every bucket's exchanges timed)."""
         p, buckets = self._policy, self._buckets.values()
-        if (self.link is None or len(p.chunk_steps) < 2 or set(self._estimates) != set(self._buckets)
+        if (not self.predicting or set(self._estimates) != set(self._buckets)
                 or any(b.chosen not in b.times for b in buckets)):
             return False
-        codes = statistics.median(p.chunk_steps[1:])  # the first step of all allocates
+        codes = statistics.median(p.steps["codes"])
         exchanges = sum(statistics.median(b.times[b.chosen]) for b in buckets)
-        native = max(codes - exchanges, 0.0) + sum(self._estimates.values())
-        p.steps, p.predicting = {"codes": [codes], "native": [native]}, True
+        p.predicting = (codes, max(codes - exchanges, 0.0) + sum(self._estimates.values()))
+        p.phase = "deciding"
         return True
 
     # steps ------------------------------------------------------------------------------------------
@@ -273,11 +278,8 @@ class Schedule:
         if p.phase == "deciding" and p.medians is not None:
             self._decide(*p.medians)
             return
-        if p.phase == "chunking":
-            if took is not None:
-                p.chunk_steps.append(took)
-            if self._buckets and all(b.chosen is not None for b in self._buckets.values()):
-                p.phase = "deciding" if self._predict() else "trials"  # the first trial step starts here
+        if p.phase == "chunking" and self._buckets and all(b.chosen is not None for b in self._buckets.values()):
+            p.phase = "trials"  # the first trial step starts here
             return
         if p.phase == "trials" and took is not None:
             log.debug("hvd_aps schedule: a %s step took %.1f ms%s", p.trying, 1e3 * took, " (warm-up)" if p.warming else "")
@@ -290,6 +292,8 @@ class Schedule:
                 p.block, p.timed, p.warming = p.block + 1, 0, WARMUP_STEPS
                 if p.block == len(TRIAL_ORDER):
                     p.phase = "deciding"
+                elif TRIAL_ORDER[:p.block] == ("codes",):
+                    self._predict()  # the first block timed codes: the model may settle it here
 
     def _record(self, name: str, b: _Bucket, candidate: int, seconds: float) -> None:
         b.runs += 1
@@ -316,9 +320,9 @@ class Schedule:
                     for name, b in self._buckets.items()]
             if self._policy is not None:
                 p = self._policy
-                seconds = {f"{k} step": statistics.median(v) for k, v in p.steps.items() if v and not p.predicting}
+                seconds = {f"{k} step": statistics.median(v) for k, v in p.steps.items() if v}
                 if p.prediction is not None:
-                    seconds |= {"codes step (chunking)": p.prediction[0], "native step (predicted)": p.prediction[1]}
+                    seconds["native step (predicted)"] = p.prediction[1]
                 rows.append({"bucket": "(policy: every bucket)", "chosen": p.chosen, "seconds": seconds})
             return rows
 
@@ -382,7 +386,7 @@ class Schedule:
                 p = self._policy
                 p.phase, p.chosen, p.block, p.timed = policy["phase"], policy["chosen"], policy.get("block", 0), policy.get("timed", 0)
                 p.rounds = policy.get("rounds", 1)
-                p.predicting, p.prediction = policy.get("predicting", False), policy.get("prediction")
+                p.predicting, p.prediction = policy.get("predicting"), policy.get("prediction")
                 p.steps = {k: list(v) for k, v in policy["steps"].items()}
                 if p.phase == "trials":  # timing a step begun before the checkpoint
                     p.last_commit = None

@@ -332,7 +332,7 @@ def test_values_seed_moves_on_when_the_sum_comes_back():
 def test_a_predicted_margin_past_prior_margin_decides_and_a_closer_one_is_timed(codes, native, chosen):
     from hvd_aps._schedule import Schedule
     schedule = Schedule((0,), auto=True)
-    schedule._policy.predicting = True
+    schedule._policy.predicting = (codes, native)  # this rank's; the agreed ones decide
     schedule._decide(codes, native)
     assert schedule.report()[-1]["chosen"] == chosen
     assert schedule.state_dict()["(policy)"]["phase"] == ("trials" if chosen is None else "decided")
