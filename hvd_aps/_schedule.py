@@ -3,9 +3,10 @@
 Chunking: a candidate is a chunk size in float32 bytes (0: the whole bucket at once). The
 numbers of the codes exchange do not depend on it (hvd_aps._layout), so trying chunkings changes
 no bit. Each bucket runs its first exchange as a warm-up (allocations, page faults: not timed),
-then every candidate TRIALS times, one exchange each; each rank's wall time of an exchange rides
-on the bucket's next metadata Max-allreduce, so every rank records the slowest rank's time and
-makes the same choice: the least median, fixed from then on.
+then every candidate TRIALS times, one exchange each; each rank's wall time of an exchange (from
+its metadata Max-allreduce on, where the ranks meet: no wait for a rank still in its backward)
+rides on the bucket's next metadata Max-allreduce, so every rank records the slowest rank's time
+and makes the same choice: the least median, fixed from then on.
 
 Policy "auto" (opt-in: it changes what is sent): once every bucket's chunking is fixed, the
 schedule times whole steps with codes and whole steps with every bucket on the framework's own

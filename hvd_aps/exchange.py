@@ -203,7 +203,6 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     divisor = divisor or (levels.world.world if average else 1)
     if candidate == NATIVE:  # policy="auto" chose, or is timing, the framework's own allreduce
         return _native(stages, bucket, flats, levels.world, outs, divisor)
-    started = time.perf_counter()
     if levels.local is not None:
         slices = _layout.slices(bucket.sizes, levels.local.world)
         held_bucket, data, slice_outs, slice_message = _scatter(bucket, slices, flats, levels.local,
@@ -226,6 +225,9 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
 
     vector, = levels.world.stage(metadata, data, [np.float64])
     agreed = levels.world.max_allreduce(vector, f"{bucket.name}.meta")
+    # the schedule's time of the exchange runs from here: every rank has reached the bucket, so it
+    # holds no wait for a rank still in its backward (which would rank chunkings by that rank's lag)
+    started = time.perf_counter()
 
     def agree(agreed):
         xp = _arrays.array_module(data[0]) if data else np  # NumPy for graph tensors: their stages see NumPy
