@@ -32,7 +32,8 @@ codes exchanges' measured time taken out and the model's allreduce of every buck
 put in; the next step agrees both on its metadata (the slowest rank's), and where they differ by
 more than PRIOR_MARGIN the decision is made there, with no native trial step. A closer call goes
 on with the trials, the codes steps already timed kept. Both the prediction and the trials'
-medians are reported.
+medians are reported. policy="codes" with a link makes the same prediction once, and logs a
+warning naming policy="auto" where the framework's own step is predicted PRIOR_MARGIN shorter.
 """
 import dataclasses
 import logging
@@ -64,6 +65,14 @@ CODES_MARGIN = 0.05
 PRIOR_MARGIN = 0.25
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
 log = logging.getLogger("hvd_aps")
+
+
+@dataclasses.dataclass
+class _Watch:
+    """policy="codes" with a link: this rank's steps once the chunking is fixed, for one prediction."""
+    steps: list = dataclasses.field(default_factory=list)
+    last: float = None  # when the last step committed
+    done: bool = False
 
 
 @dataclasses.dataclass
@@ -105,6 +114,7 @@ class Schedule:
         self.candidates, self.auto, self.link = tuple(candidates), bool(auto), link
         self._buckets, self._lock = {}, threading.Lock()
         self._policy = _Policy() if auto else None
+        self._watch = _Watch() if not auto and link is not None else None
         self._estimates = {}  # bucket name -> the model's seconds of the framework's allreduce of it
 
     @property
@@ -175,7 +185,9 @@ class Schedule:
     def predicting(self) -> bool:
         """Whether exchanges should tell estimate_native() their size: policy="auto" with a link,
         before its prediction."""
-        p = self._policy
+        p, w = self._policy, self._watch
+        if w is not None:
+            return not w.done
         return p is not None and self.link is not None and p.prediction is None and p.phase in ("chunking", "trials")
 
     def estimate_native(self, name: str, nbytes: int, hosts: int, ranks_per_host: int) -> None:
@@ -243,15 +255,42 @@ class Schedule:
         """policy="auto" with a link, the first block of codes steps timed: this rank's median
         codes step and the framework's step the model predicts from it, for the next step to
         agree -> whether there is a prediction (a link, every bucket's exchanges timed)."""
-        p, buckets = self._policy, self._buckets.values()
-        if (not self.predicting or set(self._estimates) != set(self._buckets)
-                or any(b.chosen not in b.times for b in buckets)):
-            return False
+        p = self._policy
         codes = statistics.median(p.steps["codes"])
-        exchanges = sum(statistics.median(b.times[b.chosen]) for b in buckets)
-        p.predicting = (codes, max(codes - exchanges, 0.0) + sum(self._estimates.values()))
-        p.phase = "deciding"
+        native = self._predicted_native(codes) if self.predicting else None
+        if native is None:
+            return False
+        p.predicting, p.phase = (codes, native), "deciding"
         return True
+
+    def _predicted_native(self, codes: float) -> "float | None":
+        """The framework's step the model predicts from a codes step of `codes` seconds: the codes
+        exchanges' measured time taken out, its allreduce of every bucket over the link put in
+        (None unless every bucket's exchanges were timed and estimated)."""
+        buckets = self._buckets.values()
+        if set(self._estimates) != set(self._buckets) or any(b.chosen not in b.times for b in buckets):
+            return None
+        exchanges = sum(statistics.median(b.times[b.chosen]) for b in buckets)
+        return max(codes - exchanges, 0.0) + sum(self._estimates.values())
+
+    def _watched(self, now: float) -> None:
+        """policy="codes" with a link: a step committed; once the chunking is fixed and a block of
+        steps timed (after WARMUP_STEPS), one warning where the framework's own step is predicted
+        PRIOR_MARGIN shorter."""
+        w = self._watch
+        took, w.last = (None if w.last is None else now - w.last), now
+        if w.done or took is None or not self._buckets or any(b.chosen is None for b in self._buckets.values()):
+            return
+        w.steps.append(took)
+        if len(w.steps) < WARMUP_STEPS + BLOCK_STEPS:
+            return
+        w.done = True
+        codes = statistics.median(w.steps[WARMUP_STEPS:])
+        native = self._predicted_native(codes)
+        if native is not None and native * (1 + PRIOR_MARGIN) < codes:
+            log.warning("hvd_aps: codes steps take %.1f ms where the framework's own allreduce is predicted at %.1f "
+                        "ms over the link HVD_APS_LINK gives: APSCompressor(..., policy='auto') sends the faster",
+                        1e3 * codes, 1e3 * native)
 
     # steps ------------------------------------------------------------------------------------------
     def commit(self) -> None:
@@ -262,6 +301,8 @@ class Schedule:
                 b.pending = None
             if self._policy is not None:
                 self._step_ended(time.perf_counter())
+            elif self._watch is not None:
+                self._watched(time.perf_counter())
 
     def rollback(self) -> None:
         with self._lock:
@@ -310,6 +351,7 @@ class Schedule:
             self._buckets.clear()
             self._estimates.clear()
             self._policy = _Policy() if self.auto else None
+            self._watch = _Watch() if not self.auto and self.link is not None else None
 
     # reports and checkpoints -------------------------------------------------------------------------
     def report(self) -> list:

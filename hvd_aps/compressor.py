@@ -86,9 +86,8 @@ class APSCompressor:
         if not isinstance(config, APSConfig):
             raise TypeError(f"expected an APSConfig, got {type(config).__name__}")
         if state is None:
-            auto = config.policy == "auto"
             state = ExchangeState(secrets.randbits(63) if seed is None else int(seed),
-                                  Schedule(config.candidates, auto, _job_link() if auto else None))
+                                  Schedule(config.candidates, config.policy == "auto", _job_link()))
         self.config, self.exchanger = config, Exchanger(config, state, stats)
         self._batches = _tokens.Batches(self.exchanger)
 

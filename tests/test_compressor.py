@@ -350,7 +350,7 @@ def test_job_link_reads_a_rate_or_a_calibration_file(monkeypatch, tmp_path):
     monkeypatch.setenv(calibration.LINK_ENV, str(cal))
     assert calibration.job_link() == perf.Link(1e8, 3e-5)
     assert hvd_aps.APSCompressor("e4m3", policy="auto").state.schedule.link == perf.Link(1e8, 3e-5)
-    assert hvd_aps.APSCompressor("e4m3").state.schedule.link is None  # only policy="auto" predicts
+    assert hvd_aps.APSCompressor("e4m3").state.schedule.link == perf.Link(1e8, 3e-5)  # policy="codes" warns
     empty = tmp_path / "empty.json"
     empty.write_text('{"format": "calibration/1"}')
     for bad, message in ((str(empty), "holds no link"), ("fast", "a link rate")):

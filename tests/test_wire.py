@@ -311,3 +311,19 @@ def test_policy_auto_with_a_link_decides_from_the_model_without_trials(monkeypat
     assert not any(native for _, native in phases)  # no native trial step
     assert schedule.native("bucket") == (chosen == "native")
     assert set(policy[0]["seconds"]) == {"codes step", "native step (predicted)"}
+
+
+@pytest.mark.parametrize("link, warned", [("1mbit", False), ("10000gbit", True)])
+def test_policy_codes_warns_once_where_the_model_predicts_the_framework_faster(monkeypatch, caplog, link, warned):
+    """policy="codes" with HVD_APS_LINK: once the chunking is fixed and a block of steps timed, one
+    warning naming policy="auto" where the framework's own step is predicted PRIOR_MARGIN shorter
+    (a link far faster than the codes' own time), none where codes are (far slower)."""
+    monkeypatch.setenv("HVD_APS_LINK", link)
+    grads = rank_grads(2, [1 << 20], seed=9)
+    compressors = same_format("e4m3", 2)
+    with caplog.at_level("WARNING", logger="hvd_aps"):
+        for _ in range(MAX_TRIAL_STEPS // 2):
+            simulate(grads, compressors)
+    warnings = [r for r in caplog.records if "policy='auto'" in r.getMessage()]
+    assert len(warnings) == (2 if warned else 0)  # once a rank, here two thread ranks
+    assert not any(c.state.schedule.native("bucket") for c in compressors)  # policy="codes" sends codes
