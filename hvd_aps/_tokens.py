@@ -16,11 +16,11 @@ Max, Product) breaks the ratio and is refused with an error instead of returning
 
 A step is every batch handed out until each of its gradients came back through decompress():
 then the step ends (hvd_aps.exchanger: it commits residuals, step counts, the schedule's
-timings) and the next step names its batches hvd_aps.0, hvd_aps.1, ... again, so names repeat from step to step
-(Horovod's response cache, reused buffers) and match across ranks that hand compress() the same
-tensors in the same order (the metadata allreduce catches ranks that do not). A step whose
-exchange raises is abandoned: nothing it did is kept, its other gradients' decompress() raise
-too, and the next compress() starts a fresh step with the same names.
+timings) and the next step names its batches hvd_aps.0, hvd_aps.1, ... again, so names repeat
+from step to step (Horovod's response cache, reused buffers) and match across ranks that hand
+compress() the same tensors in the same order (the metadata allreduce catches ranks that do
+not). A step whose exchange raises is abandoned: nothing it did is kept, its other gradients'
+decompress() raise too, and the next compress() starts a fresh step with the same names.
 With policy="auto", a batch whose schedule settled on the framework's own allreduce is not
 batched at all: its gradients go back to Horovod as they are (or cast to the fallback dtype),
 counted in the stats and bytes as every native exchange is (Exchanger.count_native).

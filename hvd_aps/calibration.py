@@ -35,7 +35,7 @@ COPY_ELEMENTS = 1 << 23  # float32 a core copies per timed copy: 32 MiB, past th
 # float32 elements of the framework's allreduces timed for the link fit: latency-bound to bandwidth-bound
 LINK_ELEMENTS = (1 << 6, 1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)
 FORMAT = "calibration/1"
-LINK_ENV = "HVD_APS_LINK"  # the link policy="auto" predicts from (job_link)
+LINK_ENV = "HVD_APS_LINK"  # the link the run-time schedule predicts the framework's step over (job_link)
 
 
 class Mirror(exchange.Eager):
@@ -195,8 +195,9 @@ def links_entry(link: perf.Link, cluster: perf.Cluster, rows: Sequence) -> dict:
 
 
 def job_link() -> Optional[perf.Link]:
-    """The link policy="auto" predicts from (hvd_aps._schedule): HVD_APS_LINK, a rate between
-    hosts ("10gbit", at the model's default latency) or a calibration file holding a link measured
+    """The link the run-time schedule predicts the framework's step over (hvd_aps._schedule:
+    policy="auto" decides from it, policy="codes" warns): HVD_APS_LINK, a rate between hosts
+    ("10gbit", at the model's default latency) or a calibration file holding a link measured
     inside a job (`calibrate --links`); None where it is unset."""
     value = os.environ.get(LINK_ENV)
     if not value:

@@ -279,10 +279,9 @@ def _native(state: APSState, bucket: dist.GradBucket, name: str, keys: list) -> 
 
     def settle(done):
         value = done.value()
-        itemsize = torch.empty(0, dtype=getattr(torch, fallback)).element_size()
         world = dist.get_world_size(state.process_group)
         exchanger.count_native(keys, [(f"{name}[{i}]", n) for i, n in enumerate(sizes)], fallback,
-                               exchange.ring_bytes(itemsize * sum(sizes), world))
+                               exchange.ring_bytes(getattr(torch, fallback).itemsize * sum(sizes), world))
         state.counted()
         return value
 

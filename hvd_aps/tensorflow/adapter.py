@@ -162,8 +162,8 @@ def compress_values(tensor, exchanger):
         wire, shift = _values.to_wire(exchanger.config, exchanger.recorder, a, amax, size, seed, name)
         return wire.reshape(a.shape), np.int32(shift)
 
-    wire, shift = tf.numpy_function(to_wire, [x, agreed], [tf.as_dtype(_values.carrier(exchanger.config.fmt)), tf.int32],
-                                    stateful=True)
+    carrier = tf.as_dtype(_values.carrier(exchanger.config.fmt))
+    wire, shift = tf.numpy_function(to_wire, [x, agreed], [carrier, tf.int32], stateful=True)
     wire.set_shape(tensor.shape)
     return wire, (shift, tensor.dtype, name)
 
