@@ -12,8 +12,9 @@ resumed (and minus it): the ranks of the exchanges a loaded state_dict came from
 loaded), so a checkpoint resumed on another world size, or on some ranks only, fails on every
 rank instead of drifting.
 """
-import numpy as np
+from typing import Optional
 
+import numpy as np
 
 from ._schedule import ENTRIES as TIMING, UNMEASURED
 
@@ -26,7 +27,7 @@ def vector(config, amaxes, sizes, errors=(), timing=(UNMEASURED,) * TIMING, resu
                            np.asarray(timing, np.float64), [config.signature, -config.signature, resumed, -resumed]])
 
 
-def read(config, agreed, sizes, labels, world: int = None) -> tuple:
+def read(config, agreed, sizes, labels, world: Optional[int] = None) -> tuple:
     """The Max-allreduced vector -> (amaxes, errors, timing), after checking that every rank has
     this configuration and these tensor sizes, and (given the exchange's `world`) resumes from a
     state of that world. errors are zeros without hybrid precision."""

@@ -61,7 +61,8 @@ MAX_TRIAL_STEPS = ROUNDS * (TRIAL_STEPS + 1)  # every round's steps and its deci
 # the medians of six steps that vary by a quarter differ by about that much for equal policies
 CODES_MARGIN = 0.05
 # a predicted step margin past this (a fraction of the faster step) decides without trial steps:
-# the model's median error on this project's cluster rows is 11 %, its worst rows 25-45 %
+# the model's median error on this project's cluster rows is 11-14 %, 81-86 % of them within 25 %
+# (docs/performance-model.md)
 PRIOR_MARGIN = 0.25
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
 log = logging.getLogger("hvd_aps")
