@@ -10,28 +10,34 @@ and makes the same choice: the least median, fixed from then on.
 
 Policy "auto" (opt-in: it changes what is sent): once every bucket's chunking is fixed, the
 schedule times whole steps with codes and whole steps with every bucket on the framework's own
-allreduce (NATIVE), in blocks that alternate (codes, native, codes, native: a machine whose speed
-drifts over the trials slows both alike; two phases one after the other once kept codes that
-were 12 % slower). Each block starts with WARMUP_STEPS untimed steps (the first steps after a
-switch renegotiate names in Horovod's response cache and fill new buffers: on a 2-core netns
-cluster they ran up to 2x the steady step). Whole steps, not exchanges: codes cost CPU that
+allreduce (NATIVE) in each dtype it may send (the `natives`: the compressor's fallback, or with
+fallback="auto" float32 and float16), in blocks that alternate (codes, float32, codes, float32: a
+machine whose speed drifts over the trials slows every path alike; two phases one after the other
+once kept codes that were 12 % slower). Each block starts with WARMUP_STEPS untimed steps (the
+first steps after a switch renegotiate names in Horovod's response cache and fill new buffers:
+on a 2-core netns cluster they ran up to 2x the steady step). Whole steps, not exchanges: codes cost CPU that
 backward would have used, which an exchange's own time does not show. The next step's exchanges
 carry both medians on their metadata Max-allreduce, and when that step commits every rank
 decides alike, for every bucket (never within a step, whose exchanges must all run the same
 way). Steps vary by a quarter from one to the next (on a 2-core netns cluster at 1 Gbit/s, through
 Horovod's optimizer: codes 130-315 ms, native 200-373 ms), so a round of STEP_TRIALS steps each can
-mistake the slower path for the faster: where the agreed medians lie within CLEAR_MARGIN of each
-other, another round runs (up to ROUNDS), its steps pooled with the earlier ones; then codes must
-be CODES_MARGIN faster to be kept. The decisions are in the compressor's state_dict, so a
-resumed run keeps them.
+mistake the slower path for the faster: where the two fastest agreed medians lie within
+CLEAR_MARGIN of each other, another round runs (up to ROUNDS), its steps pooled with the earlier
+ones; then a path is kept over a more exact one (float32 before 16-bit, 16-bit before codes) only
+where it is CODES_MARGIN faster. The decisions are in the compressor's state_dict, so a resumed
+run keeps them.
 
 With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calibration.job_link), policy="auto"
 starts from the performance model (hvd_aps.perf): after the first block of trial steps (codes,
 at the chunking fixed), each rank predicts the framework's step from its median codes step, the
 codes exchanges' measured time taken out and the model's allreduce of every bucket over the link
-put in; the next step agrees both on its metadata (the slowest rank's), and where they differ by
-more than PRIOR_MARGIN the decision is made there, with no native trial step. A closer call goes
-on with the trials, the codes steps already timed kept. Both the prediction and the trials'
+put in, for each native dtype; the next step agrees them on its metadata (the slowest rank's).
+A path predicted more than PRIOR_MARGIN slower than the fastest is dropped; where one path is
+left the decision is made there, with no trial step of the others, else the trials go on among
+those left (the codes steps already timed kept). The model leaves out a 16-bit allreduce's
+processor passes (its casts and 16-bit sums: on the CPU, Horovod's float16 allreduce took
+1.7-2.3x float32's step on this project's cluster), so a 16-bit prediction only bounds its step
+from below: it can drop that path, never the others. Both the prediction and the trials'
 medians are reported. policy="codes" with a link makes the same prediction once, and logs a
 warning naming policy="auto" where the framework's own step is predicted PRIOR_MARGIN shorter.
 """
@@ -46,19 +52,23 @@ import numpy as np
 from . import perf
 
 NATIVE = -1
-ENTRIES = 4       # timing entries on the metadata vector (Schedule.entries)
+CODES = "codes"
+# the framework's allreduce in each dtype policy="auto" may send, and the bytes of an element
+NATIVE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+PATHS = (CODES,) + tuple(NATIVE_BYTES)  # one timing entry each on the metadata vector, in this order
+# predictions that bound a step from below only: the model leaves out 16-bit casts and sums
+LOWER_BOUNDS = ("float16", "bfloat16")
+ENTRIES = 2 + len(PATHS)  # timing entries on the metadata vector (Schedule.entries)
 TRIALS = 2        # timed exchanges per chunking
-TRIAL_ORDER = ("codes", "native") * 2  # policy="auto"'s blocks of trial steps
-BLOCK_STEPS = 3   # timed steps per block: STEP_TRIALS per policy
-STEP_TRIALS = BLOCK_STEPS * TRIAL_ORDER.count("codes")
+BLOCKS = 2        # policy="auto"'s blocks of trial steps per path and round, alternating
+BLOCK_STEPS = 3   # timed steps per block: STEP_TRIALS per path
+STEP_TRIALS = BLOCK_STEPS * BLOCKS
 WARMUP_STEPS = 1  # untimed steps at the start of each block
-TRIAL_STEPS = len(TRIAL_ORDER) * (WARMUP_STEPS + BLOCK_STEPS)  # a round: from the fixed chunking to its deciding step
-# medians closer than this (a fraction of the native one) call for another round of trials
+# the two fastest medians closer than this (a fraction of the slower) call for another round of trials
 CLEAR_MARGIN = 0.15
 ROUNDS = 3  # rounds of trials at most
-MAX_TRIAL_STEPS = ROUNDS * (TRIAL_STEPS + 1)  # every round's steps and its deciding step
-# policy="auto" keeps codes only where their median step is this much shorter than the native one:
-# the medians of six steps that vary by a quarter differ by about that much for equal policies
+# policy="auto" keeps a path over a more exact one only where its median step is this much
+# shorter: the medians of six steps that vary by a quarter differ by about that much for equal paths
 CODES_MARGIN = 0.05
 # a predicted step margin past this (a fraction of the faster step) decides without trial steps:
 # the model's median error on this project's cluster rows is 11-14 %, 81-86 % of them within 25 %
@@ -66,6 +76,21 @@ CODES_MARGIN = 0.05
 PRIOR_MARGIN = 0.25
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
 log = logging.getLogger("hvd_aps")
+
+
+def trial_order(paths: tuple) -> tuple:
+    """A round of trial blocks: every path in turn, BLOCKS times."""
+    return tuple(paths) * BLOCKS
+
+
+def trial_steps(paths: tuple) -> int:
+    """The steps of a round of trials among `paths`, from the fixed chunking to its deciding step."""
+    return len(trial_order(paths)) * (WARMUP_STEPS + BLOCK_STEPS) + 1
+
+
+def max_trial_steps(natives: tuple = ("float32",)) -> int:
+    """The steps policy="auto" may take to decide: every round of trials and its deciding step."""
+    return ROUNDS * trial_steps((CODES,) + tuple(natives))
 
 
 @dataclasses.dataclass
@@ -86,37 +111,82 @@ class _Bucket:
 
 
 class _Policy:
-    """policy="auto"'s step trials: blocks of codes and native steps (TRIAL_ORDER), then the
-    agreed decision."""
+    """policy="auto"'s step trials: blocks of steps on each path (codes, then the native dtypes
+    in the order given: the more exact first), then the agreed decision."""
     PHASES = ("chunking", "trials", "deciding", "decided")
 
-    def __init__(self):
-        self.phase, self.steps, self.chosen, self.last_commit = "chunking", {"codes": [], "native": []}, None, None
-        self.medians = None  # the agreed (codes, native) step medians behind the decision
+    def __init__(self, natives: tuple):
+        self.paths = (CODES,) + tuple(natives)
+        self.phase, self.chosen, self.last_commit = "chunking", None, None  # chosen: a path
+        self.steps = {path: [] for path in self.paths}  # this rank's timed steps on each path
+        self.order = trial_order(self.paths)  # the blocks of the round under way
+        self.medians = None  # the agreed {path: median step} behind the decision
         self.block, self.timed = 0, 0  # the trial block under way, its timed steps so far
         self.warming = WARMUP_STEPS  # steps of the current block still left untimed
         self.rounds = 1  # rounds of trials begun
-        self.predicting = None  # this rank's (codes, native) prediction the deciding step agrees
-        self.prediction = None  # the agreed (codes, native) steps: the codes median and the model's native
+        self.predicting = None  # this rank's {path: step}: the codes median, the model's natives
+        self.prediction = None  # the agreed {path: step} of the prediction
 
     @property
     def trying(self) -> "str | None":
-        """The policy the trial steps run now ("codes" or "native"), None outside the trials."""
-        return TRIAL_ORDER[self.block] if self.phase == "trials" else None
+        """The path the trial steps run now, None outside the trials."""
+        return self.order[self.block] if self.phase == "trials" else None
+
+    @property
+    def native(self) -> "str | None":
+        """The dtype of the framework's allreduce this step sends every bucket in (a trial
+        block's, or the decision), None where codes go."""
+        path = self.trying or self.chosen
+        return path if path in NATIVE_BYTES else None
+
+    def weighing(self) -> tuple:
+        """The paths this round's trials weigh, in preference order."""
+        return tuple(path for path in self.paths if path in self.order)
+
+    def load(self, saved: dict) -> None:
+        """A state_dict()'s policy: "native" of an earlier release's fixed fallback read as the first native."""
+        def path(name):
+            return self.paths[1] if name == "native" else name
+
+        def paths(values):
+            if values is None or isinstance(values, dict):
+                return values if values is None else {path(k): v for k, v in values.items()}
+            return dict(zip((CODES, self.paths[1]), values))  # an earlier release's (codes, native)
+
+        self.phase, self.chosen = saved["phase"], path(saved["chosen"])
+        self.block, self.timed, self.rounds = saved.get("block", 0), saved.get("timed", 0), saved.get("rounds", 1)
+        self.order = tuple(path(k) for k in saved.get("order", self.order))
+        self.predicting, self.prediction = paths(saved.get("predicting")), paths(saved.get("prediction"))
+        self.steps = {**{k: [] for k in self.paths}, **{path(k): list(v) for k, v in saved["steps"].items()}}
+        if self.phase == "trials":  # timing a step begun before the checkpoint
+            self.last_commit = None
+
+    def state(self) -> dict:
+        return {"phase": self.phase, "chosen": self.chosen, "block": self.block, "timed": self.timed,
+                "rounds": self.rounds, "order": list(self.order), "steps": {k: list(v) for k, v in self.steps.items()},
+                "predicting": self.predicting, "prediction": self.prediction}
 
 
 class Schedule:
     """The chunk candidates, per bucket name the trials and the decision, and (policy="auto")
-    the step trials between codes and the framework's own allreduce."""
+    the step trials between codes and the framework's own allreduce in each of `natives`."""
 
-    def __init__(self, candidates: tuple, auto: bool = False, link: "perf.Link | None" = None):
+    def __init__(self, candidates: tuple, auto: bool = False, link: "perf.Link | None" = None,
+                 natives: tuple = ("float32",)):
         if not candidates:
             raise ValueError("a schedule needs at least one candidate")
-        self.candidates, self.auto, self.link = tuple(candidates), bool(auto), link
+        unknown = set(natives) - set(NATIVE_BYTES)
+        if not natives or unknown:
+            raise ValueError(f"natives must be some of {list(NATIVE_BYTES)}, got {list(natives)}")
+        self.candidates, self.auto, self.link, self.natives = tuple(candidates), bool(auto), link, tuple(natives)
         self._buckets, self._lock = {}, threading.Lock()
-        self._policy = _Policy() if auto else None
-        self._watch = _Watch() if not auto and link is not None else None
-        self._estimates = {}  # bucket name -> the model's seconds of the framework's allreduce of it
+        self._policy, self._watch = None, None
+        self._estimates = {}  # bucket name -> {native dtype: the model's seconds of its allreduce}
+        self._start_policy()
+
+    def _start_policy(self) -> None:
+        self._policy = _Policy(self.natives) if self.auto else None
+        self._watch = _Watch() if not self.auto and self.link is not None else None
 
     @property
     def tuning(self) -> bool:
@@ -132,7 +202,7 @@ class Schedule:
         metadata), the chunking decided, else the next trial in order."""
         with self._lock:
             b = self._bucket(name)
-            if b.chosen == NATIVE or self._native_now():
+            if self._policy is not None and self._policy.native is not None:
                 return NATIVE
             if b.chosen is not None:
                 return b.chosen
@@ -149,38 +219,30 @@ class Schedule:
             if b.chosen is None:
                 b.chosen = 0
 
-    def native(self, name: str) -> bool:
-        """Whether this exchange of `name` goes through the framework's own allreduce."""
-        return self.candidate(name) == NATIVE
-
-    def decided(self, name: str) -> "int | None":
+    def native_dtype(self) -> "str | None":
+        """The dtype of the framework's own allreduce every exchange of this step goes through
+        (policy="auto": a trial block's or the decision; it changes only at a step's commit),
+        None where codes go."""
         with self._lock:
-            return NATIVE if self._policy_native() else self._bucket(name).chosen
-
-    def _native_now(self) -> bool:
-        return self._policy is not None and (self._policy.trying == "native" or self._policy_native())
+            return None if self._policy is None else self._policy.native
 
     def _policy_native(self) -> bool:
-        return self._policy is not None and self._policy.chosen == "native"
+        return self._policy is not None and self._policy.chosen in NATIVE_BYTES
 
     def entries(self, name: str) -> list:
         """This rank's timing entries for the metadata vector (ENTRIES of them, UNMEASURED where
         there is nothing to say: the vector has one length for every configuration, so a rank
         configured otherwise meets the signature check, not a shape error): the seconds and
         candidate of its last exchange of this bucket, and while policy="auto" decides, its
-        median codes and native step."""
+        median step (or its prediction) on each path weighed, in PATHS' order."""
         with self._lock:
             last = self._bucket(name).last
             exchange = [UNMEASURED, UNMEASURED] if last is None else [last[1], float(last[0])]
             p = self._policy
-            deciding = p is not None and p.phase == "deciding"
-            if deciding and p.predicting is not None:
-                steps = list(p.predicting)
-            elif deciding:
-                steps = [statistics.median(p.steps[k]) for k in ("codes", "native")]
-            else:
-                steps = [UNMEASURED, UNMEASURED]
-        return exchange + steps
+            steps = {}
+            if p is not None and p.phase == "deciding":
+                steps = p.predicting or {k: statistics.median(p.steps[k]) for k in p.weighing()}
+        return exchange + [steps.get(path, UNMEASURED) for path in PATHS]
 
     @property
     def predicting(self) -> bool:
@@ -191,10 +253,11 @@ class Schedule:
             return not w.done
         return p is not None and self.link is not None and p.prediction is None and p.phase in ("chunking", "trials")
 
-    def estimate_native(self, name: str, nbytes: int, hosts: int, ranks_per_host: int) -> None:
-        """The model's time of the framework's allreduce of bucket `name` (`nbytes` in the fallback
-        dtype) on hosts x ranks_per_host ranks over the link."""
-        seconds = perf.allreduce(nbytes, perf.Cluster(hosts, self.link, ranks_per_host))
+    def estimate_native(self, name: str, elements: int, hosts: int, ranks_per_host: int) -> None:
+        """The model's time of the framework's allreduce of bucket `name` (`elements` of them) in
+        each native dtype on hosts x ranks_per_host ranks over the link."""
+        cluster = perf.Cluster(hosts, self.link, ranks_per_host)
+        seconds = {dtype: perf.allreduce(NATIVE_BYTES[dtype] * elements, cluster) for dtype in self.natives}
         with self._lock:
             self._estimates[name] = seconds
 
@@ -209,75 +272,82 @@ class Schedule:
         recorded at commit (a failed step records nothing); while policy="auto" decides, the
         slowest rank's median steps, which decide it (every exchange of that step carries the
         same, so whichever agrees first decides alike)."""
-        seconds, candidate, codes, native = (float(v) for v in np.asarray(entries, np.float64))
+        seconds, candidate, *steps = (float(v) for v in np.asarray(entries, np.float64))
         with self._lock:
             if self.tuning and seconds != UNMEASURED:
                 self._bucket(name).pending = (int(candidate), seconds)
-            if self._policy is not None and self._policy.phase == "deciding" and codes != UNMEASURED:
-                self._policy.medians = (codes, native)  # decided at commit: a step's exchanges all run alike
+            medians = {path: v for path, v in zip(PATHS, steps) if v != UNMEASURED}
+            if self._policy is not None and self._policy.phase == "deciding" and medians:
+                self._policy.medians = medians  # decided at commit: a step's exchanges all run alike
 
-    def _decide(self, codes: float, native: float) -> None:
-        """policy="auto": every rank's slowest median steps -> another round of trials where they
-        lie within CLEAR_MARGIN (the agreed medians are alike on every rank, so every rank goes on
-        alike), else the policy for every bucket. Codes must beat the framework's own allreduce
-        by CODES_MARGIN: within it the medians do not tell them apart, and the framework's own
-        path is the one never slower than itself."""
+    def _decide(self, medians: dict) -> None:
+        """policy="auto": every rank's slowest median step on each path weighed -> another round
+        of trials where the two fastest lie within CLEAR_MARGIN (the agreed medians are alike on
+        every rank, so every rank goes on alike), else the path for every bucket: the fastest,
+        unless a more exact path is within CODES_MARGIN of it (there the medians do not tell
+        them apart, and the more exact path is never slower than itself)."""
         p = self._policy
         if p.predicting is not None:
-            self._decide_predicted(codes, native)
+            self._decide_predicted(medians)
             return
-        if abs(codes - native) < CLEAR_MARGIN * native and p.rounds < ROUNDS:
-            p.phase, p.block, p.timed, p.warming, p.medians = "trials", 0, 0, WARMUP_STEPS, None
+        first, second = sorted(medians.values())[:2]
+        if second - first < CLEAR_MARGIN * second and p.rounds < ROUNDS:
+            p.phase, p.order, p.block, p.timed, p.warming, p.medians = (
+                "trials", trial_order(p.weighing()), 0, 0, WARMUP_STEPS, None)
             p.rounds += 1
-            log.info("hvd_aps schedule: a close call (steps: codes %.1f ms, native allreduce %.1f ms): "
-                     "trial round %d", 1e3 * codes, 1e3 * native, p.rounds)
+            log.info("hvd_aps schedule: a close call (steps: %s): trial round %d", _steps_text(medians), p.rounds)
             return
-        native_wins = codes >= native * (1 - CODES_MARGIN)
-        p.chosen, p.phase = ("native" if native_wins else "codes"), "decided"
-        log.info("hvd_aps schedule: every bucket sends %s (steps: codes %.1f ms, native allreduce %.1f ms)",
-                 "the framework's own allreduce" if native_wins else "codes", 1e3 * codes, 1e3 * native)
+        p.chosen = next(path for path in p.paths[1:] + (CODES,)
+                        if path in medians and medians[path] * (1 - CODES_MARGIN) <= first)
+        p.phase = "decided"
+        log.info("hvd_aps schedule: every bucket sends %s (steps: %s)", _path_text(p.chosen), _steps_text(medians))
 
-    def _decide_predicted(self, codes: float, native: float) -> None:
-        """The agreed prediction -> the policy where one step is predicted PRIOR_MARGIN shorter,
-        else the trial steps (a close call the model cannot settle)."""
+    def _decide_predicted(self, predicted: dict) -> None:
+        """The agreed prediction -> the path where every other is predicted PRIOR_MARGIN slower
+        than the fastest (a 16-bit prediction bounds its step from below: it drops only its own
+        path), else trial steps among the paths left (a close call the model cannot settle)."""
         p = self._policy
-        p.predicting, p.prediction, p.medians = None, (codes, native), None
-        if abs(codes - native) <= PRIOR_MARGIN * min(codes, native):
-            p.phase = "trials"  # on from the native block, the codes steps kept
-            log.info("hvd_aps schedule: steps codes %.1f ms measured, native allreduce %.1f ms predicted: a close "
-                     "call, timed", 1e3 * codes, 1e3 * native)
+        p.predicting, p.prediction, p.medians = None, dict(predicted), None
+        fastest = min(v for path, v in predicted.items() if path not in LOWER_BOUNDS)
+        left = tuple(path for path in p.paths if predicted[path] <= (1 + PRIOR_MARGIN) * fastest)
+        if len(left) == 1:
+            p.chosen, p.phase = left[0], "decided"
+            log.info("hvd_aps schedule: every bucket sends %s, as predicted without trials (steps: %s)",
+                     _path_text(p.chosen), _steps_text(predicted))
             return
-        p.chosen, p.phase = ("native" if native < codes else "codes"), "decided"
-        log.info("hvd_aps schedule: every bucket sends %s, as predicted without trials (steps: codes %.1f ms "
-                 "measured, native allreduce %.1f ms predicted)",
-                 "the framework's own allreduce" if p.chosen == "native" else "codes", 1e3 * codes, 1e3 * native)
+        order = list(trial_order(left))
+        if CODES in order:
+            order.remove(CODES)  # its first block is timed already: on from the native blocks
+        p.phase, p.order, p.block, p.timed, p.warming = "trials", tuple(order), 0, 0, WARMUP_STEPS
+        log.info("hvd_aps schedule: a close call the model cannot settle (steps: %s): timed", _steps_text(predicted))
 
     def _predict(self) -> bool:
         """policy="auto" with a link, the first block of codes steps timed: this rank's median
-        codes step and the framework's step the model predicts from it, for the next step to
-        agree -> whether there is a prediction (a link, every bucket's exchanges timed)."""
+        codes step and the native steps the model predicts from it, for the next step to agree
+        -> whether there is a prediction (a link, every bucket's exchanges timed)."""
         p = self._policy
-        codes = statistics.median(p.steps["codes"])
-        native = self._predicted_native(codes) if self.predicting else None
-        if native is None:
+        codes = statistics.median(p.steps[CODES])
+        natives = self._predicted_natives(codes) if self.predicting else None
+        if natives is None:
             return False
-        p.predicting, p.phase = (codes, native), "deciding"
+        p.predicting, p.phase = {CODES: codes, **natives}, "deciding"
         return True
 
-    def _predicted_native(self, codes: float) -> "float | None":
-        """The framework's step the model predicts from a codes step of `codes` seconds: the codes
-        exchanges' measured time taken out, its allreduce of every bucket over the link put in
-        (None unless every bucket's exchanges were timed and estimated)."""
+    def _predicted_natives(self, codes: float) -> "dict | None":
+        """The framework's step in each native dtype the model predicts from a codes step of
+        `codes` seconds: the codes exchanges' measured time taken out, its allreduce of every
+        bucket over the link put in (None unless every bucket's exchanges were timed and
+        estimated)."""
         buckets = self._buckets.values()
         if set(self._estimates) != set(self._buckets) or any(b.chosen not in b.times for b in buckets):
             return None
-        exchanges = sum(statistics.median(b.times[b.chosen]) for b in buckets)
-        return max(codes - exchanges, 0.0) + sum(self._estimates.values())
+        compute = max(codes - sum(statistics.median(b.times[b.chosen]) for b in buckets), 0.0)
+        return {dtype: compute + sum(e[dtype] for e in self._estimates.values()) for dtype in self.natives}
 
     def _watched(self, now: float) -> None:
         """policy="codes" with a link: a step committed; once the chunking is fixed and a block of
         steps timed (after WARMUP_STEPS), one warning where the framework's own step is predicted
-        PRIOR_MARGIN shorter."""
+        PRIOR_MARGIN shorter (in a dtype whose prediction is not only a lower bound)."""
         w = self._watch
         took, w.last = (None if w.last is None else now - w.last), now
         if w.done or took is None or not self._buckets or any(b.chosen is None for b in self._buckets.values()):
@@ -287,7 +357,8 @@ class Schedule:
             return
         w.done = True
         codes = statistics.median(w.steps[WARMUP_STEPS:])
-        native = self._predicted_native(codes)
+        natives = self._predicted_natives(codes) or {}
+        native = min((v for dtype, v in natives.items() if dtype not in LOWER_BOUNDS), default=None)
         if native is not None and native * (1 + PRIOR_MARGIN) < codes:
             log.warning("hvd_aps: codes steps take %.1f ms where the framework's own allreduce is predicted at %.1f "
                         "ms over the link HVD_APS_LINK gives: APSCompressor(..., policy='auto') sends the faster",
@@ -319,7 +390,7 @@ class Schedule:
         p = self._policy
         took, p.last_commit = (None if p.last_commit is None else now - p.last_commit), now
         if p.phase == "deciding" and p.medians is not None:
-            self._decide(*p.medians)
+            self._decide(p.medians)
             return
         if p.phase == "chunking" and self._buckets and all(b.chosen is not None for b in self._buckets.values()):
             p.phase = "trials"  # the first trial step starts here
@@ -333,9 +404,9 @@ class Schedule:
             p.timed += 1
             if p.timed == BLOCK_STEPS:
                 p.block, p.timed, p.warming = p.block + 1, 0, WARMUP_STEPS
-                if p.block == len(TRIAL_ORDER):
+                if p.block == len(p.order):
                     p.phase = "deciding"
-                elif TRIAL_ORDER[:p.block] == ("codes",):
+                elif p.rounds == 1 and p.block == 1 and p.order[0] == CODES:
                     self._predict()  # the first block timed codes: the model may settle it here
 
     def _record(self, name: str, b: _Bucket, candidate: int, seconds: float) -> None:
@@ -351,44 +422,49 @@ class Schedule:
         with self._lock:
             self._buckets.clear()
             self._estimates.clear()
-            self._policy = _Policy() if self.auto else None
-            self._watch = _Watch() if not self.auto and self.link is not None else None
+            self._start_policy()
 
     # reports and checkpoints -------------------------------------------------------------------------
     def report(self) -> list:
         """Per bucket: its name, the decision (None while trying) and the median seconds of every
-        chunking tried, as dicts; with policy="auto" the policy's decision and its step medians."""
+        chunking tried, as dicts; with policy="auto" the policy's decision ("codes", "native
+        float32", ...) and its step medians on each path (and the model's, where it predicted)."""
         with self._lock:
             rows = [{"bucket": name, "chosen": self._chosen_text(b),
                      "seconds": {describe(c): statistics.median(t) for c, t in b.times.items()}}
                     for name, b in self._buckets.items()]
             if self._policy is not None:
                 p = self._policy
-                seconds = {f"{k} step": statistics.median(v) for k, v in p.steps.items() if v}
-                if p.prediction is not None:
-                    seconds["native step (predicted)"] = p.prediction[1]
-                rows.append({"bucket": "(policy: every bucket)", "chosen": p.chosen, "seconds": seconds})
+                seconds = {f"{_path_text(k)} step": statistics.median(v) for k, v in p.steps.items() if v}
+                seconds.update({f"{_path_text(k)} step (predicted)": v for k, v in (p.prediction or {}).items()
+                                if k != CODES})
+                chosen = None if p.chosen is None else _path_text(p.chosen)
+                rows.append({"bucket": "(policy: every bucket)", "chosen": chosen, "seconds": seconds})
             return rows
 
     def decisions(self) -> dict:
         """What was decided, in the names pin() takes: {"chunk_bytes": {bucket: float32 bytes a
         chunk, 0 unchunked}, "policy": "codes", "native" or None (still trying; only with
-        policy="auto")}."""
+        policy="auto"), "native_dtype": the dtype of the framework's allreduce (policy "native")}."""
         with self._lock:
-            out = {"chunk_bytes": {name: b.chosen for name, b in self._buckets.items()
-                                   if b.chosen is not None and b.chosen != NATIVE}}
+            out = {"chunk_bytes": {name: b.chosen for name, b in self._buckets.items() if b.chosen is not None}}
             if self._policy is not None:
-                out["policy"] = self._policy.chosen
+                chosen = self._policy.chosen
+                out["policy"] = "native" if chosen in NATIVE_BYTES else chosen
+                if chosen in NATIVE_BYTES:
+                    out["native_dtype"] = chosen
             return out
 
     def pin(self, decisions: dict) -> None:
         """Take these decisions (decisions() of an earlier run) instead of trying: the buckets
         named run their chunking from the first exchange, and a policy pinned skips the trial
-        steps. Every rank must pin the same, before the first step."""
-        unknown = set(decisions) - {"chunk_bytes", "policy"}
+        steps (a "native" one in "native_dtype", else the first of the natives). Every rank must
+        pin the same, before the first step."""
+        unknown = set(decisions) - {"chunk_bytes", "policy", "native_dtype"}
         if unknown:
-            raise ValueError(f"pin() takes 'chunk_bytes' and 'policy', got {sorted(unknown)}")
+            raise ValueError(f"pin() takes 'chunk_bytes', 'policy' and 'native_dtype', got {sorted(unknown)}")
         chunks, policy = dict(decisions.get("chunk_bytes") or {}), decisions.get("policy")
+        dtype = decisions.get("native_dtype", self.natives[0])
         for name, value in chunks.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"chunk_bytes of {name!r} must be an int >= 0, got {value!r}")
@@ -396,11 +472,15 @@ class Schedule:
             raise ValueError(f"policy must be 'codes', 'native' or None, got {policy!r}")
         if policy is not None and self._policy is None:
             raise ValueError("a policy is pinned only on a compressor made with policy='auto' (the others send codes)")
+        if dtype not in self.natives:
+            raise ValueError(f"native_dtype must be one of this compressor's {list(self.natives)} (its fallback), "
+                             f"got {dtype!r}")
         with self._lock:
             for name, value in chunks.items():
                 self._bucket(name).chosen = value
             if policy is not None:
-                self._policy.chosen, self._policy.phase = policy, "decided"
+                self._policy.chosen = dtype if policy == "native" else policy
+                self._policy.phase = "decided"
 
     def _chosen_text(self, b: _Bucket):
         if self._policy_native():
@@ -414,10 +494,7 @@ class Schedule:
             state = {name: {"times": {str(c): list(t) for c, t in b.times.items()}, "runs": b.runs, "chosen": b.chosen}
                      for name, b in self._buckets.items()}
             if self._policy is not None:
-                p = self._policy
-                state["(policy)"] = {"phase": p.phase, "chosen": p.chosen, "block": p.block, "timed": p.timed,
-                                     "rounds": p.rounds, "steps": {k: list(v) for k, v in p.steps.items()},
-                                     "predicting": p.predicting, "prediction": p.prediction}
+                state["(policy)"] = self._policy.state()
             return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -427,19 +504,21 @@ class Schedule:
             self._buckets = {name: _Bucket({int(c): list(t) for c, t in s["times"].items()}, s["runs"], s["chosen"])
                              for name, s in state.items()}
             if self._policy is not None and policy is not None:
-                p = self._policy
-                p.phase, p.chosen, p.block, p.timed = policy["phase"], policy["chosen"], policy.get("block", 0), policy.get("timed", 0)
-                p.rounds = policy.get("rounds", 1)
-                p.predicting, p.prediction = policy.get("predicting"), policy.get("prediction")
-                p.steps = {k: list(v) for k, v in policy["steps"].items()}
-                if p.phase == "trials":  # timing a step begun before the checkpoint
-                    p.last_commit = None
+                self._policy.load(policy)
 
 
 def describe(candidate: int) -> str:
     if candidate == NATIVE:
         return "native allreduce"
     return "unchunked codes" if candidate == 0 else f"codes in {candidate >> 10} KiB chunks"
+
+
+def _path_text(path: str) -> str:
+    return path if path == CODES else f"native {path}"
+
+
+def _steps_text(steps: dict) -> str:
+    return ", ".join(f"{_path_text(path)} {1e3 * seconds:.1f} ms" for path, seconds in steps.items())
 
 
 def _times_text(times: dict) -> str:

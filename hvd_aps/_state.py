@@ -220,10 +220,11 @@ class ExchangeState:
 
     def __getstate__(self) -> dict:
         return {"state": self.state_dict(), "candidates": self.schedule.candidates, "auto": self.schedule.auto,
-                "link": self.schedule.link}
+                "link": self.schedule.link, "natives": self.schedule.natives}
 
     def __setstate__(self, saved: dict) -> None:
-        self.__init__(saved["state"]["seed"], Schedule(saved["candidates"], saved["auto"], saved.get("link")))
+        self.__init__(saved["state"]["seed"], Schedule(saved["candidates"], saved["auto"], saved.get("link"),
+                                                       saved.get("natives", ("float32",))))
         self.load_state_dict(saved["state"])
 
     # threads --------------------------------------------------------------------------------------

@@ -31,11 +31,12 @@ hvd_aps.tensorflow.adapter, chosen by the tensor's type.
 import contextlib
 import dataclasses
 import threading
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 
 from . import exchange
+from ._schedule import NATIVE_BYTES
 from ._stages import Bucket
 from .config import Fallback
 
@@ -108,7 +109,7 @@ def adapter_of(tensor) -> "Adapter | None":
 class _Batch:
     name: str
     adapter: Adapter     # the framework adapter of every tensor in the batch
-    native: bool = False  # the schedule settled on the framework's allreduce: tensors pass through
+    native: Optional[str] = None  # the dtype of the framework's allreduce the schedule sends it in, else codes
     flats: list = dataclasses.field(default_factory=list)   # codes batches: the gradients as float32 flats
     labels: list = dataclasses.field(default_factory=list)
     sizes: list = dataclasses.field(default_factory=list)
@@ -157,7 +158,7 @@ class Batches:
                 self._close(self._open)
             if self._open is None:
                 name = f"hvd_aps.{self._count}"
-                self._open = _Batch(name, adapter, self._ex.state.schedule.native(name))
+                self._open = _Batch(name, adapter, self._ex.state.schedule.native_dtype())
                 self._count += 1
             batch = self._open
             batch.nbytes += 4 * adapter.numel(tensor)
@@ -166,7 +167,7 @@ class Batches:
             self._outstanding += 1
             if batch.native:
                 context = Passed(self._generation, tensor, batch)
-                wire = adapter.native_wire(tensor, config.fallback)
+                wire = adapter.native_wire(tensor, batch.native)
             else:
                 context = Ticket(self._generation, tensor, batch, len(batch.flats))
                 batch.flats.append(adapter.flatten(tensor))
@@ -231,10 +232,9 @@ class Batches:
         that carries a passed-through batch as every native exchange is counted."""
         adapter = batch.adapter
         if batch.native:
-            dtype = np.dtype(str(self._ex.config.fallback))
             self._ex.count_native([f"{batch.name}[{i}]" for i in range(len(batch.sizes))],
-                                  zip(batch.labels, batch.sizes), dtype.name,
-                                  exchange.ring_bytes(dtype.itemsize * sum(batch.sizes), adapter.world()))
+                                  zip(batch.labels, batch.sizes), batch.native,
+                                  exchange.ring_bytes(NATIVE_BYTES[batch.native] * sum(batch.sizes), adapter.world()))
         else:
             bucket = Bucket.whole(batch.name, [f"{batch.name}[{i}]" for i in range(len(batch.sizes))], batch.labels,
                                   batch.sizes)

@@ -40,7 +40,7 @@ class APSCompressor:
             label (TF: the gradient's graph name; torch: dtype and shape), `totals()` the sum since
             `reset_stats()`, `stats_table()` both as text or CSV; `bytes_sent` counts the bytes this
             rank sent in its exchanges (where policy="auto" chose the framework's own allreduce,
-            the bytes a ring of the fallback dtype sends; tensors under min_elements not counted).
+            the bytes a ring of the dtype it chose sends; tensors under min_elements not counted).
         stats_sample: the stats of a tensor come from an evenly strided sample of about this many
             of its elements, scaled up (0: every element: a full pass over every gradient, which
             on a CPU costs about as much as the encode itself). The default keeps their cost
@@ -87,7 +87,7 @@ class APSCompressor:
             raise TypeError(f"expected an APSConfig, got {type(config).__name__}")
         if state is None:
             state = ExchangeState(secrets.randbits(63) if seed is None else int(seed),
-                                  Schedule(config.candidates, config.policy == "auto", _job_link()))
+                                  Schedule(config.candidates, config.policy == "auto", _job_link(), config.natives))
         self.config, self.exchanger = config, Exchanger(config, state, stats)
         self._batches = _tokens.Batches(self.exchanger)
 
@@ -170,8 +170,8 @@ class APSCompressor:
     def decisions(self) -> dict:
         """The run-time schedule's decisions so far, to pin in a later run: {"chunk_bytes":
         {bucket name: float32 bytes a chunk (0: unchunked)}, "policy": "codes" or "native"
-        (policy="auto" only; None while its trials run)}. Bucket names are those of
-        schedule_report()."""
+        (policy="auto" only; None while its trials run), and for "native" its "native_dtype"}.
+        Bucket names are those of schedule_report()."""
         return self.state.schedule.decisions()
 
     def pin(self, decisions: dict) -> None:
@@ -179,7 +179,8 @@ class APSCompressor:
         timing trials: named buckets take their chunking at once, a pinned policy skips
         policy="auto"'s trial steps. Call on every rank alike, before the first step. Pinning
         changes when things are sent, never a bit of the result, except that a policy of
-        "native" sends the framework's own allreduce in `fallback`."""
+        "native" sends the framework's own allreduce in "native_dtype" (default: the first of
+        `fallback`'s dtypes, float32 for "auto")."""
         self.state.schedule.pin(decisions)
 
     def close(self) -> None:

@@ -44,10 +44,12 @@ class Policy(_Choice):
 
 
 class Fallback(_Choice):
-    """What policy="auto" sends where codes do not pay."""
+    """What policy="auto" sends where codes do not pay: the framework's allreduce in one dtype,
+    or AUTO: in float32 or float16, whichever steps are faster."""
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
+    AUTO = "auto"
 
 
 AUTO = "auto"  # chunk_bytes tuned at run time
@@ -97,7 +99,9 @@ class APSConfig:
             (codes only if clearly faster). AUTO changes what is sent, so it is opt-in; its
             decision is in state_dict(), so a resumed run keeps it.
         fallback: the dtype policy="auto" sends in (float32, or float16 / bfloat16 where the
-            user allows the 16-bit cast).
+            user allows the 16-bit cast), or "auto": float32 and float16 are both timed (or
+            predicted) and the faster kept; float16's range ends at 65504, so gradients larger
+            than that (before averaging) overflow on that path as with any float16 allreduce.
     """
 
     fmt: FloatFormat
@@ -150,6 +154,14 @@ class APSConfig:
         return CHUNK_CANDIDATES if self.chunk_bytes == AUTO else (self.chunk_bytes,)
 
     @property
+    def natives(self) -> tuple:
+        """The dtypes of the framework's allreduce policy="auto" weighs against codes (the more
+        exact first)."""
+        if self.fallback == Fallback.AUTO:
+            return (Fallback.FLOAT32.value, Fallback.FLOAT16.value)
+        return (self.fallback.value,)
+
+    @property
     def graph_chunk_bytes(self) -> int:
         """The chunking of an exchange inside a graph, fixed when it is traced."""
         return GRAPH_CHUNK_BYTES if self.chunk_bytes == AUTO else self.chunk_bytes
@@ -183,6 +195,8 @@ RECIPES = {
     "aps-e3m0-auto": dict(fmt="e3m0", policy="auto"),
     "aps-e4m3-auto16": dict(fmt="e4m3", policy="auto", fallback="float16"),
     "aps-e3m0-auto16": dict(fmt="e3m0", policy="auto", fallback="float16"),
+    "aps-e4m3-autofb": dict(fmt="e4m3", policy="auto", fallback="auto"),
+    "aps-e3m0-autofb": dict(fmt="e3m0", policy="auto", fallback="auto"),
     "naive-e4m3": dict(fmt="e4m3", scaling="none"),
     "naive-e5m2": dict(fmt="e5m2", scaling="none"),
     "naive-e3m0": dict(fmt="e3m0", scaling="none"),

@@ -233,8 +233,9 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     name, exchanger = f"ddp.bucket{index}", state.compressor.exchanger
     state.opened(index)
     keys = state.keys(bucket.parameters())
-    if exchanger.state.schedule.native(name):
-        future = _native(state, bucket, name, keys)
+    native = exchanger.state.schedule.native_dtype()
+    if native is not None:
+        future = _native(state, bucket, name, keys, native)
         state.handed_over(bucket.is_last())
         return future
     future = torch.futures.Future()
@@ -269,12 +270,12 @@ _NATIVE_HOOKS = {"float32": default_hooks.allreduce_hook, "float16": default_hoo
                  "bfloat16": default_hooks.bf16_compress_hook}
 
 
-def _native(state: APSState, bucket: dist.GradBucket, name: str, keys: list) -> torch.futures.Future[torch.Tensor]:
-    """policy="auto" settled on the framework's own allreduce for this bucket: torch's own hook
-    for the fallback dtype (in place, no copies), in flight in the step and counted as every
-    native exchange is."""
+def _native(state: APSState, bucket: dist.GradBucket, name: str, keys: list,
+            fallback: str) -> torch.futures.Future[torch.Tensor]:
+    """policy="auto" sends this bucket through the framework's own allreduce in `fallback`:
+    torch's own hook for that dtype (in place, no copies), in flight in the step and counted as
+    every native exchange is."""
     exchanger = state.compressor.exchanger
-    fallback = str(exchanger.config.fallback)
     sizes = [g.numel() for g in bucket.gradients()]
 
     def settle(done):

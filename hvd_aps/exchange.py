@@ -202,7 +202,7 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     candidate = schedule.candidate(bucket.name) if coll.eager else graph_chunk_bytes
     divisor = divisor or (levels.world.world if average else 1)
     if candidate == NATIVE:  # policy="auto" chose, or is timing, the framework's own allreduce
-        return _native(stages, bucket, flats, levels.world, outs, divisor)
+        return _native(stages, bucket, flats, levels.world, outs, divisor, schedule.native_dtype())
     if levels.local is not None:
         slices = _layout.slices(bucket.sizes, levels.local.world)
         held_bucket, data, slice_outs, slice_message = _scatter(bucket, slices, flats, levels.local,
@@ -249,8 +249,7 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
         schedule.measured(bucket.name, candidate, time.perf_counter() - started)
         if schedule.predicting:  # policy="auto" will predict the framework's step from the model
             per_host = 1 if levels.local is None else levels.local.world
-            schedule.estimate_native(bucket.name, np.dtype(str(stages.config.fallback)).itemsize * sum(bucket.sizes),
-                                     levels.world.world // per_host, per_host)
+            schedule.estimate_native(bucket.name, sum(bucket.sizes), levels.world.world // per_host, per_host)
     return results
 
 
@@ -401,10 +400,10 @@ def _gather(bucket: Bucket, slices: list, results: list, local: Collectives, out
     return list(local.stage(unpack, [gathered], [np.float32] * len(bucket.sizes)))
 
 
-def _native(stages, bucket: Bucket, flats: list, world: Collectives, outs, divisor: int) -> list:
-    """policy="auto" where codes do not pay: the framework's own allreduce of the bucket, in the
-    fallback dtype, counted in the stats and the bytes."""
-    dtype = np.dtype(str(stages.config.fallback))
+def _native(stages, bucket: Bucket, flats: list, world: Collectives, outs, divisor: int, dtype: str) -> list:
+    """policy="auto" where codes do not pay: the framework's own allreduce of the bucket in
+    `dtype`, counted in the stats and the bytes."""
+    dtype = np.dtype(dtype)
     xp = _arrays.array_module(flats[0])
     flat = xp.concatenate([f.astype(dtype) for f in flats]) if flats else xp.zeros(0, dtype)
     total = world.allreduce(flat, f"{bucket.name}.native")

@@ -72,8 +72,9 @@ class APSReduceScatter(ReduceScatter):
         rows = input_tensor.detach().to(torch.float32).reshape(coll.world, -1)
         out = torch.empty(output_tensor.numel(), dtype=torch.float32, device=output_tensor.device)
         with _backward_step(self.compressor):
-            if schedule.native(self.name):
-                self._native(rows, out, group)
+            native = schedule.native_dtype()
+            if native is not None:
+                self._native(rows, out, group, native)
             else:
                 exchange.reduce_scatter(stages, self.name, _arrays.as_array(rows), coll, _arrays.as_array(out),
                                         coll.world)
@@ -87,16 +88,15 @@ class APSReduceScatter(ReduceScatter):
             self._exchanges[key] = coll, self.compressor.exchanger.scatter_stages(coll.world, coll.rank)
         return self._exchanges[key]
 
-    def _native(self, rows: torch.Tensor, out: torch.Tensor, group) -> None:
-        """FSDP's own reduce-scatter of the rows in the fallback dtype, averaged in float32,
-        counted as a passed-through tensor."""
-        dtype = getattr(torch, str(self.compressor.config.fallback))
+    def _native(self, rows: torch.Tensor, out: torch.Tensor, group, fallback: str) -> None:
+        """FSDP's own reduce-scatter of the rows in `fallback`, averaged in float32, counted as a
+        passed-through tensor."""
+        dtype = getattr(torch, fallback)
         world = rows.shape[0]
         shard = torch.empty(out.numel(), dtype=dtype, device=out.device)
         dist.reduce_scatter_tensor(shard, rows.to(dtype).reshape(-1), op=dist.ReduceOp.SUM, group=group)
         torch.div(shard.to(torch.float32), world, out=out)
-        self.compressor.exchanger.count_native([self.name], [(self.name, rows.numel())],
-                                               str(self.compressor.config.fallback),
+        self.compressor.exchanger.count_native([self.name], [(self.name, rows.numel())], fallback,
                                                (world - 1) * shard.numel() * shard.element_size())
 
 

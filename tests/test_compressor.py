@@ -223,29 +223,58 @@ def test_commit_and_rollback():
     assert seed != state.seed_for(1, "t", "send") and seed == state.seed_for(0, "t", "send")
 
 
+def _commits(schedule, steps: int) -> list:
+    """The native dtype each of `steps` steps runs (None: codes), committing each."""
+    phases = []
+    for _ in range(steps):
+        phases.append(schedule.native_dtype())
+        schedule.commit()
+    return phases
+
+
+def _blocks(order) -> list:
+    """The native dtype of every step of a round of trial blocks in `order`, then its deciding step."""
+    from hvd_aps._schedule import BLOCK_STEPS, CODES, WARMUP_STEPS
+    return [None if path == CODES else path for path in order for _ in range(WARMUP_STEPS + BLOCK_STEPS)] + [None]
+
+
 def test_policy_auto_switches_only_between_steps():
     """The step trials' verdict rides on the deciding step's exchanges, and only the step's commit
     applies it: a step whose first exchange had agreed while another rank was still forming its
     next batch would otherwise send that batch differently there (and hang)."""
-    from hvd_aps._schedule import STEP_TRIALS, TRIAL_ORDER, TRIAL_STEPS, UNMEASURED, Schedule
+    from hvd_aps._schedule import STEP_TRIALS, UNMEASURED, Schedule, trial_order, trial_steps
     schedule = Schedule((0,), auto=True)
-    assert not schedule.native("b")  # its chunking is fixed at once (one candidate)
+    assert schedule.candidate("b") == 0 and schedule.native_dtype() is None  # one chunking: fixed at once
     schedule.commit()  # every bucket's chunking fixed: the trial steps start
-    phases = []
-    for _ in range(TRIAL_STEPS):
-        schedule.commit()
-        phases.append(schedule.native("b"))
-    block = TRIAL_STEPS // len(TRIAL_ORDER)  # steps per block, its warm-up included
-    # after the i-th commit the next step runs the block that step falls in; after the last, deciding
-    assert phases == [TRIAL_ORDER[i // block] == "native" for i in range(1, TRIAL_STEPS)] + [False]
-    assert TRIAL_ORDER[:2] == ("codes", "native") and len(TRIAL_ORDER) >= 4  # alternating blocks
+    order = trial_order(("codes", "float32"))
+    assert order == ("codes", "float32", "codes", "float32")  # alternating blocks
+    assert _commits(schedule, trial_steps(("codes", "float32"))) == _blocks(order)
     assert [len(v) for v in schedule.state_dict()["(policy)"]["steps"].values()] == [STEP_TRIALS] * 2
-    codes, native = schedule.entries("b")[2:]
-    assert codes > 0 and native > 0
-    schedule.agreed("b", [UNMEASURED, UNMEASURED, 2.0, 1.0])  # native is faster on the slowest rank
-    assert not schedule.native("b")  # not within the deciding step
+    codes, native = schedule.entries("b")[2:4]
+    assert codes > 0 and native > 0 and schedule.entries("b")[4:] == [UNMEASURED, UNMEASURED]
+    schedule.agreed("b", [UNMEASURED, UNMEASURED, 2.0, 1.0, UNMEASURED, UNMEASURED])  # float32 faster (slowest rank)
+    assert schedule.native_dtype() is None  # not within the deciding step
     schedule.commit()
-    assert schedule.native("b") and schedule.report()[-1]["chosen"] == "native"
+    assert schedule.native_dtype() == "float32" and schedule.report()[-1]["chosen"] == "native float32"
+
+
+def test_fallback_auto_times_float32_and_float16_and_keeps_the_faster():
+    """fallback="auto": the trial blocks alternate codes, float32 and float16 steps, the three
+    medians ride on the metadata, and the fastest path is kept."""
+    from hvd_aps._schedule import STEP_TRIALS, UNMEASURED, trial_order, trial_steps
+    comp = hvd_aps.APSCompressor("e4m3", policy="auto", fallback="auto", chunk_bytes=0, stats=False)
+    schedule = comp.state.schedule
+    assert schedule.natives == ("float32", "float16") and schedule.candidate("b") == 0
+    schedule.commit()
+    paths = ("codes", "float32", "float16")
+    assert _commits(schedule, trial_steps(paths)) == _blocks(trial_order(paths))
+    assert [len(v) for v in schedule.state_dict()["(policy)"]["steps"].values()] == [STEP_TRIALS] * 3
+    assert all(v > 0 for v in schedule.entries("b")[2:5]) and schedule.entries("b")[5] == UNMEASURED
+    schedule.agreed("b", [UNMEASURED, UNMEASURED, 2.0, 1.0, 0.5, UNMEASURED])
+    schedule.commit()
+    assert schedule.native_dtype() == "float16"
+    assert comp.decisions() == {"chunk_bytes": {"b": 0}, "policy": "native", "native_dtype": "float16"}
+    assert set(comp.schedule_report()[-1]["seconds"]) == {"codes step", "native float32 step", "native float16 step"}
 
 
 def test_decisions_pin_a_later_run_without_trials():
@@ -257,14 +286,20 @@ def test_decisions_pin_a_later_run_without_trials():
     assert fresh.state.schedule.candidate("b") == 0  # untuned: the warm-up, then every chunking
     comp = hvd_aps.APSCompressor("e4m3", policy="auto", stats=False)
     comp.pin({"chunk_bytes": {"b": 1 << 20}, "policy": "codes"})
-    assert comp.state.schedule.candidate("b") == 1 << 20 and not comp.state.schedule.native("b")
+    assert comp.state.schedule.candidate("b") == 1 << 20 and comp.state.schedule.native_dtype() is None
     assert comp.decisions() == {"chunk_bytes": {"b": 1 << 20}, "policy": "codes"}
     native = hvd_aps.APSCompressor("e4m3", policy="auto", stats=False)
     native.pin({"policy": "native"})
     assert native.state.schedule.candidate("other") == NATIVE
     again = hvd_aps.APSCompressor("e4m3", policy="auto", stats=False)
     again.pin(native.decisions())
-    assert again.state.schedule.native("other")
+    assert again.state.schedule.native_dtype() == "float32"
+    assert native.decisions() == {"chunk_bytes": {}, "policy": "native", "native_dtype": "float32"}
+    either = hvd_aps.APSCompressor("e4m3", policy="auto", fallback="auto", stats=False)
+    either.pin({"policy": "native", "native_dtype": "float16"})
+    assert either.state.schedule.native_dtype() == "float16"
+    with pytest.raises(ValueError, match="native_dtype must be one of"):
+        native.pin({"policy": "native", "native_dtype": "float16"})  # its fallback is float32
     with pytest.raises(ValueError, match="policy='auto'"):
         hvd_aps.APSCompressor("e4m3").pin({"policy": "native"})
     for bad in ({"policy": "fast"}, {"chunk_bytes": {"b": -1}}, {"chunk_bytes": {"b": "4MiB"}}, {"chunks": {}}):
@@ -272,44 +307,86 @@ def test_decisions_pin_a_later_run_without_trials():
             comp.pin(bad)
 
 
-@pytest.mark.parametrize("codes, chosen", [(0.90, "codes"), (0.97, "native"), (1.10, "native")])
-def test_policy_auto_keeps_codes_only_where_they_are_clearly_faster(codes, chosen):
-    """After the last round, codes must beat the native step's median by CODES_MARGIN (5 %):
-    closer than that, noisy steps cannot tell the two apart, and the framework's own allreduce
-    is kept."""
+
+@pytest.mark.parametrize("medians, chosen", [
+    ({"codes": 0.90, "float32": 1.0}, "codes"), ({"codes": 0.97, "float32": 1.0}, "float32"),
+    ({"codes": 1.10, "float32": 1.0}, "float32"),
+    ({"codes": 2.0, "float32": 1.0, "float16": 0.97}, "float32"),  # float16 within CODES_MARGIN: float32
+    ({"codes": 2.0, "float32": 1.0, "float16": 0.90}, "float16"),
+    ({"codes": 0.93, "float32": 1.0, "float16": 0.96}, "float16"),  # codes within CODES_MARGIN of float16
+    ({"codes": 0.80, "float32": 1.0, "float16": 0.96}, "codes")])
+def test_policy_auto_keeps_a_less_exact_path_only_where_it_is_clearly_faster(medians, chosen):
+    """After the last round, a path is kept over a more exact one (float32, then 16-bit, then
+    codes) only where its median beats the more exact one's by CODES_MARGIN (5 %): closer than
+    that, noisy steps cannot tell them apart, and the more exact path is never slower than itself."""
     from hvd_aps._schedule import ROUNDS, Schedule
-    schedule = Schedule((0,), auto=True)
+    schedule = Schedule((0,), auto=True, natives=tuple(k for k in ("float32", "float16") if k in medians))
     schedule._policy.rounds = ROUNDS
-    schedule._decide(codes, 1.0)
-    assert schedule.report()[-1]["chosen"] == chosen
+    schedule._decide(medians)
+    assert schedule.state_dict()["(policy)"]["chosen"] == chosen
 
 
 def test_policy_auto_runs_another_round_on_a_close_call():
-    """Medians within CLEAR_MARGIN start another round of trial blocks (its steps pooled with
-    the first round's, the round counted in the state_dict); clear margins decide at once."""
-    from hvd_aps._schedule import CLEAR_MARGIN, STEP_TRIALS, TRIAL_ORDER, TRIAL_STEPS, UNMEASURED, Schedule
-    for codes, chosen in ((1 - 2 * CLEAR_MARGIN, "codes"), (1 + 2 * CLEAR_MARGIN, "native")):
+    """The two fastest medians within CLEAR_MARGIN start another round of trial blocks (its steps
+    pooled with the first round's, the round counted in the state_dict); clear margins decide at
+    once."""
+    from hvd_aps._schedule import CLEAR_MARGIN, STEP_TRIALS, UNMEASURED, Schedule, trial_order, trial_steps
+    for codes, chosen in ((1 - 2 * CLEAR_MARGIN, "codes"), (1 + 2 * CLEAR_MARGIN, "native float32")):
         clear = Schedule((0,), auto=True)
-        clear._decide(codes, 1.0)
+        clear._decide({"codes": codes, "float32": 1.0})
         assert clear.report()[-1]["chosen"] == chosen
     schedule = Schedule((0,), auto=True)
-    schedule.native("b")
+    schedule.candidate("b")
     schedule.commit()
-    for _ in range(TRIAL_STEPS):
-        schedule.commit()
-    schedule.agreed("b", [UNMEASURED, UNMEASURED, 0.95, 1.0])  # codes 5 % faster: a close call
+    paths = ("codes", "float32")
+    _commits(schedule, trial_steps(paths) - 1)
+    schedule.agreed("b", [UNMEASURED, UNMEASURED, 0.95, 1.0, UNMEASURED, UNMEASURED])  # codes 5 % faster: close
     schedule.commit()
     assert schedule.report()[-1]["chosen"] is None and schedule.state_dict()["(policy)"]["rounds"] == 2
-    block = TRIAL_STEPS // len(TRIAL_ORDER)
-    phases = []
-    for _ in range(TRIAL_STEPS):
-        phases.append(schedule.native("b"))
-        schedule.commit()
-    assert phases == [TRIAL_ORDER[i // block] == "native" for i in range(TRIAL_STEPS)]
+    assert _commits(schedule, trial_steps(paths) - 1) == _blocks(trial_order(paths))[:-1]
     assert [len(v) for v in schedule.state_dict()["(policy)"]["steps"].values()] == [2 * STEP_TRIALS] * 2
-    schedule.agreed("b", [UNMEASURED, UNMEASURED, 0.5, 1.0])
+    schedule.agreed("b", [UNMEASURED, UNMEASURED, 0.5, 1.0, UNMEASURED, UNMEASURED])
     schedule.commit()
     assert schedule.report()[-1]["chosen"] == "codes"
+
+
+@pytest.mark.parametrize("predicted, natives, left", [
+    ({"codes": 1.0, "float32": 1.2}, ("float32",), ("codes", "float32")),
+    ({"codes": 1.2, "float32": 1.0}, ("float32",), ("codes", "float32")),
+    ({"codes": 1.0, "float32": 1.3}, ("float32",), ("codes",)),
+    ({"codes": 1.3, "float32": 1.0}, ("float32",), ("float32",)),
+    # a 16-bit prediction is a lower bound: it drops float16, never the others
+    ({"codes": 1.0, "float32": 2.0, "float16": 1.5}, ("float32", "float16"), ("codes",)),
+    ({"codes": 1.0, "float32": 2.0, "float16": 0.5}, ("float32", "float16"), ("codes", "float16")),
+    ({"codes": 2.0, "float32": 1.0, "float16": 0.6}, ("float32", "float16"), ("float32", "float16")),
+    ({"codes": 1.0, "float16": 0.5}, ("float16",), ("codes", "float16"))])
+def test_a_predicted_margin_past_prior_margin_drops_a_path_and_the_rest_are_timed(predicted, natives, left):
+    from hvd_aps._schedule import CODES, Schedule, trial_order
+    schedule = Schedule((0,), auto=True, natives=natives)
+    schedule._policy.predicting = dict(predicted)  # this rank's; the agreed ones decide
+    schedule._decide(predicted)
+    policy = schedule.state_dict()["(policy)"]
+    assert policy["phase"] == ("trials" if len(left) > 1 else "decided")
+    assert policy["prediction"] == predicted
+    if len(left) == 1:
+        assert policy["chosen"] == left[0]
+    else:  # every path left gets its blocks, the codes block already timed not again
+        order = list(trial_order(left))
+        if CODES in order:
+            order.remove(CODES)
+        assert policy["order"] == order and policy["chosen"] is None
+
+
+def test_an_earlier_release_policy_state_reads_as_float32():
+    """A state_dict whose policy named the fixed fallback "native" resumes on the first native."""
+    from hvd_aps._schedule import Schedule
+    schedule = Schedule((0,), auto=True)
+    schedule.load_state_dict({"(policy)": {"phase": "decided", "chosen": "native", "block": 4, "timed": 0,
+                                           "rounds": 1, "steps": {"codes": [1.0], "native": [0.5]},
+                                           "predicting": None, "prediction": [1.0, 0.5]}})
+    assert schedule.native_dtype() == "float32"
+    assert schedule.state_dict()["(policy)"]["prediction"] == {"codes": 1.0, "float32": 0.5}
+    assert schedule.state_dict()["(policy)"]["steps"] == {"codes": [1.0], "float32": [0.5]}
 
 
 def test_values_seed_moves_on_when_the_sum_comes_back():
@@ -325,18 +402,6 @@ def test_values_seed_moves_on_when_the_sum_comes_back():
     resumed = hvd_aps.APSCompressor("e4m3", wire="values", rounding="stochastic", seed=3, stats=False)
     resumed.load_state_dict(comp.state_dict())
     assert resumed.state.values_seed(0, "grad.w") == second
-
-
-@pytest.mark.parametrize("codes, native, chosen", [(1.0, 1.2, None), (1.2, 1.0, None), (1.0, 1.3, "codes"),
-                                                   (1.3, 1.0, "native")])
-def test_a_predicted_margin_past_prior_margin_decides_and_a_closer_one_is_timed(codes, native, chosen):
-    from hvd_aps._schedule import Schedule
-    schedule = Schedule((0,), auto=True)
-    schedule._policy.predicting = (codes, native)  # this rank's; the agreed ones decide
-    schedule._decide(codes, native)
-    assert schedule.report()[-1]["chosen"] == chosen
-    assert schedule.state_dict()["(policy)"]["phase"] == ("trials" if chosen is None else "decided")
-    assert schedule.state_dict()["(policy)"]["prediction"] == (codes, native)
 
 
 def test_job_link_reads_a_rate_or_a_calibration_file(monkeypatch, tmp_path):

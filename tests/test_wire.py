@@ -7,7 +7,7 @@ import pytest
 import hvd_aps
 from hvd_aps import _host_engine, exchange
 from hvd_aps._inprocess import flat_levels, host_levels, run_ranks, subgroup_levels
-from hvd_aps._schedule import BLOCK_STEPS, MAX_TRIAL_STEPS, STEP_TRIALS
+from hvd_aps._schedule import BLOCK_STEPS, STEP_TRIALS, _path_text, max_trial_steps
 from hvd_aps._stages import HYBRID_SAMPLE, Bucket
 import model
 
@@ -277,20 +277,43 @@ def test_policy_auto_times_whole_steps_and_decides_alike():
     compressors = same_format("e4m3", 2, policy="auto", chunk_bytes=0)
     exact = (grads[0][0] + grads[1][0]) / np.float32(2)
     natives = 0
-    for _ in range(MAX_TRIAL_STEPS + 3):  # chunking, the rounds of trials and their deciding steps, decided
-        native = compressors[0].state.schedule.native("bucket")
+    for _ in range(max_trial_steps() + 3):  # chunking, the rounds of trials and their deciding steps, decided
+        native = compressors[0].state.schedule.native_dtype()
         results, _ = simulate(grads, compressors)
         if native:
             natives += 1
             assert results[0][0].tobytes() == exact.tobytes()
     policy = [c.schedule_report()[-1] for c in compressors]
-    assert policy[0]["chosen"] == policy[1]["chosen"] in ("codes", "native")
-    assert set(policy[0]["seconds"]) == {"codes step", "native step"}
+    assert policy[0]["chosen"] == policy[1]["chosen"] in ("codes", "native float32")
+    assert set(policy[0]["seconds"]) == {"codes step", "native float32 step"}
     assert natives >= STEP_TRIALS  # the native trial steps, and every step after if native won
-    assert compressors[0].state_dict()["schedule"]["(policy)"]["chosen"] == policy[0]["chosen"]
+    assert _path_text(compressors[0].state_dict()["schedule"]["(policy)"]["chosen"]) == policy[0]["chosen"]
 
 
-@pytest.mark.parametrize("link, chosen", [("1mbit", "codes"), ("10000gbit", "native")])
+def test_fallback_auto_sends_each_native_dtype_as_the_framework_would():
+    """fallback="auto": the trial steps go through the framework's allreduce in float32 and in
+    float16 (the float16 sum of the float16 casts, as a float16 allreduce gives it), every rank
+    runs the same dtype each step and decides alike, and each is counted in its dtype."""
+    grads = rank_grads(2, [20_000], seed=8)
+    compressors = same_format("e4m3", 2, policy="auto", fallback="auto", chunk_bytes=0)
+    want = {dtype: ((grads[0][0].astype(dtype) + grads[1][0].astype(dtype)).astype(np.float32) / np.float32(2))
+            for dtype in ("float32", "float16")}
+    seen = set()
+    for _ in range(max_trial_steps(("float32", "float16")) + 2):
+        dtypes = {c.state.schedule.native_dtype() for c in compressors}
+        assert len(dtypes) == 1  # alike on every rank
+        dtype = dtypes.pop()
+        results, _ = simulate(grads, compressors)
+        if dtype is not None:
+            seen.add(dtype)
+            assert_all_equal(results, [want[dtype]])
+            assert compressors[0].stats["bucket[0]"].fmt == dtype
+    assert seen == {"float32", "float16"}
+    policy = [c.schedule_report()[-1] for c in compressors]
+    assert policy[0]["chosen"] == policy[1]["chosen"] in ("codes", "native float32", "native float16")
+
+
+@pytest.mark.parametrize("link, chosen", [("1mbit", "codes"), ("10000gbit", "native float32")])
 def test_policy_auto_with_a_link_decides_from_the_model_without_trials(monkeypatch, link, chosen):
     """HVD_APS_LINK gives policy="auto" a link: after the first block of codes steps, the
     framework's step is predicted from their median and the model's allreduce; a margin past
@@ -301,16 +324,16 @@ def test_policy_auto_with_a_link_decides_from_the_model_without_trials(monkeypat
     grads = rank_grads(2, [1 << 20], seed=9)
     compressors = same_format("e4m3", 2, policy="auto")
     schedule, phases = compressors[0].state.schedule, []
-    while schedule.report()[-1]["chosen"] is None and len(phases) < MAX_TRIAL_STEPS:
-        phases.append((schedule.state_dict()["(policy)"]["phase"], schedule.native("bucket")))
+    while schedule.report()[-1]["chosen"] is None and len(phases) < max_trial_steps():
+        phases.append((schedule.state_dict()["(policy)"]["phase"], schedule.native_dtype()))
         simulate(grads, compressors)
     policy = [c.schedule_report()[-1] for c in compressors]
     assert policy[0]["chosen"] == policy[1]["chosen"] == chosen
     # the chunking, one block of codes steps (a warm-up and BLOCK_STEPS timed), the deciding step
     assert [p for p, _ in phases].count("trials") == 1 + BLOCK_STEPS and phases[-1][0] == "deciding"
     assert not any(native for _, native in phases)  # no native trial step
-    assert schedule.native("bucket") == (chosen == "native")
-    assert set(policy[0]["seconds"]) == {"codes step", "native step (predicted)"}
+    assert schedule.native_dtype() == (None if chosen == "codes" else "float32")
+    assert set(policy[0]["seconds"]) == {"codes step", "native float32 step (predicted)"}
 
 
 @pytest.mark.parametrize("link, warned", [("1mbit", False), ("10000gbit", True)])
@@ -322,8 +345,8 @@ def test_policy_codes_warns_once_where_the_model_predicts_the_framework_faster(m
     grads = rank_grads(2, [1 << 20], seed=9)
     compressors = same_format("e4m3", 2)
     with caplog.at_level("WARNING", logger="hvd_aps"):
-        for _ in range(MAX_TRIAL_STEPS // 2):
+        for _ in range(max_trial_steps() // 2):
             simulate(grads, compressors)
     warnings = [r for r in caplog.records if "policy='auto'" in r.getMessage()]
     assert len(warnings) == (2 if warned else 0)  # once a rank, here two thread ranks
-    assert not any(c.state.schedule.native("bucket") for c in compressors)  # policy="codes" sends codes
+    assert not any(c.state.schedule.native_dtype() for c in compressors)  # policy="codes" sends codes

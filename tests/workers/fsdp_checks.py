@@ -10,9 +10,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import hvd_aps
 import hvd_aps.fsdp
 from common import codes_grads, leave_torchrun
-from hvd_aps._schedule import MAX_TRIAL_STEPS
+from hvd_aps._schedule import max_trial_steps
 
-AUTO_STEPS = MAX_TRIAL_STEPS + 1  # the first step sees every unit, then at most every round of trials
+AUTO_STEPS = max_trial_steps() + 1  # the first step sees every unit, then at most every round of trials
 
 dist.init_process_group("gloo")
 rank, size, out = dist.get_rank(), dist.get_world_size(), {}

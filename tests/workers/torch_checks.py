@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import hvd_aps
-from hvd_aps._schedule import MAX_TRIAL_STEPS
+from hvd_aps._schedule import max_trial_steps
 from common import codes_grads, poisoned, rank_data, spiked
 
 hvd.init()
@@ -155,14 +155,12 @@ stochastic_training()
 
 
 def auto_policy():
-    """policy="auto" with its decision pinned through state_dict(): the batch passes through to
+    """policy="auto" with its decision pinned: the batch passes through to
     Horovod's own allreduce (fp32, or float16), bit for bit Horovod's Compression.none / .fp16;
     and a run that tries both candidates decides alike on every rank."""
     for fallback, stock in (("float32", hvd.Compression.none), ("float16", hvd.Compression.fp16)):
         comp = hvd_aps.APSCompressor("e4m3", policy="auto", fallback=fallback, min_elements=16, chunk_bytes=0)
-        state = comp.state_dict()
-        state["schedule"] = {"hvd_aps.0": {"times": {}, "runs": 0, "chosen": -1}}  # -1: the native allreduce
-        comp.load_state_dict(state)
+        comp.pin({"policy": "native"})
         x = torch.from_numpy(rank_data(rank, seed=9))
         out[f"native_{fallback}"] = hvd.allreduce(x, compression=comp, name=f"native_{fallback}").numpy()
         out[f"stock_{fallback}"] = hvd.allreduce(x, compression=stock, name=f"stock_{fallback}").numpy()
@@ -170,7 +168,7 @@ def auto_policy():
         out[f"native_{fallback}_carried"] = np.array(comp.stats["float32[1000]"].fmt)
     comp = hvd_aps.APSCompressor("e4m3", policy="auto", min_elements=16, chunk_bytes=0)
     # the rounds of trial blocks (each an untimed step and timed ones), each round's step to agree on medians
-    for step in range(MAX_TRIAL_STEPS + 3):
+    for step in range(max_trial_steps() + 3):
         hvd.allreduce(torch.from_numpy(rank_data(rank, seed=step)), compression=comp, name="tried")
     out["auto_decision"] = np.array(str(comp.schedule_report()[-1]["chosen"]))
 
