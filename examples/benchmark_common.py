@@ -35,7 +35,9 @@ def codec_gbps(params):
 PROFILES = ("mlp", "large", "resnet50", "resnet18", "transformer", "lm")  # see synthetic_models.py
 
 
-MAX_TUNING_STEPS = 40  # warm-up steps at most while a compressor's schedule is still being chosen
+# warm-up steps at most while a compressor's schedule is still being chosen: the chunking's exchanges
+# and every round of policy="auto"'s trials among codes, float32 and float16 (78 steps)
+MAX_TUNING_STEPS = 100
 
 
 def measure(step, args, phases, params, allgather_object, rank, size, compressor=None, extra=None):
