@@ -36,7 +36,7 @@ PROFILES = ("mlp", "large", "resnet50", "resnet18", "transformer", "lm")  # see 
 
 
 # warm-up steps at most while a compressor's schedule is still being chosen: the chunking's exchanges
-# and every round of policy="auto"'s trials among codes, float32 and float16 (78 steps)
+# and every round of policy="auto"'s trials among codes, float32 and float16 (75 steps)
 MAX_TUNING_STEPS = 100
 
 
