@@ -8,9 +8,11 @@ backward, optimizer) is the one its benchmark measured; each link class (a rate)
 effective bandwidth and latency, fitted on the Horovod and DDP fp32 rows of that rate (the
 frameworks' own allreduce: what a link delivers to Gloo over TCP through tc is not its nominal
 rate); each framework's 16-bit allreduce gets one processor cost per element its ring reduces
-(hvd_aps.perf.Path.processor), fitted on its uncapped 16-bit rows, where the link matters least
-(torch's, fitted on DDP's rows, serves FSDP2's too). Every other row (16-bit rows on a capped
-link, codes, and every FSDP2 row, its float32 reduce-scatter included:
+(hvd_aps.perf.Path.processor), fitted on its uncapped 16-bit rows, where the link matters least,
+and so does each framework's codes path (per element its codec handles, beyond the codec's
+calibrated time: what the same passes cost more inside the job than alone), fitted on its
+uncapped codes rows (torch's, fitted on DDP's rows, serve FSDP2's too). Every other row (16-bit
+and codes rows on a capped link, and every FSDP2 row, its float32 reduce-scatter included:
 hvd_aps.perf.fsdp_step_time) is then predicted, not fitted. policy="auto" rows are left out (the
 model does not run the trials). The summary is given for every row and for the rows run with
 OpenMP's idle workers waiting passively (the row's omp_wait_policy, netns_cluster.py's default
@@ -41,7 +43,7 @@ PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments
     ("resnet18", 11689512): dict(image_size=112), ("transformer", 18915328): dict(hidden=512, blocks=6),
     ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384)}
 LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
-HALF_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per element a 16-bit ring reduces: the fit's grid
+PROCESSOR_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per element: the processor fits' grid
 
 
 def measured_rows():
@@ -83,14 +85,18 @@ def shapes(profile, params, cache={}):
 
 def fitted(r):
     """Whether a row is one the model is fitted on: Horovod's and DDP's float32 allreduce (the
-    links), their uncapped 16-bit allreduce (its processor cost)."""
+    links), their uncapped 16-bit allreduce and codes (their processor costs)."""
     framework, name, _, _ = path_of(r["compression"])
-    return framework != "fsdp" and (name == "none" or name == "fp16" and r["rate"] == "uncapped")
+    return framework != "fsdp" and (name == "none" or name != "none" and r["rate"] == "uncapped")
 
 
-def half_framework(r) -> str:
-    """Whose 16-bit allreduce a row ran: Horovod's, or torch.distributed's (DDP and FSDP2)."""
-    return "hvd" if path_of(r["compression"])[0] == "hvd" else "torch"
+def processor_key(r) -> tuple:
+    """Whose processor cost a row's path takes: (Horovod's or torch.distributed's (DDP and
+    FSDP2), 16-bit allreduce or codes); None for float32."""
+    framework, name, bits, fmt = path_of(r["compression"])
+    if bits == 32:
+        return None
+    return "hvd" if framework == "hvd" else "torch", "codes" if fmt else "16-bit"
 
 
 def workload(r):
@@ -119,13 +125,13 @@ def cluster(r, link, copy):
                         sharing=n, copy=copy)
 
 
-def predict(r, link, calibrated, half_cost=0.0):
-    """The row's predicted step; `half_cost`: its framework's 16-bit processor cost (16-bit rows)."""
+def predict(r, link, calibrated, processor=0.0):
+    """The row's predicted step; `processor`: its path's processor cost (processor_key)."""
     framework, name, bits, fmt = path_of(r["compression"])
     codecs, copy = calibrated
     c = cluster(r, link, copy)
     codec = None if fmt is None else codecs[(fmt, c.hosts if c.two_levels else c.world)]
-    path = perf.Path(name, bits, codec, half_cost if bits == 16 else 0.0)
+    path = perf.Path(name, bits, codec, processor)
     if framework == "fsdp":
         return perf.fsdp_step_time(workload(r), path, c, r.get("reshard", True), gloo=True)
     return perf.step_time(workload(r), path, c)
@@ -142,14 +148,13 @@ def fit_links(rows, calibrated):
     return links
 
 
-def fit_half_costs(rows, links, calibrated):
-    """Per framework ('hvd', 'torch'): the 16-bit processor cost that predicts its uncapped
-    16-bit rows best (0 where it has none)."""
-    costs = {}
-    for framework in ("hvd", "torch"):
-        half = [r for r in rows if fitted(r) and path_of(r["compression"])[2] == 16 and half_framework(r) == framework]
-        costs[framework] = _least_error(HALF_COSTS, half, lambda r, cost: predict(r, links[r["rate"]], calibrated, cost)
-                                        ) if half else 0.0
+def fit_processor_costs(rows, links, calibrated):
+    """Per processor_key: the processor cost that predicts its uncapped rows best (0 where it has none)."""
+    costs = {None: 0.0}
+    for key in itertools.product(("hvd", "torch"), ("16-bit", "codes")):
+        own = [r for r in rows if fitted(r) and processor_key(r) == key]
+        costs[key] = _least_error(PROCESSOR_COSTS, own, lambda r, cost: predict(r, links[r["rate"]], calibrated, cost)
+                                  ) if own else 0.0
     return costs
 
 
@@ -180,13 +185,13 @@ def main():
     for rate, link in links.items():
         print(f"link {rate}: fitted on its fp32 rows {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
               f"latency {link.latency * 1e6:.0f} us")
-    half_costs = fit_half_costs(rows, links, calibrated)
-    for framework, cost in half_costs.items():
-        print(f"{framework}'s 16-bit allreduce: fitted on its uncapped rows {cost * 1e9:.2f} ns of processor per "
-              f"element its ring reduces")
+    costs = fit_processor_costs(rows, links, calibrated)
+    for (framework, path), cost in ((k, v) for k, v in costs.items() if k is not None):
+        print(f"{framework}'s {path}: fitted on its uncapped rows {cost * 1e9:.2f} ns of processor per element its "
+              f"{'ring reduces' if path == '16-bit' else 'codec handles, beyond the codec alone'}")
     out = []
     for r in rows:
-        predicted = predict(r, links[r["rate"]], calibrated, half_costs[half_framework(r)])
+        predicted = predict(r, links[r["rate"]], calibrated, costs[processor_key(r)])
         out.append({k: r[k] for k in ("file", "profile", "hosts", "ranks_per_host", "rate", "compression")}
                    | {"measured": r["step_median"], "predicted": predicted, "error": predicted / r["step_median"] - 1,
                       "fitted": fitted(r), "passive": r.get("omp_wait_policy", "").upper() == "PASSIVE"})
@@ -240,7 +245,7 @@ def plot(out, path):
             if pts:
                 ax.scatter([o["measured"] for o in pts], [o["predicted"] for o in pts], marker=marker, s=18,
                            facecolors="none" if fitted else color, edgecolors=color,
-                           label=f"{rate}{', fitted (fp32; 16-bit uncapped)' if fitted else ''}")
+                           label=f"{rate}{', fitted (fp32; 16-bit and codes uncapped)' if fitted else ''}")
     lim = [min(o["measured"] for o in out) * 0.8, max(o["measured"] for o in out) * 1.2]
     ax.plot(lim, lim, "k-", lw=0.7)
     ax.plot(lim, [x * 1.25 for x in lim], "k:", lw=0.5)

@@ -176,8 +176,10 @@ class Path:
     """A way to exchange a bucket: the framework's allreduce of `bits`-bit values, or hvd_aps's
     codes of a `bits`-bit format (codec: its calibrated time). `processor`: seconds the
     framework's allreduce spends on the processor per element its ring reduces ((N-1)/N of the
-    bucket a rank: a 16-bit allreduce's casts and sums on the CPU), scaled by the cluster's
-    `sharing`."""
+    bucket a rank: a 16-bit allreduce's casts and sums on the CPU), or on a codes path per
+    element its codec handles beyond the codec's calibrated time (what the same passes cost more
+    inside a job than alone: the collectives' own work, threads contending with compute's),
+    scaled by the cluster's `sharing`."""
     name: str
     bits: int
     codec: Optional[Codec] = None
@@ -231,14 +233,15 @@ def exchange_time(elements: int, path: Path, c: Cluster, tensors: float = 1) -> 
 
 
 def processor_time(elements: int, path: Path, c: Cluster) -> float:
-    """Seconds a rank's processor spends on a bucket's exchange outside the codec: a framework
-    allreduce's own passes (`path.processor`), or the host level of two levels through host
-    memory (`c.copy`)."""
+    """Seconds a rank's processor spends on a bucket's exchange outside the codec's calibrated
+    time: a framework allreduce's own passes or the codes path's in the job (`path.processor`),
+    and the host level of two levels through host memory (`c.copy`)."""
     if not path.codes:
         return path.processor * (c.world - 1) / c.world * elements * c.sharing
+    job = path.processor * _codes_elements(elements, c) * c.sharing
     if not (c.two_levels and c.copy):
-        return 0.0
-    return (HOST_COPIES + 1 / c.ranks_per_host) * elements * c.copy * c.sharing
+        return job
+    return job + (HOST_COPIES + 1 / c.ranks_per_host) * elements * c.copy * c.sharing
 
 
 def wire_time(elements: int, path: Path, c: Cluster) -> float:

@@ -88,6 +88,10 @@ def test_host_level_through_memory_and_a_16_bit_sum_take_the_processor():
     assert perf.step_time(shared, half, fast) == pytest.approx(1.0 + 2 * summed)
     assert perf.step_time(dataclasses.replace(shared, shared_processor=False), half, fast) == pytest.approx(1.0 + summed)
     assert perf.breakdown(shared, half, fast)[1] == pytest.approx(2 * summed)
+    # a codes path's cost in the job: per element its codec handles (a rank's slice on two levels)
+    in_job = perf.Path("e4m3", 8, FREE, processor=2e-9)
+    assert perf.processor_time(n, in_job, memory) == pytest.approx(passes + 2e-9 * n / 2 * 4)
+    assert perf.processor_time(n, in_job, four) == pytest.approx(2e-9 * n * 2)
     with pytest.raises(ValueError, match="copy >= 0"):
         perf.Cluster(2, SLOW, copy=-1.0)
 
