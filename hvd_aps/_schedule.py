@@ -29,9 +29,11 @@ run keeps them.
 
 With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calibration.job_link), policy="auto"
 starts from the performance model (hvd_aps.perf): after the first block of trial steps (codes,
-at the chunking fixed), each rank predicts the framework's step from its median codes step, the
-codes exchanges' measured time taken out and the model's allreduce of every bucket over the link
-put in, for each native dtype; the next step agrees them on its metadata (the slowest rank's).
+at the chunking fixed), each rank predicts the framework's step in each native dtype on the
+step's own timeline, measured in those codes steps (_Timeline): every bucket's allreduce over the
+link (the model's) starts where its codes exchange started after the step began, or where the
+one before it ends, and the step goes on after the last as long as the codes steps did; the
+next step agrees the predictions on its metadata (the slowest rank's).
 A path predicted more than PRIOR_MARGIN slower than the fastest is dropped; where one path is
 left the decision is made there, with no trial step of the others, else the trials go on among
 those left (the codes steps already timed kept). The model leaves out a 16-bit allreduce's
@@ -41,6 +43,7 @@ from below: it can drop that path, never the others. Both the prediction and the
 medians are reported. policy="codes" with a link makes the same prediction once, and logs a
 warning naming policy="auto" where the framework's own step is predicted PRIOR_MARGIN shorter.
 """
+import collections
 import dataclasses
 import logging
 import statistics
@@ -91,6 +94,46 @@ def trial_steps(paths: tuple) -> int:
 def max_trial_steps(natives: tuple = ("float32",)) -> int:
     """The steps policy="auto" may take to decide: every round of trials and its deciding step."""
     return ROUNDS * trial_steps((CODES,) + tuple(natives))
+
+
+class _Timeline:
+    """Where a codes step's exchanges start after the step begins and how long the step goes on
+    after the last one ends, over the last BLOCK_STEPS codes steps: the compute the model's
+    allreduces are placed on (its backward handing over buckets, the optimizer and forward
+    around them), measured in the job instead of taken from the codes step less its exchanges
+    (which overlap the backward and each other: that took 60-75 % off the framework's step at 10
+    Gbit/s on the netns cluster)."""
+
+    def __init__(self):
+        self.starts = {}  # bucket name -> its exchange's start after the step began, a deque a step
+        self.tails = collections.deque(maxlen=BLOCK_STEPS)  # from the last exchange's end to the step's
+        self.step = {}    # this step's bucket name -> (started, ended)
+        self.began = None  # when this step began: the last commit (None: not a clean measurement)
+
+    def placed(self, name: str, started: float, ended: float) -> None:
+        self.step[name] = (started, ended)
+
+    def committed(self, now: float, record: bool) -> None:
+        """A step ended at `now`; `record`: it ran codes at the fixed chunking."""
+        if record and self.began is not None and self.step:
+            for name, (started, _) in self.step.items():
+                self.starts.setdefault(name, collections.deque(maxlen=BLOCK_STEPS)).append(started - self.began)
+            self.tails.append(now - max(ended for _, ended in self.step.values()))
+        self.step, self.began = {}, now
+
+    def rolled_back(self) -> None:
+        self.step, self.began = {}, None
+
+    def step_with(self, exchanges: dict) -> "float | None":
+        """The step where bucket `name`'s exchange takes exchanges[name] seconds from its start on
+        this timeline, one after the other (None where a bucket has no start measured)."""
+        if not self.tails or set(exchanges) - set(self.starts):
+            return None
+        starts = {name: statistics.median(self.starts[name]) for name in exchanges}
+        free = 0.0
+        for name in sorted(starts, key=starts.get):
+            free = max(starts[name], free) + exchanges[name]
+        return free + statistics.median(self.tails)
 
 
 @dataclasses.dataclass
@@ -182,6 +225,7 @@ class Schedule:
         self._buckets, self._lock = {}, threading.Lock()
         self._policy, self._watch = None, None
         self._estimates = {}  # bucket name -> {native dtype: the model's seconds of its allreduce}
+        self._timeline = _Timeline()
         self._start_policy()
 
     def _start_policy(self) -> None:
@@ -267,6 +311,12 @@ class Schedule:
             with self._lock:
                 self._bucket(name).last = (candidate, seconds)
 
+    def placed(self, name: str, started: float, ended: float) -> None:
+        """While predicting: this step's exchange of `name` ran from `started` to `ended`
+        (time.perf_counter(): from its hand-over to the driver to its results)."""
+        with self._lock:
+            self._timeline.placed(name, started, ended)
+
     def agreed(self, name: str, entries) -> None:
         """The Max over ranks of the timing entries: the slowest rank's time of the last exchange,
         recorded at commit (a failed step records nothing); while policy="auto" decides, the
@@ -327,22 +377,21 @@ class Schedule:
         -> whether there is a prediction (a link, every bucket's exchanges timed)."""
         p = self._policy
         codes = statistics.median(p.steps[CODES])
-        natives = self._predicted_natives(codes) if self.predicting else None
+        natives = self._predicted_natives() if self.predicting else None
         if natives is None:
             return False
         p.predicting, p.phase = {CODES: codes, **natives}, "deciding"
         return True
 
-    def _predicted_natives(self, codes: float) -> "dict | None":
-        """The framework's step in each native dtype the model predicts from a codes step of
-        `codes` seconds: the codes exchanges' measured time taken out, its allreduce of every
-        bucket over the link put in (None unless every bucket's exchanges were timed and
-        estimated)."""
-        buckets = self._buckets.values()
-        if set(self._estimates) != set(self._buckets) or any(b.chosen not in b.times for b in buckets):
+    def _predicted_natives(self) -> "dict | None":
+        """The framework's step in each native dtype the model predicts: its allreduce of every
+        bucket over the link on the codes steps' timeline (None unless every bucket was
+        estimated and placed)."""
+        if set(self._estimates) != set(self._buckets):
             return None
-        compute = max(codes - sum(statistics.median(b.times[b.chosen]) for b in buckets), 0.0)
-        return {dtype: compute + sum(e[dtype] for e in self._estimates.values()) for dtype in self.natives}
+        predicted = {dtype: self._timeline.step_with({name: e[dtype] for name, e in self._estimates.items()})
+                     for dtype in self.natives}
+        return None if None in predicted.values() else predicted
 
     def _watched(self, now: float) -> None:
         """policy="codes" with a link: a step committed; once the chunking is fixed and a block of
@@ -357,7 +406,7 @@ class Schedule:
             return
         w.done = True
         codes = statistics.median(w.steps[WARMUP_STEPS:])
-        natives = self._predicted_natives(codes) or {}
+        natives = self._predicted_natives() or {}
         native = min((v for dtype, v in natives.items() if dtype not in LOWER_BOUNDS), default=None)
         if native is not None and native * (1 + PRIOR_MARGIN) < codes:
             log.warning("hvd_aps: codes steps take %.1f ms where the framework's own allreduce is predicted at %.1f "
@@ -371,15 +420,20 @@ class Schedule:
                 if b.pending is not None and b.chosen is None:
                     self._record(name, b, *b.pending)
                 b.pending = None
+            now = time.perf_counter()
+            fixed = bool(self._buckets) and all(b.chosen is not None for b in self._buckets.values())
+            ran_codes = self._policy is None or self._policy.native is None
+            self._timeline.committed(now, self.predicting and fixed and ran_codes)
             if self._policy is not None:
-                self._step_ended(time.perf_counter())
+                self._step_ended(now)
             elif self._watch is not None:
-                self._watched(time.perf_counter())
+                self._watched(now)
 
     def rollback(self) -> None:
         with self._lock:
             for b in self._buckets.values():
                 b.pending = None
+            self._timeline.rolled_back()
             if self._policy is not None:
                 self._policy.last_commit = None  # the next step's time is not a clean measurement
                 if self._policy.phase == "deciding":
@@ -422,6 +476,7 @@ class Schedule:
         with self._lock:
             self._buckets.clear()
             self._estimates.clear()
+            self._timeline = _Timeline()
             self._start_policy()
 
     # reports and checkpoints -------------------------------------------------------------------------

@@ -196,6 +196,7 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     divisor: what the sums are divided by, where it is not the group's size (FSDP's two levels:
     every rank's count, the hosts' sums having come from a reduce-scatter inside each host)."""
     schedule, coll = stages.state.schedule, levels.cross
+    handed = time.perf_counter()  # the bucket's hand-over to the driver: where its place in the step starts
     if not coll.eager and stages.config.policy == Policy.AUTO:
         _warn_graph_policy()
     graph_chunk_bytes = stages.config.graph_chunk_bytes  # a graph's (non-eager) chunking, fixed when traced
@@ -246,10 +247,12 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     if levels.local is not None:
         results = _gather(bucket, slices, results, levels.local, outs, slice_message)
     if coll.eager:
-        schedule.measured(bucket.name, candidate, time.perf_counter() - started)
+        ended = time.perf_counter()
+        schedule.measured(bucket.name, candidate, ended - started)
         if schedule.predicting:  # policy="auto" will predict the framework's step from the model
             per_host = 1 if levels.local is None else levels.local.world
             schedule.estimate_native(bucket.name, sum(bucket.sizes), levels.world.world // per_host, per_host)
+            schedule.placed(bucket.name, handed, ended)
     return results
 
 
