@@ -13,7 +13,7 @@ and so does each framework's codes path (per element its codec handles, beyond t
 calibrated time: what the same passes cost more inside the job than alone), fitted on its
 uncapped codes rows (torch's, fitted on DDP's rows, serve FSDP2's too). Every other row (16-bit
 and codes rows on a capped link, and every FSDP2 row, its float32 reduce-scatter included:
-hvd_aps.perf.fsdp_step_time) is then predicted, not fitted. policy="auto" rows are left out (the
+hvd_aps.perf.fsdp_step_time, HSDP's too) is then predicted, not fitted. policy="auto" rows are left out (the
 model does not run the trials). The summary is given for every row and for the rows run with
 OpenMP's idle workers waiting passively (the row's omp_wait_policy, netns_cluster.py's default
 since 2026-11-24): in older rows spinning workers of one simulated host took the cores of
@@ -129,11 +129,11 @@ def predict(r, link, calibrated, processor=0.0):
     """The row's predicted step; `processor`: its path's processor cost (processor_key)."""
     framework, name, bits, fmt = path_of(r["compression"])
     codecs, copy = calibrated
-    c = cluster(r, link, copy)
-    codec = None if fmt is None else codecs[(fmt, c.hosts if c.two_levels else c.world)]
+    c, hsdp = cluster(r, link, copy), r.get("hsdp", False)
+    codec = None if fmt is None else codecs[(fmt, c.hosts if c.two_levels or hsdp else c.world)]
     path = perf.Path(name, bits, codec, processor)
     if framework == "fsdp":
-        return perf.fsdp_step_time(workload(r), path, c, r.get("reshard", True), gloo=True)
+        return perf.fsdp_step_time(workload(r), path, c, r.get("reshard", True), gloo=True, hsdp=hsdp)
     return perf.step_time(workload(r), path, c)
 
 

@@ -5,7 +5,10 @@ of the model its own FSDP unit (the transformer profile's blocks, the MLP's laye
 
 --compression: none (FSDP's own reduce-scatter, float32) | an hvd_aps recipe (hvd_aps.fsdp: codes in
 the reduce-scatter). --no-reshard keeps the parameters unsharded between forward and backward (one
-all-gather a step instead of two). Rank 0 prints one JSON line as the other benchmarks do, with
+all-gather a step instead of two). --hsdp shards every block inside a host and replicates it
+across hosts: `none` is torch's own HSDP (hvd_aps.fsdp.hsdp_mesh(), float32 all-reduce across
+hosts), a recipe hvd_aps.fsdp.host_mesh() with apply(replicate_group=...) (codes across hosts only).
+Rank 0 prints one JSON line as the other benchmarks do, with
 `codes_bytes_per_step`: what this rank's reduce-scatter sent (the rest of the interface's bytes
 are FSDP's parameter all-gathers).
 """
@@ -28,32 +31,43 @@ def allgather_object(obj):
     return gathered
 
 
-def shard(model, reshard):
+def shard(model, reshard, mesh=None):
     """fully_shard every block (its children that hold parameters: transformer blocks, the
-    MLP's layers), then the root."""
+    MLP's layers), then the root, on `mesh` (None: every rank)."""
     blocks = getattr(model, "blocks", model)
     for child in blocks.children():
         if any(True for _ in child.parameters()):
-            fully_shard(child, reshard_after_forward=reshard)
-    return fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(child, reshard_after_forward=reshard, mesh=mesh)
+    return fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
+
+
+def meshes(args) -> tuple:
+    """(the mesh to shard on, the replicate group for hvd_aps.fsdp.apply) of this run."""
+    if not args.hsdp:
+        return None, None
+    if args.compression == "none":
+        return hvd_aps.fsdp.hsdp_mesh(), None
+    return hvd_aps.fsdp.host_mesh()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    parser.add_argument("--hsdp", action="store_true", help="shard inside each host, replicate across hosts")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     model, opt, x, y, params, phases = prepared(args)
-    shard(model, not args.no_reshard)
+    mesh, replicate = meshes(args)
+    shard(model, not args.no_reshard, mesh)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)  # over the sharded parameters
     comp = None
     if args.compression != "none":
         comp = recipes.compression(args.compression, **compressor_options(args))
-        hvd_aps.fsdp.apply(model, comp)
+        hvd_aps.fsdp.apply(model, comp, replicate_group=replicate)
     measure(step_fn(model, opt, x, y), args, phases, params, allgather_object, dist.get_rank(), dist.get_world_size(),
-            comp, extra={"reshard": not args.no_reshard})
+            comp, extra={"reshard": not args.no_reshard, "hsdp": args.hsdp})
     dist.barrier()
     dist.destroy_process_group()
 

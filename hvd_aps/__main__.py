@@ -1,6 +1,7 @@
 """Command line: `python -m hvd_aps formats`, `python -m hvd_aps probe --format e4m3 --ranks 8`,
-`python -m hvd_aps calibrate --out calibration.json`, `torchrun ... -m hvd_aps calibrate --links` and
-`python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit [--fsdp 8]`."""
+`python -m hvd_aps calibrate --out calibration.json`, `horovodrun ... python -m hvd_aps calibrate --links`
+(or torchrun) and
+`python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit [--fsdp 8 [--hsdp]]`."""
 import argparse
 import functools
 import json
@@ -56,29 +57,55 @@ def calibrate_command(args):
 
 
 def _calibrate_links(out):
-    """Inside a torchrun job (Gloo; NCCL where CUDA is there): time torch.distributed's float32
-    allreduce at several sizes on every rank, fit the link, and (rank 0) add it to `out`."""
+    """Inside a job launched by horovodrun (Horovod's allreduce) or torchrun (torch.distributed's,
+    Gloo; NCCL where CUDA is there): time the framework's float32 allreduce at several sizes on
+    every rank, fit the link, and (rank 0) add it to `out`."""
+    if "HOROVOD_RANK" in os.environ:
+        _job_links(out, *_horovod_job())
+    elif "RANK" in os.environ:
+        _job_links(out, *_torch_job())
+    else:
+        raise ValueError("calibrate --links measures a running job: launch it on every host with horovodrun "
+                         "(horovodrun -np N -H ... python -m hvd_aps calibrate --links) or torchrun "
+                         "(torchrun --nnodes H --nproc-per-node L ... -m hvd_aps calibrate --links)")
+
+
+def _job_links(out, name, rank, hosts, world, allreduce, finish):
+    """Time `allreduce` on this job's hosts x (world / hosts) ranks; rank 0 writes the link."""
+    try:
+        cluster = perf.Cluster(hosts, perf.Link(1.0), world // hosts)
+        link, rows = calibration.time_links(allreduce, cluster)
+        if rank == 0:
+            calibration.add_links(out, calibration.links_entry(link, cluster, rows))
+            print(f"{hosts} hosts x {cluster.ranks_per_host} ranks: {name}'s float32 allreduce gets "
+                  f"{_rate(link.bandwidth)} and {link.latency * 1e6:.0f} us a message step; written to {out}")
+    finally:
+        finish()
+
+
+def _horovod_job() -> tuple:
+    """(name, rank, hosts, world, allreduce, finish) of a horovodrun job (Horovod's torch
+    binding: a host is a group of local ranks, Horovod's cross size)."""
+    import horovod.torch as hvd
+    import torch
+    hvd.init()
+    return ("Horovod", hvd.rank(), hvd.cross_size(), hvd.size(),
+            lambda values: hvd.allreduce(torch.from_numpy(values), op=hvd.Sum, name=f"calibrate.{values.size}"),
+            hvd.shutdown)
+
+
+def _torch_job() -> tuple:
+    """(name, rank, hosts, world, allreduce, finish) of a torchrun job."""
     import torch
     import torch.distributed as dist
     from .ddp import TorchDistributedCollectives, _place
-    if "RANK" not in os.environ:
-        raise ValueError("calibrate --links measures a running job: launch it with torchrun on every host "
-                         "(torchrun --nnodes H --nproc-per-node L ... -m hvd_aps calibrate --links)")
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device != "cpu" else "gloo")
-    try:
-        places = [None] * dist.get_world_size()
-        dist.all_gather_object(places, _place()[0])
-        hosts = len(set(places))
-        cluster = perf.Cluster(hosts, perf.Link(1.0), dist.get_world_size() // hosts)
-        coll = TorchDistributedCollectives(None, device)
-        link, rows = calibration.time_links(lambda values: coll.allreduce(values, "calibrate"), cluster)
-        if dist.get_rank() == 0:
-            calibration.add_links(out, calibration.links_entry(link, cluster, rows))
-            print(f"{hosts} hosts x {cluster.ranks_per_host} ranks: torch.distributed's float32 allreduce gets "
-                  f"{_rate(link.bandwidth)} and {link.latency * 1e6:.0f} us a message step; written to {out}")
-    finally:
-        dist.destroy_process_group()
+    places = [None] * dist.get_world_size()
+    dist.all_gather_object(places, _place()[0])
+    coll = TorchDistributedCollectives(None, device)
+    return ("torch.distributed", dist.get_rank(), len(set(places)), dist.get_world_size(),
+            lambda values: coll.allreduce(values, "calibrate"), dist.destroy_process_group)
 
 
 def plan_command(args):
@@ -103,8 +130,8 @@ def plan_command(args):
     levels = " (two levels)" if clusters[0].two_levels and not units else ""
     print(f"{args.params:,} parameters, {args.compute_ms:g} ms compute a step, {args.hosts} hosts x "
           f"{args.ranks_per_host} ranks{levels}, " + (
-              f"FSDP2 in {args.fsdp} units ({'no ' if args.no_reshard else ''}resharding after forward): "
-              f"the framework's reduce-scatter" if units else "the framework's allreduce") +
+              f"{'HSDP' if args.hsdp else 'FSDP2'} in {args.fsdp} units ({'no ' if args.no_reshard else ''}resharding "
+              f"after forward): the framework's {_fsdp_peer(args)}" if units else "the framework's allreduce") +
           " against codes; predicted step (x float32's), and what its exchanges spend")
     for rate, cluster in zip(args.links.split(","), clusters):
         rows = perf.table(work, paths, cluster, step)
@@ -129,7 +156,7 @@ def _link(rate: str, args, loaded: calibration.Calibration) -> perf.Link:
         return perf.Link.parse(rate, args.latency_us / 1e6)
     if loaded.link is None:
         raise ValueError("--links measured needs a --calibration file with a link measured in a job: "
-                         "torchrun ... -m hvd_aps calibrate --links --out FILE")
+                         "horovodrun (or torchrun) ... -m hvd_aps calibrate --links --out FILE")
     if loaded.link_shape != (args.hosts, args.ranks_per_host):
         print(f"note: the link was measured on {loaded.link_shape[0]} hosts x {loaded.link_shape[1]} ranks, "
               f"planned on {args.hosts} x {args.ranks_per_host}", file=sys.stderr)
@@ -143,7 +170,13 @@ def _step_models(args):
     if not args.fsdp:
         return perf.step_time, perf.breakdown
     options = dict(reshard=not args.no_reshard, gloo=not args.accelerator)
-    return functools.partial(perf.fsdp_step_time, **options), functools.partial(perf.fsdp_breakdown, **options)
+    split = perf.hsdp_breakdown if args.hsdp else perf.fsdp_breakdown
+    return functools.partial(perf.fsdp_step_time, hsdp=args.hsdp, **options), functools.partial(split, **options)
+
+
+def _fsdp_peer(args) -> str:
+    """What codes replace on the planned FSDP2 path."""
+    return "allreduce of each shard across hosts" if args.hsdp else "reduce-scatter"
 
 
 def _write_pin(path, work, paths, clusters, step):
@@ -215,8 +248,9 @@ def main(argv=None):
     cal.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3 and e3m0")
     cal.add_argument("--world", type=int, default=2, help="ranks the timed rank stands among")
     cal.add_argument("--out", default="hvd_aps_calibration.json")
-    cal.add_argument("--links", action="store_true", help="inside a torchrun job: measure the link the framework's "
-                                                          "allreduce gets and add it to --out (plan --links measured)")
+    cal.add_argument("--links", action="store_true", help="inside a horovodrun or torchrun job: measure the link the "
+                                                          "framework's allreduce gets and add it to --out (plan --links "
+                                                          "measured, HVD_APS_LINK)")
     cal.set_defaults(run=calibrate_command)
     plan = sub.add_parser("plan", help="predicted step time of each path and format, and where codes pay")
     plan.add_argument("--params", type=_count_arg, required=True, help="gradient elements, e.g. 25M")
@@ -234,6 +268,8 @@ def main(argv=None):
     plan.add_argument("--fsdp", type=_count_arg, help="plan FSDP2 with this many units of equal size (reduce-scatters "
                                                       "and all-gathers) in place of bucket allreduces")
     plan.add_argument("--no-reshard", action="store_true", help="FSDP2 with reshard_after_forward=False")
+    plan.add_argument("--hsdp", action="store_true", help="with --fsdp: HSDP, sharded inside each host and replicated "
+                                                          "across hosts (codes only across hosts)")
     plan.add_argument("--plot", help="draw the predicted step against link speed into this file (matplotlib)")
     plan.add_argument("--pin", help="write policy='auto''s decision here where the prediction is clear "
                                     "(for APSCompressor.pin), else an empty pin: the trials decide")
@@ -243,6 +279,8 @@ def main(argv=None):
         args.format = args.format or [FloatFormat.parse("e4m3"), FloatFormat.parse("e3m0")]
     if args.command == "probe" and (args.ranks < 1 or args.size < 1):
         parser.error("--ranks and --size must be positive")
+    if args.command == "plan" and args.hsdp and not args.fsdp:
+        parser.error("--hsdp plans FSDP2's units: give --fsdp UNITS too")
     try:
         args.run(args)
     except (ValueError, OSError) as bad:  # a link rate, a cluster shape or a calibration file

@@ -1,7 +1,7 @@
 """What the performance model (hvd_aps.perf) needs measured on the machine at hand: the codes
 exchange's own time per bucket and the host's float32 copy rate (`python -m hvd_aps calibrate`),
 and, inside a running job, the link the framework's allreduce gets (`calibrate --links` under
-torchrun), written to and read from one JSON file, so numbers taken on another machine (a GPU's
+horovodrun or torchrun), written to and read from one JSON file, so numbers taken on another machine (a GPU's
 codec, a cluster's links) load into the same model.
 
 The exchange is timed on the real driver (hvd_aps.exchange.run, with a compressor configured as
@@ -209,8 +209,8 @@ def job_link() -> Optional[perf.Link]:
                          f"got {value!r}")
     link = load(value).link
     if link is None:
-        raise ValueError(f"{LINK_ENV}={value} holds no link: add one with `torchrun ... -m hvd_aps calibrate --links "
-                         f"--out {value}`, or give a rate (10gbit)")
+        raise ValueError(f"{LINK_ENV}={value} holds no link: add one with `horovodrun (or torchrun) ... -m hvd_aps "
+                         f"calibrate --links --out {value}`, or give a rate (10gbit)")
     return link
 
 

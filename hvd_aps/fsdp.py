@@ -201,17 +201,25 @@ def apply(model: torch.nn.Module, compressor: APSCompressor, replicate_group: di
 
 def host_mesh(device_type: str = "cpu"):
     """(this host's DeviceMesh for fully_shard, the replicate group for apply()): the ranks of every
-    host (torchrun's GROUP_RANK and LOCAL_RANK, else the hostname) sharding among themselves,
-    replicated across hosts. Collective: every rank calls it."""
+    host sharding among themselves, replicated across hosts (hsdp_mesh()'s two dimensions).
+    Collective: every rank calls it."""
+    mesh = hsdp_mesh(device_type)
+    return mesh["shard"], mesh["replicate"].get_group()
+
+
+def hsdp_mesh(device_type: str = "cpu"):
+    """The 2-D DeviceMesh ("replicate", "shard") of this job's hosts: hosts by their ranks
+    (torchrun's GROUP_RANK and LOCAL_RANK, else the hostname). fully_shard(model, mesh=...) on it
+    is torch's own HSDP (float32 across hosts), the peer of host_mesh() with apply(). Collective:
+    every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
     places = [None] * dist.get_world_size()
     dist.all_gather_object(places, (os.environ.get("GROUP_RANK") or socket.gethostname(),
                                     int(os.environ.get("LOCAL_RANK", "0"))))
     topology = Topology.from_places(places)
     if not topology.equal:
-        raise ValueError(f"host_mesh needs the same number of ranks on every host, got {[len(h) for h in topology.hosts]}")
+        raise ValueError(f"an HSDP mesh needs the same number of ranks on every host, got {[len(h) for h in topology.hosts]}")
     if any(list(h) != list(range(h[0], h[0] + len(h))) for h in topology.hosts):
-        raise ValueError("host_mesh needs each host's ranks numbered consecutively, as torchrun numbers them")
-    mesh = init_device_mesh(device_type, (len(topology.hosts), len(topology.hosts[0])),
+        raise ValueError("an HSDP mesh needs each host's ranks numbered consecutively, as torchrun numbers them")
+    return init_device_mesh(device_type, (len(topology.hosts), len(topology.hosts[0])),
                             mesh_dim_names=("replicate", "shard"))
-    return mesh["shard"], mesh["replicate"].get_group()

@@ -322,7 +322,8 @@ def step_time(w: Workload, path: Path, c: Cluster) -> float:
 SCATTER_CODEC_SHARE = 0.5
 
 
-def fsdp_step_time(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False) -> float:
+def fsdp_step_time(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False,
+                   hsdp: bool = False) -> float:
     """Seconds of one FSDP2 step with a unit per entry of `w.buckets` (one flat group, float32
     parameters): each unit's parameters all-gathered before its forward and, with `reshard`
     (reshard_after_forward; the root's stay gathered), again before its backward; its
@@ -331,27 +332,64 @@ def fsdp_step_time(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     its compute needs it (streams are no-ops there), which the recorded FSDP rows bear out
     (a capped step is about the uncapped one plus its bytes at the link's rate). `gloo`: the
     framework's reduce-scatter moves an allreduce's bytes (torch's Gloo backend reduces the whole
-    message everywhere: the recorded rows sent 2(N-1)/N of it a rank), NCCL's (N-1)/N."""
-    wire, codec = fsdp_breakdown(w, path, c, reshard, gloo)
+    message everywhere: the recorded rows sent 2(N-1)/N of it a rank), NCCL's (N-1)/N. `hsdp`:
+    HSDP's shape (hsdp_breakdown)."""
+    wire, codec = (hsdp_breakdown if hsdp else fsdp_breakdown)(w, path, c, reshard, gloo)
     return w.compute + w.optimizer + wire + codec
 
 
 def fsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False) -> tuple:
     """(seconds on the links, seconds of codec) of one FSDP2 step's collectives (fsdp_step_time)."""
-    units = w.bucket_sizes()
-    gathers = 2 if reshard else 1
-    wire, codec = 0.0, 0.0
-    for k, n in enumerate(units):
-        root = k == len(units) - 1
-        wire += (1 if root else gathers) * allgather(n * FLOAT32_BYTES / c.world, c)
+    wire, codec = _gathers(w, c, reshard), 0.0
+    for n in w.bucket_sizes():
         if path.codes:
             wire += metadata_allreduce(c) + alltoall(codes_bytes(n, path.bits), c)
             codec += SCATTER_CODEC_SHARE * _shared(path.codec, c).time(n, w.tensors_in(n))
         else:
-            message = n * path.bits / BITS_PER_BYTE
-            wire += allreduce(message, c) if gloo else alltoall(message, c)
+            wire += _native_reduce_scatter(n * path.bits / BITS_PER_BYTE, c, gloo)
             codec += processor_time(n, path, c)
     return wire, codec
+
+
+def hsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False) -> tuple:
+    """(seconds on the links, seconds of codec) of one HSDP step: every unit sharded over the L
+    ranks of a host and replicated across hosts (torch's 2-D mesh, or hvd_aps.fsdp.host_mesh()).
+    Inside the host FSDP's own all-gathers and float32 reduce-scatter; across hosts each rank's
+    1/L shard is averaged with its replicas on the other hosts, the L ranks of a host at once
+    through its link: the framework's allreduce in `path.bits`, or (codes) the bucket exchange
+    of the shard (hvd_aps.fsdp.CrossHostHook: metadata, alltoall, allgather, the whole codec).
+    Serial, as fsdp_breakdown."""
+    if not (c.hosts > 1 and c.ranks_per_host > 1):
+        raise ValueError(f"HSDP shards inside a host and replicates across hosts: it needs several hosts of "
+                         f"several ranks, got {c.hosts} x {c.ranks_per_host}")
+    host = Cluster(1, c.inside, c.ranks_per_host, c.inside, tree=c.tree)
+    cross = Cluster(c.hosts, c.between, 1, c.inside, tree=c.tree)
+    wire, codec = _gathers(w, host, reshard), 0.0
+    for n in w.bucket_sizes():
+        wire += _native_reduce_scatter(n * FLOAT32_BYTES, host, gloo)
+        shard = n / c.ranks_per_host
+        if path.codes:  # every shard of the host's ranks together through its link
+            codes = codes_bytes(n, path.bits)
+            wire += metadata_allreduce(cross) + alltoall(codes, cross) + allgather(codes / c.hosts, cross)
+            codec += _shared(path.codec, c).time(shard, w.tensors_in(shard))
+        else:
+            wire += allreduce(n * path.bits / BITS_PER_BYTE, cross)
+            codec += processor_time(shard, path, dataclasses.replace(cross, sharing=c.sharing))
+    return wire, codec
+
+
+def _gathers(w: Workload, c: Cluster, reshard: bool) -> float:
+    """Seconds of a step's parameter all-gathers over `c`: two a unit with resharding (one for
+    the root, the last unit, whose parameters stay gathered)."""
+    units = w.bucket_sizes()
+    gathers = [1 if k == len(units) - 1 or not reshard else 2 for k in range(len(units))]
+    return sum(g * allgather(n * FLOAT32_BYTES / c.world, c) for g, n in zip(gathers, units))
+
+
+def _native_reduce_scatter(nbytes: float, c: Cluster, gloo: bool) -> float:
+    """The framework's reduce-scatter of `nbytes`: an allreduce's traffic on Gloo (torch's Gloo
+    backend reduces the whole message everywhere), an alltoall's on NCCL."""
+    return allreduce(nbytes, c) if gloo else alltoall(nbytes, c)
 
 
 def fsdp_units(parameters: int, units: int) -> list:

@@ -76,3 +76,8 @@ def test_ddp_hook_and_fsdp_hsdp_on_two_levels(tmp_path):
         for i in range(len(DDP_SIZES)):
             assert r[f"ddp_{i}"].tobytes() == expected[i].reshape(DDP_SIZES[i]).tobytes(), i
         assert r["hsdp"].tobytes() == ranks[0]["hsdp"].tobytes() and np.isfinite(r["hsdp"]).all()
+        assert r["hsdp_torch"].tobytes() == ranks[0]["hsdp_torch"].tobytes()
+    # codes across hosts train as torch's own HSDP does (hsdp_mesh: its 2-D mesh), to e4m3's precision
+    moved = ranks[0]["hsdp_torch"] - ranks[0]["hsdp_before"]
+    off = np.linalg.norm(ranks[0]["hsdp"] - ranks[0]["hsdp_torch"]) / np.linalg.norm(moved)
+    assert off < 0.05 and np.linalg.norm(moved) > 0.1

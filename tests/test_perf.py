@@ -4,6 +4,7 @@ workers, bit for bit."""
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -187,7 +188,7 @@ def test_links_measured_inside_a_torchrun_job_feed_the_plan(tmp_path):
     calibration.save(calibration.calibrate(["e4m3"], 2, ((1 << 10, 1), (1 << 14, 1), (1 << 14, 4)), repeats=1), out)
     refused = subprocess.run([sys.executable, "-m", "hvd_aps", "calibrate", "--links", "--out", str(out)],
                              capture_output=True, text=True)
-    assert refused.returncode != 0 and "torchrun" in refused.stderr
+    assert refused.returncode != 0 and "horovodrun" in refused.stderr and "torchrun" in refused.stderr
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                           "127.0.0.1", "--master-port", str(free_port()), "-m", "hvd_aps", "calibrate", "--links",
                           "--out", str(out)], capture_output=True, text=True, timeout=240,
@@ -205,6 +206,24 @@ def test_links_measured_inside_a_torchrun_job_feed_the_plan(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hvd_aps", "plan", "--params", "4.3M", "--compute-ms", "40",
                           "--format", "e3m0", "--calibration", str(out)], capture_output=True, text=True)
     assert bad.returncode != 0 and "no calibration for e3m0" in bad.stderr
+
+
+def test_links_measured_inside_a_horovodrun_job(tmp_path):
+    """calibrate --links under horovodrun (2 ranks, Gloo on loopback) times Horovod's own float32
+    allreduce at every size and writes the link it gets, with the job's shape."""
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable))
+    out = tmp_path / "cal.json"
+    job = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvd_aps",
+                          "calibrate", "--links", "--out", str(out)], capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "Horovod's float32 allreduce gets" in job.stdout
+    links = json.loads(out.read_text())["links"]
+    assert links["hosts"] == 1 and links["ranks_per_host"] == 2
+    measured = links["measured"]
+    assert [r["elements"] for r in measured] == list(calibration.LINK_ELEMENTS)
+    assert measured[-1]["seconds"] > measured[0]["seconds"]  # the largest allreduce takes longer: really timed
+    assert calibration.load(out).link.bandwidth == links["bandwidth"] > 0
 
 
 @pytest.mark.parametrize("params, link, codec, policy", [
@@ -285,3 +304,48 @@ def test_fsdp_step_is_serial_gathers_and_reduce_scatters_per_unit():
     # Gloo's reduce-scatter moves what an allreduce moves
     gloo = perf.fsdp_step_time(w, fp32, two, gloo=True)
     assert gloo == pytest.approx(0.21 + 3 * gather + 2 * perf.allreduce(4 * n, two))
+
+
+def test_hsdp_gathers_and_scatters_inside_the_host_and_averages_shards_across_hosts():
+    """HSDP (2 hosts x 2 ranks): the all-gathers and float32 reduce-scatter among a host's ranks,
+    then each rank's half of a unit across hosts, both ranks of a host through its link at once:
+    the framework's allreduce, or the codes' bucket exchange of the shard with its whole codec."""
+    n, c = 1 << 20, perf.Cluster(2, SLOW, 2)
+    host, cross = perf.Cluster(1, c.inside, 2), perf.Cluster(2, SLOW)
+    w = perf.Workload(2 * n, compute=0.2, optimizer=0.01, buckets=[n, n])
+    gather, scatter = perf.allgather(4 * n / 2, host), perf.allreduce(4 * n, host)  # Gloo: an allreduce's bytes
+    fp32 = perf.fsdp_step_time(w, perf.Path("float32", 32), c, gloo=True, hsdp=True)
+    assert fp32 == pytest.approx(0.21 + 3 * gather + 2 * (scatter + perf.allreduce(4 * n, cross)))
+    codec = perf.Codec(1e-3, 1e-9)
+    codes = perf.fsdp_step_time(w, perf.Path("e4m3", 8, codec), c, gloo=True, hsdp=True)
+    across = (perf.metadata_allreduce(cross) + perf.alltoall(perf.codes_bytes(n, 8), cross)
+              + perf.allgather(perf.codes_bytes(n, 8) / 2, cross))
+    assert codes == pytest.approx(0.21 + 3 * gather + 2 * (scatter + across + codec.time(n / 2)))
+    # the link between hosts carries the shards only: much less than flat FSDP over all four ranks
+    assert perf.hsdp_breakdown(w, perf.Path("float32", 32), c)[0] < perf.fsdp_breakdown(w, perf.Path("float32", 32), c)[0]
+    with pytest.raises(ValueError, match="several hosts of several ranks"):
+        perf.fsdp_step_time(w, perf.Path("float32", 32), perf.Cluster(2, SLOW), hsdp=True)
+
+
+def test_plan_hsdp_prints_the_hsdp_step_model(tmp_path, capsys):
+    """plan --fsdp N --hsdp: the table's steps are the HSDP model's; --hsdp alone, or on one rank a
+    host, is refused with the reason."""
+    cal = tmp_path / "cal.json"
+    codec = perf.Codec(2e-3, 1e-9)
+    calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(codec)}, "copy": 1e-10}, cal)
+    from hvd_aps.__main__ import main
+    base = ["plan", "--params", "20M", "--compute-ms", "100", "--hosts", "2", "--links", "1gbit", "--format", "e4m3",
+            "--calibration", str(cal)]
+    main(base + ["--ranks-per-host", "4", "--fsdp", "6", "--hsdp"])
+    printed = capsys.readouterr().out
+    work = perf.Workload(20_000_000, 0.1, buckets=perf.fsdp_units(20_000_000, 6))
+    cluster = perf.Cluster(2, perf.Link.parse("1gbit"), 4, copy=1e-10)
+    for path in (perf.Path("float32", 32), perf.Path("codes e4m3", 8, codec)):
+        hsdp = perf.fsdp_step_time(work, path, cluster, gloo=True, hsdp=True)
+        assert f"{hsdp * 1e3:.1f}" == printed.split(f"\n{path.name} ")[1].split()[0], path.name
+    assert "HSDP in 6 units" in printed and "allreduce of each shard across hosts" in printed
+    for refused, reason in ((["--ranks-per-host", "4", "--hsdp"], "give --fsdp UNITS"),
+                            (["--fsdp", "6", "--hsdp"], "several hosts of several ranks")):
+        with pytest.raises(SystemExit):
+            main(base + refused)
+        assert reason in capsys.readouterr().err

@@ -39,17 +39,29 @@ out["ddp_two_levels"] = np.array(state.lane(0, "cpu")[0].local is not None)
 out["ddp_host_memory"] = np.array(isinstance(state.lane(0, "cpu")[0].local, hvd_aps._host_memory.HostMemory))
 state.close()
 
+
+
+def hsdp_trained(mesh, compressor=None, replicate=None):
+    """A small net sharded on `mesh`, codes across hosts where a compressor is given, after three
+    SGD steps on this rank's own data (SGD: a wrong average would show, where Adam's steps would
+    hide its scale) -> (its full parameters before, after)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.Tanh(), torch.nn.Linear(96, 8))
+    fully_shard(net, mesh=mesh)
+    if compressor is not None:
+        hvd_aps.fsdp.apply(net, compressor, replicate_group=replicate)
+    full = lambda: torch.cat([p.full_tensor().detach().ravel() for p in net.parameters()]).numpy()
+    before, opt = full(), torch.optim.SGD(net.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(16, 32, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return before, full()
+
+
 shard_mesh, replicate = hvd_aps.fsdp.host_mesh()
-torch.manual_seed(0)
-net = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.Tanh(), torch.nn.Linear(96, 8))
-fully_shard(net, mesh=shard_mesh)
-hvd_aps.fsdp.apply(net, hvd_aps.APSCompressor("e4m3"), replicate_group=replicate)
-opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-gen = torch.Generator().manual_seed(rank)
-for _ in range(3):
-    opt.zero_grad()
-    net(torch.randn(16, 32, generator=gen)).pow(2).mean().backward()
-    opt.step()
-out["hsdp"] = torch.cat([p.full_tensor().detach().ravel() for p in net.parameters()]).numpy()
+out["hsdp_before"], out["hsdp"] = hsdp_trained(shard_mesh, hvd_aps.APSCompressor("e4m3"), replicate)
+out["hsdp_torch"] = hsdp_trained(hvd_aps.fsdp.hsdp_mesh())[1]  # torch's own HSDP: float32 across hosts
 np.savez(f"{sys.argv[1]}/levels_ddp_rank{rank}.npz", **out)
 leave_torchrun()
