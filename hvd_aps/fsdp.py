@@ -218,7 +218,8 @@ def hsdp_mesh(device_type: str = "cpu"):
                                     int(os.environ.get("LOCAL_RANK", "0"))))
     topology = Topology.from_places(places)
     if not topology.equal:
-        raise ValueError(f"an HSDP mesh needs the same number of ranks on every host, got {[len(h) for h in topology.hosts]}")
+        raise ValueError(f"an HSDP mesh needs the same number of ranks on every host, "
+                         f"got {[len(h) for h in topology.hosts]}")
     if any(list(h) != list(range(h[0], h[0] + len(h))) for h in topology.hosts):
         raise ValueError("an HSDP mesh needs each host's ranks numbered consecutively, as torchrun numbers them")
     return init_device_mesh(device_type, (len(topology.hosts), len(topology.hosts[0])),

@@ -322,7 +322,8 @@ def test_hsdp_gathers_and_scatters_inside_the_host_and_averages_shards_across_ho
               + perf.allgather(perf.codes_bytes(n, 8) / 2, cross))
     assert codes == pytest.approx(0.21 + 3 * gather + 2 * (scatter + across + codec.time(n / 2)))
     # the link between hosts carries the shards only: much less than flat FSDP over all four ranks
-    assert perf.hsdp_breakdown(w, perf.Path("float32", 32), c)[0] < perf.fsdp_breakdown(w, perf.Path("float32", 32), c)[0]
+    fp32_path = perf.Path("float32", 32)
+    assert perf.hsdp_breakdown(w, fp32_path, c)[0] < perf.fsdp_breakdown(w, fp32_path, c)[0]
     with pytest.raises(ValueError, match="several hosts of several ranks"):
         perf.fsdp_step_time(w, perf.Path("float32", 32), perf.Cluster(2, SLOW), hsdp=True)
 
