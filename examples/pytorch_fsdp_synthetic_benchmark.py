@@ -3,8 +3,9 @@ of the model its own FSDP unit (the transformer profile's blocks, the MLP's laye
 
     torchrun --nproc-per-node 2 examples/pytorch_fsdp_synthetic_benchmark.py --profile transformer --compression aps-e4m3
 
---compression: none (FSDP's own reduce-scatter, float32) | an hvd_aps recipe (hvd_aps.fsdp: codes in
-the reduce-scatter). --no-reshard keeps the parameters unsharded between forward and backward (one
+--compression: none (FSDP's own reduce-scatter, float32) | fp16 (FSDP's own, float16:
+MixedPrecisionPolicy(reduce_dtype=torch.float16), the 16-bit peer) | an hvd_aps recipe
+(hvd_aps.fsdp: codes in the reduce-scatter). --no-reshard keeps the parameters unsharded between forward and backward (one
 all-gather a step instead of two). --hsdp shards every block inside a host and replicates it
 across hosts: `none` is torch's own HSDP (hvd_aps.fsdp.hsdp_mesh(), float32 all-reduce across
 hosts), a recipe hvd_aps.fsdp.host_mesh() with apply(replicate_group=...) (codes across hosts only).
@@ -16,7 +17,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hvd_aps
 import hvd_aps.fsdp
@@ -31,21 +32,23 @@ def allgather_object(obj):
     return gathered
 
 
-def shard(model, reshard, mesh=None):
+def shard(model, reshard, mesh=None, reduce_dtype=None):
     """fully_shard every block (its children that hold parameters: transformer blocks, the
-    MLP's layers), then the root, on `mesh` (None: every rank)."""
+    MLP's layers), then the root, on `mesh` (None: every rank), reducing in `reduce_dtype`
+    (None: the parameters' float32)."""
+    options = dict(reshard_after_forward=reshard, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
     blocks = getattr(model, "blocks", model)
     for child in blocks.children():
         if any(True for _ in child.parameters()):
-            fully_shard(child, reshard_after_forward=reshard, mesh=mesh)
-    return fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
+            fully_shard(child, **options)
+    return fully_shard(model, **options)
 
 
 def meshes(args) -> tuple:
     """(the mesh to shard on, the replicate group for hvd_aps.fsdp.apply) of this run."""
     if not args.hsdp:
         return None, None
-    if args.compression == "none":
+    if args.compression in recipes.STOCK:
         return hvd_aps.fsdp.hsdp_mesh(), None
     return hvd_aps.fsdp.host_mesh()
 
@@ -60,10 +63,10 @@ def main():
     dist.init_process_group("gloo")
     model, opt, x, y, params, phases = prepared(args)
     mesh, replicate = meshes(args)
-    shard(model, not args.no_reshard, mesh)
+    shard(model, not args.no_reshard, mesh, torch.float16 if args.compression == "fp16" else None)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)  # over the sharded parameters
     comp = None
-    if args.compression != "none":
+    if args.compression not in recipes.STOCK:
         comp = recipes.compression(args.compression, **compressor_options(args))
         hvd_aps.fsdp.apply(model, comp, replicate_group=replicate)
     measure(step_fn(model, opt, x, y), args, phases, params, allgather_object, dist.get_rank(), dist.get_world_size(),

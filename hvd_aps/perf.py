@@ -354,11 +354,12 @@ def fsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
 def hsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False) -> tuple:
     """(seconds on the links, seconds of codec) of one HSDP step: every unit sharded over the L
     ranks of a host and replicated across hosts (torch's 2-D mesh, or hvd_aps.fsdp.host_mesh()).
-    Inside the host FSDP's own all-gathers and float32 reduce-scatter; across hosts each rank's
-    1/L shard is averaged with its replicas on the other hosts, the L ranks of a host at once
-    through its link: the framework's allreduce in `path.bits`, or (codes) the bucket exchange
-    of the shard (hvd_aps.fsdp.CrossHostHook: metadata, alltoall, allgather, the whole codec).
-    Serial, as fsdp_breakdown."""
+    Inside the host FSDP's own all-gathers and reduce-scatter (in `path.bits` on the framework's
+    path, its reduce dtype; float32 under codes); across hosts each rank's 1/L shard is averaged
+    with its replicas on the other hosts, the L ranks of a host at once through its link: the
+    framework's allreduce in `path.bits`, or (codes) the bucket exchange of the shard
+    (hvd_aps.fsdp.CrossHostHook: metadata, alltoall, allgather, the whole codec). Serial, as
+    fsdp_breakdown."""
     if not (c.hosts > 1 and c.ranks_per_host > 1):
         raise ValueError(f"HSDP shards inside a host and replicates across hosts: it needs several hosts of "
                          f"several ranks, got {c.hosts} x {c.ranks_per_host}")
@@ -366,7 +367,7 @@ def hsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     cross = Cluster(c.hosts, c.between, 1, c.inside, tree=c.tree)
     wire, codec = _gathers(w, host, reshard), 0.0
     for n in w.bucket_sizes():
-        wire += _native_reduce_scatter(n * FLOAT32_BYTES, host, gloo)
+        wire += _native_reduce_scatter(n * (FLOAT32_BYTES if path.codes else path.bits / BITS_PER_BYTE), host, gloo)
         shard = n / c.ranks_per_host
         if path.codes:  # every shard of the host's ranks together through its link
             codes = codes_bytes(n, path.bits)
@@ -374,6 +375,7 @@ def hsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
             codec += _shared(path.codec, c).time(shard, w.tensors_in(shard))
         else:
             wire += allreduce(n * path.bits / BITS_PER_BYTE, cross)
+            codec += processor_time(n, path, dataclasses.replace(host, sharing=c.sharing))
             codec += processor_time(shard, path, dataclasses.replace(cross, sharing=c.sharing))
     return wire, codec
 

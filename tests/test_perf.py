@@ -324,6 +324,9 @@ def test_hsdp_gathers_and_scatters_inside_the_host_and_averages_shards_across_ho
     # the link between hosts carries the shards only: much less than flat FSDP over all four ranks
     fp32_path = perf.Path("float32", 32)
     assert perf.hsdp_breakdown(w, fp32_path, c)[0] < perf.fsdp_breakdown(w, fp32_path, c)[0]
+    # torch's HSDP with a 16-bit reduce dtype: the host's reduce-scatter and the allreduce across hosts in 16 bits
+    fp16 = perf.fsdp_step_time(w, perf.Path("16-bit", 16), c, gloo=True, hsdp=True)
+    assert fp16 == pytest.approx(0.21 + 3 * gather + 2 * (perf.allreduce(2 * n, host) + perf.allreduce(2 * n, cross)))
     with pytest.raises(ValueError, match="several hosts of several ranks"):
         perf.fsdp_step_time(w, perf.Path("float32", 32), perf.Cluster(2, SLOW), hsdp=True)
 
