@@ -1,6 +1,7 @@
 """The performance model (hvd_aps.perf) against the step times the netns cluster measured
 (docs/cluster/*.json: MLP, two huge layers, LM, ResNet-18 and transformer profiles; 2 and 4 hosts;
-1, 2 and 4 ranks a host; 1 Gbit/s, 10 Gbit/s and uncapped; Horovod, DDP and FSDP2; fp32, fp16, e4m3, e3m0).
+1, 2 and 4 ranks a host; 1 Gbit/s, 10 Gbit/s and uncapped; Horovod, DDP, FSDP2 and HSDP; fp32,
+fp16, e4m3, e3m0).
 
 Protocol: the codes exchange's own time and the host's float32 copy rate come from `python -m
 hvd_aps calibrate` on this machine (--calibration, or calibrated now); each row's compute (forward,
@@ -12,16 +13,17 @@ Gloo over its namespace's loopback); each framework's 16-bit allreduce gets one 
 element its ring reduces (hvd_aps.perf.Path.processor), fitted on its uncapped 16-bit rows, where
 the link matters least, and so does each framework's codes path (per element its codec handles,
 beyond the codec's calibrated time: what the same passes cost more inside the job than alone),
-fitted on its uncapped codes rows (torch's, fitted on DDP's rows, serve FSDP2's too; below zero where the codec
-ran faster when the rows were recorded than when it is calibrated). Every other
-row (16-bit and codes rows on a capped link, and every FSDP2 row, its float32 reduce-scatter
-included: hvd_aps.perf.fsdp_step_time, HSDP's too) is then predicted, not fitted. policy="auto" rows
-are left out (the model does not run the trials). The summary is given for every row and for the
-rows run with OpenMP's idle workers waiting passively (the row's omp_wait_policy, netns_cluster.py's
-default since 2026-11-24): in older rows spinning workers of one simulated host took the cores of
-another, which no cluster of separate machines sees.
+fitted on its uncapped codes rows (below zero where the codec ran faster when the rows were recorded
+than when it is calibrated; torch's 16-bit cost, fitted on DDP's rows, serves FSDP2's too, and
+FSDP2's codes take the codec's time alone). Every other row (16-bit and codes rows on a capped link,
+and every FSDP2 row, its float32 reduce-scatter included: hvd_aps.perf.fsdp_step_time, HSDP's too)
+is then predicted, not fitted. policy="auto" rows are left out (the model does not run the trials).
+The summary is given for every row and for the rows run with OpenMP's idle workers waiting passively
+(the row's omp_wait_policy, netns_cluster.py's default since 2026-11-24): in older rows spinning
+workers of one simulated host took the cores of another, which no cluster of separate machines sees.
 
-    .venv/bin/python examples/perf_model_check.py [--calibration cal.json] [--plot docs/perf_model.png]
+    .venv/bin/python examples/perf_model_check.py [--calibration docs/perf_model_calibration.json] \
+        [--json docs/perf_model.json] [--plot docs/perf_model.png]
 """
 import argparse
 import glob

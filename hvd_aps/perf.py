@@ -176,10 +176,11 @@ class Path:
     """A way to exchange a bucket: the framework's allreduce of `bits`-bit values, or hvd_aps's
     codes of a `bits`-bit format (codec: its calibrated time). `processor`: seconds the
     framework's allreduce spends on the processor per element its ring reduces ((N-1)/N of the
-    bucket a rank: a 16-bit allreduce's casts and sums on the CPU), or on a codes path per
-    element its codec handles beyond the codec's calibrated time (what the same passes cost more
-    inside a job than alone: the collectives' own work, threads contending with compute's),
-    scaled by the cluster's `sharing`."""
+    bucket a rank: a 16-bit allreduce's casts and sums on the CPU), or on a bucket exchange of
+    codes per element its codec handles beyond (below zero: short of) the codec's calibrated time
+    (what the same passes cost inside a job that calibrating alone did not see: the collectives'
+    own work, threads contending with compute's, a calibration taken on a slower day), scaled by
+    the cluster's `sharing`. FSDP2's codes paths take the codec's time alone."""
     name: str
     bits: int
     codec: Optional[Codec] = None
@@ -264,14 +265,20 @@ def _codes_wire(elements: int, bits: int, c: Cluster) -> tuple:
     if not c.two_levels:
         codes = codes_bytes(elements, bits)
         return 0.0, metadata_allreduce(c) + alltoall(codes, c) + allgather(codes / c.world, c)
-    local = Cluster(1, c.inside, c.ranks_per_host, c.inside, tree=c.tree)
-    cross = Cluster(c.hosts, c.between, 1, c.inside, tree=c.tree)
+    local, cross = _levels(c)
     codes = codes_bytes(elements, bits)  # every slice of the host's ranks together
     if c.copy:  # through host memory: its latencies here, its copies in processor_time
         host = 2 * (c.ranks_per_host - 1) * c.inside.latency
     else:
         host = 2 * alltoall(elements * FLOAT32_BYTES, local)
     return host, metadata_allreduce(c) + alltoall(codes, cross) + allgather(codes / c.hosts, cross)
+
+
+def _levels(c: Cluster) -> tuple:
+    """(one host's ranks over its `inside` link, one rank a host over the link between hosts):
+    the two levels of a cluster of several ranks a host."""
+    return (Cluster(1, c.inside, c.ranks_per_host, c.inside, tree=c.tree),
+            Cluster(c.hosts, c.between, 1, c.inside, tree=c.tree))
 
 
 def _shared(codec: Codec, c: Cluster) -> Codec:
@@ -363,8 +370,7 @@ def hsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     if not (c.hosts > 1 and c.ranks_per_host > 1):
         raise ValueError(f"HSDP shards inside a host and replicates across hosts: it needs several hosts of "
                          f"several ranks, got {c.hosts} x {c.ranks_per_host}")
-    host = Cluster(1, c.inside, c.ranks_per_host, c.inside, tree=c.tree)
-    cross = Cluster(c.hosts, c.between, 1, c.inside, tree=c.tree)
+    host, cross = _levels(c)
     wire, codec = _gathers(w, host, reshard), 0.0
     for n in w.bucket_sizes():
         wire += _native_reduce_scatter(n * (FLOAT32_BYTES if path.codes else path.bits / BITS_PER_BYTE), host, gloo)
