@@ -19,7 +19,9 @@ them; `python -m hvd_aps calibrate` measures the codes exchange's own time, `Cod
   sums HOST_COPIES counts, at the host's calibrated copy rate (`Cluster.copy`).
 - A framework's 16-bit allreduce on the CPU casts and sums 16-bit values on the processor: the
   path's `processor` cost per element its ring reduces (fitted per framework: on this project's
-  cluster rows Horovod 0.28's float16 allreduce over Gloo costs far more than torch's).
+  cluster rows Horovod 0.28's float16 allreduce over Gloo costs far more than torch's). Gloo's
+  ring sums each segment of its reduce-scatter half while the next two are in flight, so those
+  sums hide behind a slower wire (`_ring_with_sums`).
 - The step is a timeline: the forward, then the backward during which the buckets become ready in
   proportion to their elements (DDP's order: the last layers first), each exchange starting when
   its bucket is ready and the one before it has ended; the optimizer after both. Where compute
@@ -40,6 +42,9 @@ EXPONENT_BYTES_PER_BLOCK = 2 / 2048  # the sums' re-encode exponents: 2 bytes pe
 DDP_FIRST_BUCKET_BYTES = 1 << 20      # torch DDP: the first bucket (the last layers) is capped at 1 MiB,
 DDP_BUCKET_BYTES = 25 << 20           # the others at bucket_cap_mb=25
 CHUNK_CHOICES = (0, 4 << 20, 1 << 20)  # float32 bytes per chunk the schedule tries (0: unchunked)
+# Gloo's ring allreduce (gloo/allreduce.cc) cuts the buffer into segments of at most 1 MiB, at least two
+# a rank, and sums one while the next two travel
+GLOO_SEGMENT_BYTES = 1 << 20
 LOOPBACK = (10e9, 20e-6)              # a host's own memory and loopback, bytes/s and s: where nothing was measured
 # float32 copies (or sums) a rank's processor makes per element of its bucket on two levels through host
 # memory (hvd_aps.exchange._scatter/_gather over hvd_aps._host_memory): pack, write the box, read the
@@ -227,10 +232,21 @@ def codes_bytes(elements: float, bits: int) -> float:
 def exchange_time(elements: int, path: Path, c: Cluster, tensors: float = 1) -> float:
     """Seconds from a bucket's start to its averaged gradients, codec and processor passes included."""
     if not path.codes:
-        return allreduce(elements * path.bits / BITS_PER_BYTE, c) + processor_time(elements, path, c)
+        return _ring_with_sums(elements * path.bits / BITS_PER_BYTE, processor_time(elements, path, c), c)
     host, between = _codes_wire(elements, path.bits, c)
     return (host + processor_time(elements, path, c)
             + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between))
+
+
+def _ring_with_sums(nbytes: float, sums: float, c: Cluster) -> float:
+    """The framework's ring allreduce of `nbytes` whose sums take `sums` seconds of processor:
+    its reduce-scatter half sums a segment while the next ones travel, so the longer of the two
+    shows plus one segment's share of the other; its allgather half sums nothing. On this
+    project's cluster rows, adding the sums after the wire put torch's 16-bit hook 15 % high at
+    1 Gbit/s and ordered 89 % of the pairs; overlapped, 91 % (docs/performance-model.md)."""
+    half = allreduce(nbytes, c) / 2
+    segments = max(math.ceil(nbytes / GLOO_SEGMENT_BYTES), 2 * c.world)
+    return half + max(half, sums) + min(half, sums) / segments
 
 
 def processor_time(elements: int, path: Path, c: Cluster) -> float:
