@@ -74,7 +74,7 @@ ROUNDS = 3  # rounds of trials at most
 # shorter: the medians of six steps that vary by a quarter differ by about that much for equal paths
 CODES_MARGIN = 0.05
 # a predicted step margin past this (a fraction of the faster step) decides without trial steps:
-# the model's median error on this project's cluster rows is 9-14 %, 81-86 % of them within 25 %
+# the model's median error on this project's cluster rows is 9-14 %, 81-87 % of them within 25 %
 # (docs/performance-model.md)
 PRIOR_MARGIN = 0.25
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
