@@ -14,6 +14,16 @@ exchanged sum. The token is [1, rank]: a scaled sum gives [c N, c N (N-1) / 2], 
 average, c = 1 sum, anything else that factor; a reduction that is no scaled sum (Adasum, Min,
 Max, Product) breaks the ratio and is refused with an error instead of returning wrong numbers.
 
+The token comes back after the exchange, too late to fold an average's division into the decode
+tables as the codes optimizer and the DDP hook do (the same float32 division of the same decoded
+value, one rounding: the same bits, without a pass of its own over every sum on the thread that
+steps). So a batch learns it from the step before: where every token of the batch of its name
+said Average there, its exchange averages (`Reduction`). Horovod's optimizers reduce with one op
+for their whole life, so that guess holds; where a token then says otherwise (the same
+compressor used with another op), the averaged sums cannot give that reduction's bits: the step
+raises on every rank and is abandoned as after any error, and the next runs undivided again.
+TensorFlow's adapter never learns: a graph fixes its exchanges when it is traced.
+
 A step is every batch handed out until each of its gradients came back through decompress():
 then the step ends (hvd_aps.exchanger: it commits residuals, step counts, the schedule's
 timings) and the next step names its batches hvd_aps.0, hvd_aps.1, ... again, so names repeat
@@ -78,9 +88,9 @@ class Adapter(Protocol):
 
     def forget_groups(self) -> None: ...
 
-    def finish(self, total, token_out, like):
+    def finish(self, total, token_out, like, reduction: "Reduction"):
         """The exchanged sum `total` (float32 flat) as Horovod's op left `token_out`, in the
-        gradient's shape and dtype."""
+        gradient's shape and dtype (apply_op: with `reduction` where the op is known now)."""
 
     def at_step_end(self, out, end_step, results):
         """`out` (the step's last result) once `end_step` ran after every one of `results`."""
@@ -106,6 +116,14 @@ def adapter_of(tensor) -> "Adapter | None":
 
 
 @dataclasses.dataclass
+class Reduction:
+    """Whether a batch's exchange averaged its sums (learned from the batch of the same name in
+    the step before), and for each of its tokens whether it said Average."""
+    averaged: bool = False
+    said_average: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class _Batch:
     name: str
     adapter: Adapter     # the framework adapter of every tensor in the batch
@@ -116,6 +134,7 @@ class _Batch:
     nbytes: int = 0      # float32 bytes of the gradients in it
     closed: bool = False  # no more gradients join it: launched, or (native) counted
     future: object = None  # the exchange's Future (exchanger.bucket), once launched
+    reduction: Reduction = dataclasses.field(default_factory=Reduction)  # averaged? what its tokens said
 
 
 class Context:
@@ -149,6 +168,7 @@ class Batches:
     def __init__(self, exchanger):
         self._ex, self._lock = exchanger, threading.Lock()
         self._open, self._count, self._outstanding, self._generation, self._launched = None, 0, 0, 0, []
+        self._averaged = set()  # names of the batches whose every token said Average last step
 
     def add(self, adapter: Adapter, tensor) -> tuple:
         """-> (what Horovod allreduces, Context) for compress()."""
@@ -158,7 +178,8 @@ class Batches:
                 self._close(self._open)
             if self._open is None:
                 name = f"hvd_aps.{self._count}"
-                self._open = _Batch(name, adapter, self._ex.state.schedule.native_dtype())
+                self._open = _Batch(name, adapter, self._ex.state.schedule.native_dtype(),
+                                    reduction=Reduction(averaged=name in self._averaged))
                 self._count += 1
             batch = self._open
             batch.nbytes += 4 * adapter.numel(tensor)
@@ -190,7 +211,7 @@ class Batches:
                 out = context.adapter.native_result(reduced, context.like)
             else:
                 total = context.batch.future.result()[context.index]
-                out = context.adapter.finish(total, reduced, context.like)
+                out = context.adapter.finish(total, reduced, context.like, context.batch.reduction)
         except BaseException:
             self.abort()
             raise
@@ -203,6 +224,7 @@ class Batches:
     def _end_step(self, context: Context, out):
         """End the step (after every exchange of it, in a graph too) and restart the naming."""
         results = [t for batch in self._launched for t in batch.future.result()]
+        self._averaged = {batch.name for batch in self._launched if _all_said_average(batch.reduction)}
         self._open, self._count, self._launched = None, 0, []
         return context.adapter.at_step_end(out, self._ex.end_step, results)
 
@@ -215,6 +237,7 @@ class Batches:
 
     def _forget(self) -> None:
         self._open, self._count, self._outstanding, self._launched = None, 0, 0, []
+        self._averaged = set()  # the next step's exchanges divide nothing until tokens say Average again
         self._generation += 1
 
     @contextlib.contextmanager
@@ -239,11 +262,15 @@ class Batches:
             bucket = Bucket.whole(batch.name, [f"{batch.name}[{i}]" for i in range(len(batch.sizes))], batch.labels,
                                   batch.sizes)
             batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical), adapter.rank(), bucket,
-                                           batch.flats, adapter.threaded)
+                                           batch.flats, adapter.threaded, average=batch.reduction.averaged)
             self._launched.append(batch)
         batch.closed = True
         if self._open is batch:
             self._open = None
+
+
+def _all_said_average(reduction: Reduction) -> bool:
+    return bool(reduction.said_average) and all(reduction.said_average)
 
 
 def pass_through(adapter: Adapter, tensor, exchanger) -> tuple:
@@ -267,16 +294,27 @@ def token_values(rank: int) -> np.ndarray:
     return np.array([1.0, rank], np.float32)
 
 
-def apply_op(total, token, world: int):
+def apply_op(total, token, world: int, reduction: Optional[Reduction] = None):
     """The exchanged sum (NumPy/CuPy float32, changed in place) as Horovod's reduction would have
     left it, from the reduced token: average (divided by N in float32, as every codes path
-    divides), sum, or sum times the factor Horovod applied."""
+    divides), sum, or sum times the factor Horovod applied. With `reduction`, what the token says
+    is recorded there, and sums its exchange already averaged come back as they are."""
     scale, ranks = (float(v) for v in np.asarray(token, np.float64).reshape(-1)[:2])
     if abs(ranks - scale * (world - 1) / 2) > _TOKEN_TOLERANCE * max(1.0, abs(scale) * world * world):
         raise ValueError("APSCompressor's codes need an allreduce that sums (op Average or Sum, with any "
                          "pre/postscale); this reduction is not one (Adasum, Min, Max or Product?): use "
                          "APSCompressor(..., wire='values') for it")
-    if abs(scale - 1.0) <= _TOKEN_TOLERANCE:
+    average = abs(scale - 1.0) <= _TOKEN_TOLERANCE
+    if reduction is not None:
+        reduction.said_average.append(average)
+        if reduction.averaged:
+            if not average:
+                raise RuntimeError("APSCompressor averaged these sums as the same gradients' allreduce did in the "
+                                   "step before, and this allreduce does not average (op Sum or other pre/postscale "
+                                   "factors): this step is abandoned on every rank and the next one runs as this "
+                                   "op asks. Use one APSCompressor for each reduction.")
+            return total
+    if average:
         total /= np.float32(world)
     elif abs(scale - world) > _TOKEN_TOLERANCE * world:
         total *= np.float32(scale / world)

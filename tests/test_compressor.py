@@ -109,6 +109,20 @@ def test_token_value_says_what_horovod_did():
             _tokens.apply_op(total, not_a_sum, world)
 
 
+def test_a_batch_averaged_by_its_exchange_comes_back_as_it_is():
+    total = np.array([1.0, -4.0], np.float32)
+    tokens = np.sum([_tokens.token_values(r) for r in range(4)], axis=0)
+    average = tokens * np.float32(0.25)
+    learning = _tokens.Reduction()
+    assert (_tokens.apply_op(total.copy(), average, 4, learning) == total / np.float32(4)).all()
+    assert (_tokens.apply_op(total.copy(), tokens, 4, learning) == total).all()
+    assert learning.said_average == [True, False]
+    averaged = _tokens.Reduction(averaged=True)
+    assert (_tokens.apply_op(total.copy(), average, 4, averaged) == total).all()  # divided already
+    with pytest.raises(RuntimeError, match="Use one APSCompressor for each reduction"):
+        _tokens.apply_op(total.copy(), tokens, 4, averaged)
+
+
 def test_missing_host_engine_warns_once(monkeypatch):
     monkeypatch.setattr(hvd_aps.codec._host_engine, "available", False)
     monkeypatch.delenv("HVD_APS_ENGINE", raising=False)

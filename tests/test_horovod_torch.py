@@ -49,6 +49,19 @@ def test_allreduce_sends_codes_bit_exact_to_the_numpy_model(ranks):
     assert ring <= np.mean([int(r["bytes_sent"]) for r in ranks]) <= ring * 1.02 + 64
 
 
+def test_an_average_learned_from_the_step_before_is_divided_at_decode(ranks):
+    """The second Average is averaged by the exchange (learned from the first), with the bits of
+    dividing after; a Sum then raises on every rank, and the next Sum and Average are exact."""
+    n = len(ranks)
+    data = [[rank_data(r)] for r in range(n)]
+    want_avg, want_sum = model.flat(data, "e4m3")[0], model.flat(data, "e4m3", average=False)[0]
+    for r in ranks:
+        for step in range(3):
+            assert r[f"switch_avg_{step}"].tobytes() == want_avg.tobytes(), step
+        assert "Use one APSCompressor for each reduction" in str(r["switch_error"])
+        assert r["switch_sum"].tobytes() == want_sum.tobytes()
+
+
 def test_error_feedback_through_horovods_optimizer_is_bit_exact(ranks):
     steps = [[[rank_data(r, seed=step)] for r in range(len(ranks))] for step in range(3)]
     for step, want in enumerate(model.with_error_feedback(steps, "e2m1fn")):

@@ -102,7 +102,8 @@ def rank():
     return hvd.rank()
 
 
-def finish(total, token_out, like):
+def finish(total, token_out, like, reduction):
+    """`reduction` is not used: a graph fixes its exchanges when traced, so none is averaged."""
     size = hvd.size()
     # a copy: numpy_function's inputs may share TF's (read-only) memory
     reduced = tf.numpy_function(lambda t, o: _tokens.apply_op(t.copy(), o, size), [total, token_out], tf.float32,

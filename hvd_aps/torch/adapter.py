@@ -113,8 +113,8 @@ def rank():
     return hvd.rank()
 
 
-def finish(total, token_out, like):
-    reduced = _tokens.apply_op(total, token_out.cpu().numpy(), hvd.size())
+def finish(total, token_out, like, reduction):
+    reduced = _tokens.apply_op(total, token_out.cpu().numpy(), hvd.size(), reduction)
     return torch.from_dlpack(reduced).reshape(like.shape).to(like.dtype)
 
 

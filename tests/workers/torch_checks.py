@@ -36,6 +36,15 @@ out["nan"] = reduce(poisoned(rank, np.nan), e4m3, name="nan")
 out["inf"] = reduce(poisoned(rank, np.inf), hvd_aps.APSCompressor("e2m1fn", min_elements=16), name="inf")
 out["after"] = reduce(rank_data(rank), e4m3, name="after")
 out["bytes_sent"] = np.array(e4m3.bytes_sent)
+# one compressor, Average and then Sum: the second average is divided at decode (learned from the
+# first); the Sum after it cannot be given from averaged sums and raises on every rank; the next
+# Sum runs undivided, and so does the Average after it
+switch = hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=16)
+for step in range(2):
+    out[f"switch_avg_{step}"] = reduce(rank_data(rank), switch, name="switch")
+out["switch_error"] = error_of(lambda: reduce(rank_data(rank), switch, hvd.Sum, "switch"))
+out["switch_sum"] = reduce(rank_data(rank), switch, hvd.Sum, "switch")
+out["switch_avg_2"] = reduce(rank_data(rank), switch, name="switch")
 half = hvd.allreduce(torch.from_numpy(rank_data(rank)).bfloat16(), compression=e4m3, name="bf16")
 ef = hvd_aps.APSCompressor("e2m1fn", min_elements=16, error_feedback=True)
 for step in range(3):  # one batch name each call: the residuals carry from call to call
