@@ -31,6 +31,11 @@ def as_array(x):
     return gpu if gpu is not None else np.asarray(x)
 
 
+def is_array(a) -> bool:
+    """A NumPy or CuPy array (not a framework's tensor)."""
+    return isinstance(a, np.ndarray) or _is_cupy(a)
+
+
 def array_module(a):
     """cupy for CuPy arrays, numpy otherwise: lets callers write one code path for both."""
     if _is_cupy(a):

@@ -142,14 +142,20 @@ class HostMemory(exchange.Eager):
             return self.fallback.allgather(message, name)
         return self._exchange(name, message, [(0, message.nbytes)] * self.world)
 
+    def allgather_each(self, message, name, take):
+        if _arrays.array_module(message) is not np:
+            return self.fallback.allgather_each(message, name, take)
+        self._exchange(name, message, [(0, message.nbytes)] * self.world, take)
+
     def max_allreduce(self, vector, name):
         if _arrays.array_module(vector) is not np:
             return self.fallback.max_allreduce(vector, name)
         return self.allgather(np.asarray(vector, np.float64), name).reshape(self.world, -1).max(axis=0)
 
-    def _exchange(self, name: str, send: np.ndarray, parts: list) -> np.ndarray:
+    def _exchange(self, name: str, send: np.ndarray, parts: list, take: Optional[Callable] = None):
         """Publish `send` with parts[d] (its bytes for local rank d), then every rank's part for
-        this one, concatenated in local-rank order, as an array of send's dtype."""
+        this one, concatenated in local-rank order, as an array of send's dtype; or, with `take`,
+        take(writer, its part) straight from the writer's box, before it is acknowledged."""
         box, count = self._outbox(name), self._sent.get(name, 0) + 1
         for reader in range(self.world):  # the last message must have been read before it is overwritten
             if reader != self.rank:
@@ -168,13 +174,17 @@ class HostMemory(exchange.Eager):
         for writer, peer in enumerate(boxes):
             self._wait(peer, 0, count, writer, name)
             spans.append(peer.words[peer.part_words(self.rank):peer.part_words(self.rank) + 2])
-        out, at = np.empty(sum(int(hi - lo) for lo, hi in spans), np.uint8), 0
+        out = np.empty(sum(int(hi - lo) for lo, hi in spans), np.uint8) if take is None else None
+        at = 0
         for writer, (peer, (lo, hi)) in enumerate(zip(boxes, spans)):
-            out[at:at + hi - lo] = peer.data[lo:hi]
-            at += hi - lo
+            if take is None:
+                out[at:at + hi - lo] = peer.data[lo:hi]
+                at += hi - lo
+            else:
+                take(writer, peer.data[lo:hi].view(send.dtype))
             if writer != self.rank:
                 peer.publish(peer.ack_word(self.rank), count)
-        return out.view(send.dtype)
+        return out.view(send.dtype) if take is None else None
 
     # boxes -------------------------------------------------------------------------------------
     def _outbox(self, name: str) -> _Box:

@@ -64,6 +64,13 @@ class Collectives(abc.ABC):
     def allgather(self, message, name: str):
         """Every rank's message (of equal sizes), concatenated in rank order."""
 
+    def allgather_each(self, message, name: str, take) -> None:
+        """Eager, messages of equal sizes: take(rank, its message) for every rank in rank order.
+        Collectives that can hand each message over where it arrived (shared memory) save the
+        copy into one concatenation."""
+        for rank, row in enumerate(self.allgather(message, name).reshape(self.world, -1)):
+            take(rank, row)
+
     def allreduce(self, values, name: str):
         """The sum over the ranks of a float array (the framework's own allreduce: policy="auto")."""
         raise NotImplementedError(f"{type(self).__name__} has no allreduce: policy='auto' needs one")
@@ -387,20 +394,28 @@ def _gather(bucket: Bucket, slices: list, results: list, local: Collectives, out
             packed[:lens[local.rank]] = xp.concatenate(results)
         return (packed,)
 
+    def place(out, j, row):
+        at = 0
+        for s in slices[j]:
+            out[s.tensor][s.start:s.stop] = row[at:at + s.size]
+            at += s.size
+
+    def fresh(xp):
+        return outs if outs is not None else [xp.empty(n, xp.float32) for n in bucket.sizes]
+
     def unpack(gathered):
-        xp = _arrays.array_module(gathered)
-        rows = gathered.reshape(local.world, max(lens))
-        out = outs if outs is not None else [xp.empty(n, xp.float32) for n in bucket.sizes]
-        for j, segs in enumerate(slices):
-            at = 0
-            for s in segs:
-                out[s.tensor][s.start:s.stop] = rows[j, at:at + s.size]
-                at += s.size
+        out = fresh(_arrays.array_module(gathered))
+        for j, row in enumerate(gathered.reshape(local.world, max(lens))):
+            place(out, j, row)
         return tuple(out)
 
     sent, = local.stage(pack, results, [np.float32])
-    gathered = local.allgather(sent, f"{bucket.name}.host_gather")
-    return list(local.stage(unpack, [gathered], [np.float32] * len(bucket.sizes)))
+    name = f"{bucket.name}.host_gather"
+    if not _arrays.is_array(sent):  # TensorFlow's tensors
+        return list(local.stage(unpack, [local.allgather(sent, name)], [np.float32] * len(bucket.sizes)))
+    out = fresh(_arrays.array_module(sent))  # each slice copied once, from where it arrived
+    local.allgather_each(sent, name, lambda j, row: place(out, j, row))
+    return out
 
 
 def _native(stages, bucket: Bucket, flats: list, world: Collectives, outs, divisor: int, dtype: str) -> list:

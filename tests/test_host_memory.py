@@ -1,5 +1,6 @@
 """Float32 inside a host through shared memory (hvd_aps._host_memory), with real processes: every
-local rank's alltoall and allgather results against NumPy, message after message; nothing left
+local rank's alltoall and allgather results (concatenated, and handed over one writer at a time)
+against NumPy, message after message; nothing left
 in /dev/shm; a rank that closes before a slow peer read its message; a peer that dies is reported, not waited for; a full /dev/shm is an error that says
 what to do; files of dead processes are swept."""
 import errno
@@ -33,6 +34,9 @@ def local_rank(job, pids, rank, results):
         send = message(rank, step, sum(splits_of(step)))
         results.put((rank, step, "alltoall", memory.alltoall(send, splits_of(step), "scatter")))
         results.put((rank, step, "allgather", memory.allgather(message(rank, step, 5 + rank), "gather")))
+        taken = []  # each message handed over from its writer's box, copied before it is acknowledged
+        memory.allgather_each(message(rank, step, 6), "each", lambda writer, row: taken.append((writer, row.copy())))
+        results.put((rank, step, "allgather_each", taken))
     memory.close()
 
 
@@ -61,7 +65,7 @@ def leftovers(job):
 def test_alltoall_and_allgather_match_numpy_every_message_and_leave_nothing():
     procs, results, job = launch(local_rank)
     got = {}
-    for _ in range(WORLD * ROUNDS * 2):
+    for _ in range(WORLD * ROUNDS * 3):
         rank, step, kind, value = results.get(timeout=60)
         got[rank, step, kind] = value
     for p in procs:
@@ -74,6 +78,9 @@ def test_alltoall_and_allgather_match_numpy_every_message_and_leave_nothing():
             assert got[rank, step, "alltoall"].tobytes() == want.tobytes()
             gathered = np.concatenate([message(w, step, 5 + w) for w in range(WORLD)])
             assert got[rank, step, "allgather"].tobytes() == gathered.tobytes()
+            assert [w for w, _ in got[rank, step, "allgather_each"]] == list(range(WORLD))
+            for w, row in got[rank, step, "allgather_each"]:
+                assert row.tobytes() == message(w, step, 6).tobytes()
     assert leftovers(job) == []
 
 
