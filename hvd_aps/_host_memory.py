@@ -134,8 +134,12 @@ class HostMemory(exchange.Eager):
     def alltoall(self, send, splits, name):
         if _arrays.array_module(send) is not np:
             return self.fallback.alltoall(send, splits, name)
-        bounds = np.cumsum([0] + [int(s) for s in splits]) * send.itemsize
-        return self._exchange(name, send, [(bounds[d], bounds[d + 1]) for d in range(self.world)])
+        return self._exchange(name, send, self._parts(send, splits))
+
+    def alltoall_each(self, send, splits, name, take):
+        if _arrays.array_module(send) is not np:
+            return self.fallback.alltoall_each(send, splits, name, take)
+        self._exchange(name, send, self._parts(send, splits), take)
 
     def allgather(self, message, name):
         if _arrays.array_module(message) is not np:
@@ -151,6 +155,11 @@ class HostMemory(exchange.Eager):
         if _arrays.array_module(vector) is not np:
             return self.fallback.max_allreduce(vector, name)
         return self.allgather(np.asarray(vector, np.float64), name).reshape(self.world, -1).max(axis=0)
+
+    def _parts(self, send: np.ndarray, splits) -> list:
+        """(first, last) byte of `send` for each local rank, from its elements for each."""
+        bounds = np.cumsum([0] + [int(s) for s in splits]) * send.itemsize
+        return [(bounds[d], bounds[d + 1]) for d in range(self.world)]
 
     def _exchange(self, name: str, send: np.ndarray, parts: list, take: Optional[Callable] = None):
         """Publish `send` with parts[d] (its bytes for local rank d), then every rank's part for

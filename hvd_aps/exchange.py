@@ -64,10 +64,16 @@ class Collectives(abc.ABC):
     def allgather(self, message, name: str):
         """Every rank's message (of equal sizes), concatenated in rank order."""
 
+    def alltoall_each(self, send, splits, name: str, take) -> None:
+        """Eager, every rank's `splits` alike: take(rank, what it sent here) for every rank in rank
+        order. Collectives that can hand each part over where it arrived (shared memory) save
+        the copy into one concatenation."""
+        for rank, row in enumerate(self.alltoall(send, splits, name).reshape(self.world, -1)):
+            take(rank, row)
+
     def allgather_each(self, message, name: str, take) -> None:
-        """Eager, messages of equal sizes: take(rank, its message) for every rank in rank order.
-        Collectives that can hand each message over where it arrived (shared memory) save the
-        copy into one concatenation."""
+        """Eager, messages of equal sizes: take(rank, its message) for every rank in rank order
+        (as alltoall_each)."""
         for rank, row in enumerate(self.allgather(message, name).reshape(self.world, -1)):
             take(rank, row)
 
@@ -360,18 +366,29 @@ def _scatter(bucket: Bucket, slices: list, flats: list, local: Collectives, buff
         parts = [arrays[s.tensor][s.start:s.stop] for segs in slices for s in segs]
         return (xp.concatenate(parts) if parts else xp.zeros(0, xp.float32),)
 
-    def add(received):
-        xp = _arrays.array_module(received)
-        rows = received.reshape(local.world, lens[local.rank])
-        total = buffers.get((bucket.name, "host sum"), lens[local.rank], np.float32, xp)
-        total[...] = rows[0]
-        for row in rows[1:]:  # the host's sum in local-rank order: a fixed order, the same bits every run
+    def add_row(total, writer, row):  # the host's sum in local-rank order: the same bits every run
+        if writer == 0:
+            total[...] = row
+        else:
             total += row
+
+    def host_sum(xp):
+        return buffers.get((bucket.name, "host sum"), lens[local.rank], np.float32, xp)
+
+    def add(received):
+        total = host_sum(_arrays.array_module(received))
+        for writer, row in enumerate(received.reshape(local.world, lens[local.rank])):
+            add_row(total, writer, row)
         return tuple(total[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
 
     send, = local.stage(pack, flats, [np.float32])
-    received = local.alltoall(send, np.asarray(lens, np.int32), f"{bucket.name}.host_scatter")
-    data = list(local.stage(add, [received], [np.float32] * len(mine.segments)))
+    splits, name = np.asarray(lens, np.int32), f"{bucket.name}.host_scatter"
+    if _arrays.is_array(send):  # each rank's slice summed from where it arrived
+        total = host_sum(_arrays.array_module(send))
+        local.alltoall_each(send, splits, name, lambda writer, row: add_row(total, writer, row))
+        data = [total[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    else:  # TensorFlow's tensors
+        data = list(local.stage(add, [local.alltoall(send, splits, name)], [np.float32] * len(mine.segments)))
     if not local.eager:
         return mine, data, None, None
     xp = _arrays.array_module(flats[0]) if flats else np

@@ -34,9 +34,11 @@ def local_rank(job, pids, rank, results):
         send = message(rank, step, sum(splits_of(step)))
         results.put((rank, step, "alltoall", memory.alltoall(send, splits_of(step), "scatter")))
         results.put((rank, step, "allgather", memory.allgather(message(rank, step, 5 + rank), "gather")))
-        taken = []  # each message handed over from its writer's box, copied before it is acknowledged
-        memory.allgather_each(message(rank, step, 6), "each", lambda writer, row: taken.append((writer, row.copy())))
-        results.put((rank, step, "allgather_each", taken))
+        for kind, run in (("allgather_each", lambda take: memory.allgather_each(message(rank, step, 6), "each", take)),
+                          ("alltoall_each", lambda take: memory.alltoall_each(send, splits_of(step), "each2", take))):
+            taken = []  # each part handed over from its writer's box, copied before it is acknowledged
+            run(lambda writer, row: taken.append((writer, row.copy())))
+            results.put((rank, step, kind, taken))
     memory.close()
 
 
@@ -65,7 +67,7 @@ def leftovers(job):
 def test_alltoall_and_allgather_match_numpy_every_message_and_leave_nothing():
     procs, results, job = launch(local_rank)
     got = {}
-    for _ in range(WORLD * ROUNDS * 3):
+    for _ in range(WORLD * ROUNDS * 4):
         rank, step, kind, value = results.get(timeout=60)
         got[rank, step, kind] = value
     for p in procs:
@@ -81,6 +83,8 @@ def test_alltoall_and_allgather_match_numpy_every_message_and_leave_nothing():
             assert [w for w, _ in got[rank, step, "allgather_each"]] == list(range(WORLD))
             for w, row in got[rank, step, "allgather_each"]:
                 assert row.tobytes() == message(w, step, 6).tobytes()
+            parts = [row for _, row in got[rank, step, "alltoall_each"]]
+            assert np.concatenate(parts).tobytes() == want.tobytes() and len(parts) == WORLD
     assert leftovers(job) == []
 
 
