@@ -122,6 +122,10 @@ class Reduction:
     averaged: bool = False
     said_average: list = dataclasses.field(default_factory=list)
 
+    def all_average(self) -> bool:
+        """Every token said Average (and one came): the next step's batch of this name averages."""
+        return bool(self.said_average) and all(self.said_average)
+
 
 @dataclasses.dataclass
 class _Batch:
@@ -224,7 +228,7 @@ class Batches:
     def _end_step(self, context: Context, out):
         """End the step (after every exchange of it, in a graph too) and restart the naming."""
         results = [t for batch in self._launched for t in batch.future.result()]
-        self._averaged = {batch.name for batch in self._launched if _all_said_average(batch.reduction)}
+        self._averaged = {batch.name for batch in self._launched if batch.reduction.all_average()}
         self._open, self._count, self._launched = None, 0, []
         return context.adapter.at_step_end(out, self._ex.end_step, results)
 
@@ -267,10 +271,6 @@ class Batches:
         batch.closed = True
         if self._open is batch:
             self._open = None
-
-
-def _all_said_average(reduction: Reduction) -> bool:
-    return bool(reduction.said_average) and all(reduction.said_average)
 
 
 def pass_through(adapter: Adapter, tensor, exchanger) -> tuple:
