@@ -258,7 +258,7 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
                                                                graph_chunk_bytes)
     results = _pipeline(stages, held, token, data, coll, bucket.name, chunks, len(held_bucket.segments))
     if levels.local is not None:
-        results = _gather(bucket, slices, results, levels.local, outs, slice_message)
+        results = _gather(bucket, slices, results, levels.local, outs, slice_message, stages.state.buffers)
     if coll.eager:
         ended = time.perf_counter()
         schedule.measured(bucket.name, candidate, ended - started)
@@ -397,9 +397,10 @@ def _scatter(bucket: Bucket, slices: list, flats: list, local: Collectives, buff
     return mine, data, [message[a:b] for a, b in zip(offsets[:-1], offsets[1:])], message
 
 
-def _gather(bucket: Bucket, slices: list, results: list, local: Collectives, outs, message) -> list:
-    """Two levels, step 6: every local rank's result slice, into one flat per tensor. `message`:
-    the padded buffer the results lie in (eager), else they are packed into one here."""
+def _gather(bucket: Bucket, slices: list, results: list, local: Collectives, outs, message, buffers) -> list:
+    """Two levels, step 6: every local rank's result slice, into one flat per tensor (`outs`, else
+    the result arrays `buffers` keeps). `message`: the padded buffer the results lie in (eager),
+    else they are packed into one here."""
     lens = [sum(s.size for s in segs) for segs in slices]
 
     def pack(*results):
@@ -418,7 +419,9 @@ def _gather(bucket: Bucket, slices: list, results: list, local: Collectives, out
             at += s.size
 
     def fresh(xp):
-        return outs if outs is not None else [xp.empty(n, xp.float32) for n in bucket.sizes]
+        if outs is not None:
+            return outs
+        return [buffers.result((bucket.name, k), n, xp) for k, n in enumerate(bucket.sizes)]
 
     def unpack(gathered):
         out = fresh(_arrays.array_module(gathered))

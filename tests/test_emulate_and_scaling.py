@@ -103,6 +103,41 @@ def test_probe_rows():
     assert rows[0][3] < 0.03 and rows[2][3] == 1.0
 
 
+def test_two_level_results_are_reused_only_when_nothing_holds_them():
+    """With no arrays given for them, two levels write each step's results into the arrays of the
+    step before where nothing outside holds those any more, and into new ones where something
+    does: results kept by the caller never change, and every step's match the NumPy model."""
+    import weakref
+
+    import model
+    from test_wire import rank_grads
+    from hvd_aps import _inprocess
+    from hvd_aps._stages import Bucket
+    levels, world = _inprocess.host_levels(2, 2), 4
+    compressors = [hvd_aps.APSCompressor("e4m3") for _ in range(world)]
+    bucket = Bucket.whole("held", ["held[0]"], ["held[0]"], [5000])
+
+    def step(seed):
+        grads, out = rank_grads(world, [5000], seed=seed), [None] * world
+
+        def worker(w):
+            out[w] = compressors[w].exchanger.bucket(levels[w], w, bucket, [grads[w][0]], threaded=False,
+                                                     average=True).result()[0]
+            compressors[w].exchanger.end_step()
+        _inprocess.run_ranks(worker, world)
+        want = model.two_levels(grads, "e4m3", [[0, 1], [2, 3]])[0]
+        assert all(o.tobytes() == want.tobytes() for o in out), seed
+        return out, want
+
+    first, first_want = step(0)
+    second, _ = step(1)
+    assert all(o.tobytes() == first_want.tobytes() for o in first)  # held, so not written again
+    kept = [weakref.ref(o) for o in second]  # alive after the del only if the exchange keeps them
+    del first, second
+    third, _ = step(2)
+    assert all(ref() is o for ref, o in zip(kept, third))
+
+
 def test_codes_allreduce_runs_the_driver_flat_and_on_two_levels():
     """The emulator is the exchange real ranks run (one driver on thread ranks): against the
     independent NumPy model, flat with error feedback over two steps (each step's results its
