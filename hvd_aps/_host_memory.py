@@ -161,7 +161,8 @@ class HostMemory(exchange.Eager):
         bounds = np.cumsum([0] + [int(s) for s in splits]) * send.itemsize
         return [(bounds[d], bounds[d + 1]) for d in range(self.world)]
 
-    def _exchange(self, name: str, send: np.ndarray, parts: list, take: Optional[Callable] = None):
+    def _exchange(self, name: str, send: np.ndarray, parts: list,
+                  take: Optional[Callable] = None) -> Optional[np.ndarray]:
         """Publish `send` with parts[d] (its bytes for local rank d), then every rank's part for
         this one, concatenated in local-rank order, as an array of send's dtype; or, with `take`,
         take(writer, its part) straight from the writer's box, before it is acknowledged."""

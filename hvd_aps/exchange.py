@@ -375,18 +375,21 @@ def _scatter(bucket: Bucket, slices: list, flats: list, local: Collectives, buff
     def host_sum(xp):
         return buffers.get((bucket.name, "host sum"), lens[local.rank], np.float32, xp)
 
+    def by_segment(flat):  # this rank's slice -> one view per segment of it
+        return [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
     def add(received):
         total = host_sum(_arrays.array_module(received))
         for writer, row in enumerate(received.reshape(local.world, lens[local.rank])):
             add_row(total, writer, row)
-        return tuple(total[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+        return tuple(by_segment(total))
 
     send, = local.stage(pack, flats, [np.float32])
     splits, name = np.asarray(lens, np.int32), f"{bucket.name}.host_scatter"
     if _arrays.is_array(send):  # each rank's slice summed from where it arrived
         total = host_sum(_arrays.array_module(send))
         local.alltoall_each(send, splits, name, lambda writer, row: add_row(total, writer, row))
-        data = [total[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        data = by_segment(total)
     else:  # TensorFlow's tensors
         data = list(local.stage(add, [local.alltoall(send, splits, name)], [np.float32] * len(mine.segments)))
     if not local.eager:
@@ -394,7 +397,7 @@ def _scatter(bucket: Bucket, slices: list, flats: list, local: Collectives, buff
     xp = _arrays.array_module(flats[0]) if flats else np
     message = buffers.get((bucket.name, "host slice"), max(lens), np.float32, xp)
     message[lens[local.rank]:] = 0  # equal sizes, as torch.distributed's all_gather needs
-    return mine, data, [message[a:b] for a, b in zip(offsets[:-1], offsets[1:])], message
+    return mine, data, by_segment(message), message
 
 
 def _gather(bucket: Bucket, slices: list, results: list, local: Collectives, outs, message, buffers) -> list:
