@@ -62,3 +62,10 @@ def joined(arrays):
     if xp is not np:
         return xp.ndarray((total,), arrays[0].dtype, memptr=arrays[0].data)
     return np.lib.stride_tricks.as_strided(arrays[0], shape=(total,), strides=(size,))
+
+
+def concatenated(arrays):
+    """1-D arrays of one dtype (at least one) end to end: a view where they already lie so
+    (`joined`), else one copy."""
+    whole = joined(arrays)
+    return whole if whole is not None else array_module(arrays[0]).concatenate(arrays)

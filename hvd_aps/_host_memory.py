@@ -134,47 +134,51 @@ class HostMemory(exchange.Eager):
     def alltoall(self, send, splits, name):
         if _arrays.array_module(send) is not np:
             return self.fallback.alltoall(send, splits, name)
-        return self._exchange(name, send, self._parts(send, splits))
+        return self._exchange(name, [send], self._bounds(send.dtype, splits))
 
-    def alltoall_each(self, send, splits, name, take):
-        if _arrays.array_module(send) is not np:
-            return self.fallback.alltoall_each(send, splits, name, take)
-        self._exchange(name, send, self._parts(send, splits), take)
+    def alltoall_each(self, parts, splits, name, take):
+        if _arrays.array_module(parts[0]) is not np:
+            return self.fallback.alltoall_each(parts, splits, name, take)
+        self._exchange(name, parts, self._bounds(parts[0].dtype, splits), take)
 
     def allgather(self, message, name):
         if _arrays.array_module(message) is not np:
             return self.fallback.allgather(message, name)
-        return self._exchange(name, message, [(0, message.nbytes)] * self.world)
+        return self._exchange(name, [message], [(0, message.nbytes)] * self.world)
 
     def allgather_each(self, message, name, take):
         if _arrays.array_module(message) is not np:
             return self.fallback.allgather_each(message, name, take)
-        self._exchange(name, message, [(0, message.nbytes)] * self.world, take)
+        self._exchange(name, [message], [(0, message.nbytes)] * self.world, take)
 
     def max_allreduce(self, vector, name):
         if _arrays.array_module(vector) is not np:
             return self.fallback.max_allreduce(vector, name)
         return self.allgather(np.asarray(vector, np.float64), name).reshape(self.world, -1).max(axis=0)
 
-    def _parts(self, send: np.ndarray, splits) -> list:
-        """(first, last) byte of `send` for each local rank, from its elements for each."""
-        bounds = np.cumsum([0] + [int(s) for s in splits]) * send.itemsize
+    def _bounds(self, dtype: np.dtype, splits) -> list:
+        """(first, last) byte of the message for each local rank, from its elements of `dtype`."""
+        bounds = np.cumsum([0] + [int(s) for s in splits]) * np.dtype(dtype).itemsize
         return [(bounds[d], bounds[d + 1]) for d in range(self.world)]
 
-    def _exchange(self, name: str, send: np.ndarray, parts: list,
+    def _exchange(self, name: str, send: Sequence[np.ndarray], parts: list,
                   take: Optional[Callable] = None) -> Optional[np.ndarray]:
-        """Publish `send` with parts[d] (its bytes for local rank d), then every rank's part for
-        this one, concatenated in local-rank order, as an array of send's dtype; or, with `take`,
-        take(writer, its part) straight from the writer's box, before it is acknowledged."""
+        """Publish the arrays of `send` end to end (one dtype) with parts[d] (the bytes for local
+        rank d), then every rank's part for this one, concatenated in local-rank order, as an
+        array of that dtype; or, with `take`, take(writer, its part) straight from the writer's
+        box, before it is acknowledged."""
         box, count = self._outbox(name), self._sent.get(name, 0) + 1
         for reader in range(self.world):  # the last message must have been read before it is overwritten
             if reader != self.rank:
                 self._wait(box, box.ack_word(reader), count - 1, reader, name)
         if count == 2:  # every peer has acknowledged a message, so has the box mapped: its name can go
             box.unlink()
-        raw = np.ascontiguousarray(send).reshape(-1).view(np.uint8)
-        box.reserve(raw.size)
-        box.data[:raw.size] = raw
+        box.reserve(sum(a.nbytes for a in send))
+        at = 0
+        for array in send:  # each straight into the box: no concatenation first
+            raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            box.data[at:at + raw.size] = raw
+            at += raw.size
         for d, (lo, hi) in enumerate(parts):
             box.words[box.part_words(d):box.part_words(d) + 2] = (lo, hi)
         box.publish(0, count)
@@ -191,10 +195,10 @@ class HostMemory(exchange.Eager):
                 out[at:at + hi - lo] = peer.data[lo:hi]
                 at += hi - lo
             else:
-                take(writer, peer.data[lo:hi].view(send.dtype))
+                take(writer, peer.data[lo:hi].view(send[0].dtype))
             if writer != self.rank:
                 peer.publish(peer.ack_word(self.rank), count)
-        return out.view(send.dtype) if take is None else None
+        return out.view(send[0].dtype) if take is None else None
 
     # boxes -------------------------------------------------------------------------------------
     def _outbox(self, name: str) -> _Box:

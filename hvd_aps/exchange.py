@@ -64,11 +64,12 @@ class Collectives(abc.ABC):
     def allgather(self, message, name: str):
         """Every rank's message (of equal sizes), concatenated in rank order."""
 
-    def alltoall_each(self, send, splits, name: str, take) -> None:
-        """Eager, every rank's `splits` alike: take(rank, what it sent here) for every rank in rank
-        order. Collectives that can hand each part over where it arrived (shared memory) save
-        the copy into one concatenation."""
-        for rank, row in enumerate(self.alltoall(send, splits, name).reshape(self.world, -1)):
+    def alltoall_each(self, parts: Sequence, splits, name: str, take) -> None:
+        """Eager, every rank's `splits` alike, the message `parts` end to end (1-D arrays of one
+        dtype, at least one): take(rank, what it sent here) for every rank in rank order.
+        Collectives that can write the parts where they are sent and hand each rank's part over
+        where it arrived (shared memory) save both copies of a concatenation."""
+        for rank, row in enumerate(self.alltoall(_arrays.concatenated(parts), splits, name).reshape(self.world, -1)):
             take(rank, row)
 
     def allgather_each(self, message, name: str, take) -> None:
@@ -358,13 +359,11 @@ def _scatter(bucket: Bucket, slices: list, flats: list, local: Collectives, buff
     lens = [sum(s.size for s in segs) for segs in slices]
     offsets = np.cumsum([0] + [s.size for s in mine.segments])
 
+    def parts(*arrays):  # every local rank's slice, in local-rank order: the message
+        return [arrays[s.tensor][s.start:s.stop] for segs in slices for s in segs] or [arrays[0][:0]]
+
     def pack(*arrays):
-        xp = _arrays.array_module(arrays[0])
-        whole = _arrays.joined(list(arrays))  # the slices in tensor order: the flats end to end
-        if whole is not None:
-            return (whole,)
-        parts = [arrays[s.tensor][s.start:s.stop] for segs in slices for s in segs]
-        return (xp.concatenate(parts) if parts else xp.zeros(0, xp.float32),)
+        return (_arrays.concatenated(parts(*arrays)),)
 
     def add_row(total, writer, row):  # the host's sum in local-rank order: the same bits every run
         if writer == 0:
@@ -384,13 +383,13 @@ def _scatter(bucket: Bucket, slices: list, flats: list, local: Collectives, buff
             add_row(total, writer, row)
         return tuple(by_segment(total))
 
-    send, = local.stage(pack, flats, [np.float32])
     splits, name = np.asarray(lens, np.int32), f"{bucket.name}.host_scatter"
-    if _arrays.is_array(send):  # each rank's slice summed from where it arrived
-        total = host_sum(_arrays.array_module(send))
-        local.alltoall_each(send, splits, name, lambda writer, row: add_row(total, writer, row))
+    if flats and all(_arrays.is_array(f) for f in flats):  # written from the tensors, summed from where it arrived
+        total = host_sum(_arrays.array_module(flats[0]))
+        local.alltoall_each(parts(*flats), splits, name, lambda writer, row: add_row(total, writer, row))
         data = by_segment(total)
     else:  # TensorFlow's tensors
+        send, = local.stage(pack, flats, [np.float32])
         data = list(local.stage(add, [local.alltoall(send, splits, name)], [np.float32] * len(mine.segments)))
     if not local.eager:
         return mine, data, None, None

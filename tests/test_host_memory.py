@@ -1,6 +1,6 @@
 """Float32 inside a host through shared memory (hvd_aps._host_memory), with real processes: every
-local rank's alltoall and allgather results (concatenated, and handed over one writer at a time)
-against NumPy, message after message; nothing left
+local rank's alltoall and allgather results (concatenated, and handed over one writer at a time,
+the alltoall's message written from pieces) against NumPy, message after message; nothing left
 in /dev/shm; a rank that closes before a slow peer read its message; a peer that dies is reported, not waited for; a full /dev/shm is an error that says
 what to do; files of dead processes are swept."""
 import errno
@@ -28,6 +28,13 @@ def splits_of(step):
     return [step + 1, 7, 2 * step]  # per destination, the same on every rank (the exchange's host scatter)
 
 
+def pieces(send, step):
+    """`send` as the arrays alltoall_each writes end to end: cut across the destinations' parts,
+    one of them empty."""
+    cuts = [3, 3, 9 + step]
+    return np.split(send, cuts)
+
+
 def local_rank(job, pids, rank, results):
     memory = HostMemory(job, 0, pids, rank)
     for step in range(ROUNDS):
@@ -35,7 +42,8 @@ def local_rank(job, pids, rank, results):
         results.put((rank, step, "alltoall", memory.alltoall(send, splits_of(step), "scatter")))
         results.put((rank, step, "allgather", memory.allgather(message(rank, step, 5 + rank), "gather")))
         for kind, run in (("allgather_each", lambda take: memory.allgather_each(message(rank, step, 6), "each", take)),
-                          ("alltoall_each", lambda take: memory.alltoall_each(send, splits_of(step), "each2", take))):
+                          ("alltoall_each", lambda take: memory.alltoall_each(pieces(send, step), splits_of(step),
+                                                                               "each2", take))):
             taken = []  # each part handed over from its writer's box, copied before it is acknowledged
             run(lambda writer, row: taken.append((writer, row.copy())))
             results.put((rank, step, kind, taken))
