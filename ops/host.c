@@ -65,8 +65,9 @@ ACCUMULATE(hvd_accumulate_u16, uint16_t)
  * one; 16: two bytes, little-endian), looked up in `table`. hvd_sum_rows adds the ranks in order
  * from 0.0f into out[i] (what decode-then-add would give, in one pass instead of one per rank
  * and without unpacking) and returns max |out|, +Inf where a sum is NaN/Inf (the re-encode's
- * APS shift needs it); hvd_decode_row decodes one row (signed zeros kept). Blocks of
- * SUM_BLOCK elements keep the partial sums in cache while the ranks' codes are added.
+ * APS shift needs it); hvd_decode_row decodes one row (signed zeros kept). With more than four
+ * ranks, blocks of SUM_BLOCK elements keep the partial sums in cache while the ranks' codes are
+ * added.
  */
 #define SUM_BLOCK 1024
 /* Code j of a row; BITS 0: a width other than 4, 8 and 16, read bit by bit (`bits` at run time). */
@@ -76,11 +77,36 @@ ACCUMULATE(hvd_accumulate_u16, uint16_t)
    : BITS == 16 ? (hvd_u32)(row)[2 * (j)] | ((hvd_u32)(row)[2 * (j) + 1] << 8)                \
    : hvd_unpack_code(row, j, bits))
 
-/* Ranks are added four at a time (one load and store of the partial sums per four), in order. */
+/* Up to four ranks (R, a constant where it is expanded) in one pass: each sum kept in a register
+ * from 0.0f, the ranks added in order, max |sum| taken as it is stored. */
+#define SUM_FEW(BITS, R)                                                                      \
+  for (int64_t j = lo; j < hi; ++j) {                                                         \
+    float s = 0.0f + t[ROW_CODE(c0, j, BITS)];                                                \
+    if (R > 1) s += t[ROW_CODE(c1, j, BITS)];                                                 \
+    if (R > 2) s += t[ROW_CODE(c2, j, BITS)];                                                 \
+    if (R > 3) s += t[ROW_CODE(c3, j, BITS)];                                                 \
+    out[j - lo] = s;                                                                          \
+    const hvd_u32 a = hvd_f32_bits(s) & 0x7FFFFFFFu;                                          \
+    m = a > m ? a : m;                                                                        \
+  }
+
+/* More ranks are added four at a time (one load and store of the partial sums per four), in
+ * order, a block at a time; the few-rank case in one pass (SUM_FEW): the same sums, the same bits. */
 #define SUM_ROWS(NAME, BITS)                                                                  \
   static float NAME(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, int64_t lo,      \
                     int64_t hi, float *out, const float *t) {                                 \
     hvd_u32 m = 0u;                                                                           \
+    if (ranks >= 1 && ranks <= 4) {                                                           \
+      const uint8_t *c0 = rows, *c1 = ranks > 1 ? c0 + stride : c0, *c2 = ranks > 2 ? c1 + stride : c1; \
+      const uint8_t *c3 = ranks > 3 ? c2 + stride : c2;                                       \
+      switch (ranks) {                                                                        \
+        case 1: SUM_FEW(BITS, 1) break;                                                       \
+        case 2: SUM_FEW(BITS, 2) break;                                                       \
+        case 3: SUM_FEW(BITS, 3) break;                                                       \
+        default: SUM_FEW(BITS, 4) break;                                                      \
+      }                                                                                       \
+      return m >= 0x7F800000u ? INFINITY : hvd_bits_f32(m);                                   \
+    }                                                                                         \
     for (int64_t b = lo; b < hi; b += SUM_BLOCK) {                                            \
       const int64_t n = (b + SUM_BLOCK < hi ? b + SUM_BLOCK : hi) - b;                        \
       float *o = out + (b - lo);                                                              \
