@@ -2,11 +2,18 @@
 
 Chunking: a candidate is a chunk size in float32 bytes (0: the whole bucket at once). The
 numbers of the codes exchange do not depend on it (hvd_aps._layout), so trying chunkings changes
-no bit. Each bucket runs its first exchange as a warm-up (allocations, page faults: not timed),
-then every candidate TRIALS times, one exchange each; each rank's wall time of an exchange (from
-its metadata Max-allreduce on, where the ranks meet: no wait for a rank still in its backward)
-rides on the bucket's next metadata Max-allreduce, so every rank records the slowest rank's time
-and makes the same choice: the least median, fixed from then on.
+no bit. Each bucket runs every candidate in turn for TRIALS timed steps, and is judged by whole
+steps, from one commit to the next: the time of each bucket's exchange, even from its metadata
+allreduce on, ranked Horovod's chunkings against the steps they gave (on the netns cluster, two
+huge layers at 1 Gbit/s: unchunked 0.18-0.22 s a bucket against 0.22-0.30 s in 4 MiB chunks,
+while steps in 4 MiB chunks took 0.34-0.37 s and unchunked ones 0.41-0.47 s): buckets in flight
+together share the wire, Horovod's one background thread and the cores, which one exchange's own
+time leaves out. A step is not timed where it is the bucket's first or its first with another
+candidate (allocations, page faults, Horovod renegotiating new chunk names). Each rank's time of
+a step rides on the bucket's next metadata Max-allreduce with the candidate it ran, so every rank
+records the slowest rank's time and makes the same choice: the least median, fixed from then on.
+Buckets met in the same step run the same candidate in every step, so one step's time speaks for
+each of them.
 
 Policy "auto" (opt-in: it changes what is sent): once every bucket's chunking is fixed, the
 schedule times whole steps with codes and whole steps with every bucket on the framework's own
@@ -62,7 +69,7 @@ PATHS = (CODES,) + tuple(NATIVE_BYTES)  # one timing entry each on the metadata 
 # predictions that bound a step from below only: the model leaves out 16-bit casts and sums
 LOWER_BOUNDS = ("float16", "bfloat16")
 ENTRIES = 2 + len(PATHS)  # timing entries on the metadata vector (Schedule.entries)
-TRIALS = 2        # timed exchanges per chunking
+TRIALS = 2        # timed steps per chunking
 BLOCKS = 2        # policy="auto"'s blocks of trial steps per path and round, alternating
 BLOCK_STEPS = 3   # timed steps per block: STEP_TRIALS per path
 STEP_TRIALS = BLOCK_STEPS * BLOCKS
@@ -140,16 +147,16 @@ class _Timeline:
 class _Watch:
     """policy="codes" with a link: this rank's steps once the chunking is fixed, for one prediction."""
     steps: list = dataclasses.field(default_factory=list)
-    last: float = None  # when the last step committed
     done: bool = False
 
 
 @dataclasses.dataclass
 class _Bucket:
-    times: dict = dataclasses.field(default_factory=dict)  # candidate -> agreed seconds of its trials
-    runs: int = 0                 # exchanges whose timing was recorded (the first is the warm-up)
+    times: dict = dataclasses.field(default_factory=dict)  # candidate -> agreed seconds of its trial steps
     chosen: int = None            # the decision, once made
-    last: tuple = None            # this rank's (candidate, seconds) of its last exchange, not yet sent
+    ran: int = None               # the candidate of this step's exchange
+    before: int = None            # the candidate of the step before (None: no exchange then)
+    last: tuple = None            # this rank's (candidate, seconds) of its last timed step, not yet sent
     pending: tuple = None         # (candidate, seconds) agreed this step, recorded at commit
 
 
@@ -160,7 +167,7 @@ class _Policy:
 
     def __init__(self, natives: tuple):
         self.paths = (CODES,) + tuple(natives)
-        self.phase, self.chosen, self.last_commit = "chunking", None, None  # chosen: a path
+        self.phase, self.chosen = "chunking", None  # chosen: a path
         self.steps = {path: [] for path in self.paths}  # this rank's timed steps on each path
         self.order = trial_order(self.paths)  # the blocks of the round under way
         self.medians = None  # the agreed {path: median step} behind the decision
@@ -201,8 +208,6 @@ class _Policy:
         self.order = tuple(path(k) for k in saved.get("order", self.order))
         self.predicting, self.prediction = paths(saved.get("predicting")), paths(saved.get("prediction"))
         self.steps = {**{k: [] for k in self.paths}, **{path(k): list(v) for k, v in saved["steps"].items()}}
-        if self.phase == "trials":  # timing a step begun before the checkpoint
-            self.last_commit = None
 
     def state(self) -> dict:
         return {"phase": self.phase, "chosen": self.chosen, "block": self.block, "timed": self.timed,
@@ -223,6 +228,7 @@ class Schedule:
             raise ValueError(f"natives must be some of {list(NATIVE_BYTES)}, got {list(natives)}")
         self.candidates, self.auto, self.link, self.natives = tuple(candidates), bool(auto), link, tuple(natives)
         self._buckets, self._lock = {}, threading.Lock()
+        self._began = None  # when this step began: the last commit (None: not a clean measurement)
         self._policy, self._watch = None, None
         self._estimates = {}  # bucket name -> {native dtype: the model's seconds of its allreduce}
         self._timeline = _Timeline()
@@ -243,17 +249,14 @@ class Schedule:
     # per exchange --------------------------------------------------------------------------------
     def candidate(self, name: str) -> int:
         """How this exchange of bucket `name` runs: NATIVE (the framework's own allreduce, no
-        metadata), the chunking decided, else the next trial in order."""
+        metadata), the chunking decided, else the candidate on trial (each TRIALS steps in turn)."""
         with self._lock:
             b = self._bucket(name)
             if self._policy is not None and self._policy.native is not None:
                 return NATIVE
             if b.chosen is not None:
                 return b.chosen
-            if b.runs == 0:
-                return self.candidates[0]  # the warm-up
-            order = [c for _ in range(TRIALS) for c in self.candidates]
-            return order[min(b.runs - 1, len(order) - 1)]
+            return next((c for c in self.candidates if len(b.times.get(c, ())) < TRIALS), self.candidates[-1])
 
     def unchunked(self, name: str) -> None:
         """Bucket `name` has no chunking to choose (a reduce-scatter sends each row whole): it
@@ -305,11 +308,11 @@ class Schedule:
         with self._lock:
             self._estimates[name] = seconds
 
-    def measured(self, name: str, candidate: int, seconds: float) -> None:
-        """This rank's wall time of an exchange of `name` that ran as `candidate`."""
+    def ran(self, name: str, candidate: int) -> None:
+        """This step's exchange of `name` ran as `candidate`: the step's time counts for it."""
         if self.tuning:
             with self._lock:
-                self._bucket(name).last = (candidate, seconds)
+                self._bucket(name).ran = candidate
 
     def placed(self, name: str, started: float, ended: float) -> None:
         """While predicting: this step's exchange of `name` ran from `started` to `ended`
@@ -393,12 +396,11 @@ class Schedule:
                      for dtype in self.natives}
         return None if None in predicted.values() else predicted
 
-    def _watched(self, now: float) -> None:
+    def _watched(self, took: "float | None") -> None:
         """policy="codes" with a link: a step committed; once the chunking is fixed and a block of
         steps timed (after WARMUP_STEPS), one warning where the framework's own step is predicted
         PRIOR_MARGIN shorter (in a dtype whose prediction is not only a lower bound)."""
         w = self._watch
-        took, w.last = (None if w.last is None else now - w.last), now
         if w.done or took is None or not self._buckets or any(b.chosen is None for b in self._buckets.values()):
             return
         w.steps.append(took)
@@ -416,33 +418,36 @@ class Schedule:
     # steps ------------------------------------------------------------------------------------------
     def commit(self) -> None:
         with self._lock:
+            now = time.perf_counter()
+            took, self._began = (None if self._began is None else now - self._began), now
             for name, b in self._buckets.items():
                 if b.pending is not None and b.chosen is None:
                     self._record(name, b, *b.pending)
                 b.pending = None
-            now = time.perf_counter()
+                timed = b.ran is not None and b.ran == b.before and took is not None and b.chosen is None
+                b.last = (b.ran, took) if timed else None  # a step like the one before it; sent next step
+                b.before, b.ran = b.ran, None
             fixed = bool(self._buckets) and all(b.chosen is not None for b in self._buckets.values())
             ran_codes = self._policy is None or self._policy.native is None
             self._timeline.committed(now, self.predicting and fixed and ran_codes)
             if self._policy is not None:
-                self._step_ended(now)
+                self._step_ended(took)
             elif self._watch is not None:
-                self._watched(now)
+                self._watched(took)
 
     def rollback(self) -> None:
         with self._lock:
+            self._began = None  # the next step's time is not a clean measurement
             for b in self._buckets.values():
-                b.pending = None
+                b.pending, b.ran, b.before = None, None, None
             self._timeline.rolled_back()
-            if self._policy is not None:
-                self._policy.last_commit = None  # the next step's time is not a clean measurement
-                if self._policy.phase == "deciding":
-                    self._policy.medians = None
+            if self._policy is not None and self._policy.phase == "deciding":
+                self._policy.medians = None
 
-    def _step_ended(self, now: float) -> None:
-        """policy="auto": a step committed; its time counts for the trial block it ran in."""
+    def _step_ended(self, took: "float | None") -> None:
+        """policy="auto": a step committed, having taken `took` seconds (None: not a clean
+        measurement); its time counts for the trial block it ran in."""
         p = self._policy
-        took, p.last_commit = (None if p.last_commit is None else now - p.last_commit), now
         if p.phase == "deciding" and p.medians is not None:
             self._decide(p.medians)
             return
@@ -464,9 +469,7 @@ class Schedule:
                     self._predict()  # the first block timed codes: the model may settle it here
 
     def _record(self, name: str, b: _Bucket, candidate: int, seconds: float) -> None:
-        b.runs += 1
-        if b.runs > 1:  # the warm-up's time is not a trial
-            b.times.setdefault(candidate, []).append(seconds)
+        b.times.setdefault(candidate, []).append(seconds)
         if all(len(b.times.get(c, ())) >= TRIALS for c in self.candidates):
             b.chosen = min(self.candidates, key=lambda c: (statistics.median(b.times[c]), self.candidates.index(c)))
             log.info("hvd_aps schedule: bucket %s runs %s (%s)", name, describe(b.chosen), _times_text(b.times))
@@ -475,6 +478,7 @@ class Schedule:
         """Start over (the world changed: what was measured no longer holds)."""
         with self._lock:
             self._buckets.clear()
+            self._began = None
             self._estimates.clear()
             self._timeline = _Timeline()
             self._start_policy()
@@ -546,7 +550,7 @@ class Schedule:
 
     def state_dict(self) -> dict:
         with self._lock:
-            state = {name: {"times": {str(c): list(t) for c, t in b.times.items()}, "runs": b.runs, "chosen": b.chosen}
+            state = {name: {"times": {str(c): list(t) for c, t in b.times.items()}, "chosen": b.chosen}
                      for name, b in self._buckets.items()}
             if self._policy is not None:
                 state["(policy)"] = self._policy.state()
@@ -554,9 +558,10 @@ class Schedule:
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
+            self._began = None  # timing a step begun before the checkpoint
             state = dict(state)
             policy = state.pop("(policy)", None)
-            self._buckets = {name: _Bucket({int(c): list(t) for c, t in s["times"].items()}, s["runs"], s["chosen"])
+            self._buckets = {name: _Bucket({int(c): list(t) for c, t in s["times"].items()}, s["chosen"])
                              for name, s in state.items()}
             if self._policy is not None and policy is not None:
                 self._policy.load(policy)

@@ -240,9 +240,6 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
 
     vector, = levels.world.stage(metadata, data, [np.float64])
     agreed = levels.world.max_allreduce(vector, f"{bucket.name}.meta")
-    # the schedule's time of the exchange runs from here: every rank has reached the bucket, so it
-    # holds no wait for a rank still in its backward (which would rank chunkings by that rank's lag)
-    started = time.perf_counter()
 
     def agree(agreed):
         xp = _arrays.array_module(data[0]) if data else np  # NumPy for graph tensors: their stages see NumPy
@@ -262,7 +259,7 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
         results = _gather(bucket, slices, results, levels.local, outs, slice_message, stages.state.buffers)
     if coll.eager:
         ended = time.perf_counter()
-        schedule.measured(bucket.name, candidate, ended - started)
+        schedule.ran(bucket.name, candidate)
         if schedule.predicting:  # policy="auto" will predict the framework's step from the model
             per_host = 1 if levels.local is None else levels.local.world
             schedule.estimate_native(bucket.name, sum(bucket.sizes), levels.world.world // per_host, per_host)

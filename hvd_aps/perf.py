@@ -47,11 +47,12 @@ CHUNK_CHOICES = (0, 4 << 20, 1 << 20)  # float32 bytes per chunk the schedule tr
 GLOO_SEGMENT_BYTES = 1 << 20
 LOOPBACK = (10e9, 20e-6)              # a host's own memory and loopback, bytes/s and s: where nothing was measured
 # float32 passes a rank's processor makes per element of its bucket on two levels through host
-# memory (hvd_aps.exchange._scatter/_gather over hvd_aps._host_memory): pack, write the box, sum the
-# host's parts as they are read from the boxes, read every slice of the results into the gradients;
-# plus writing the result of its own slice (the 1 / L in processor_time). (6 until the reads went
-# straight from the boxes: the parts were first copied into one concatenation.)
-HOST_COPIES = 4
+# memory (hvd_aps.exchange._scatter/_gather over hvd_aps._host_memory): write the box from the
+# gradients, sum the host's parts as they are read from the boxes, read every slice of the results
+# into the gradients; plus writing the result of its own slice (the 1 / L in processor_time). (6
+# until the reads went straight from the boxes, 4 until a batch whose tensors do not lie end to end
+# was written into the box without being concatenated first.)
+HOST_COPIES = 3
 DEFAULT_LATENCY = 50e-6               # between hosts, where nothing was measured (Ethernet with TCP)
 # bits a second as tc names them (1gbit, 10Gbit/s), or bytes (12.5GB, 12.5GB/s); "bps" is left
 # out: tc reads it as bytes, a NIC's data sheet as bits

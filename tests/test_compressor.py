@@ -1,5 +1,6 @@
 """APSCompressor's framework-neutral parts, called directly (no Horovod processes): the values
 wire, stats, configuration and recipes, the token, the public surface and the lifecycle."""
+import itertools
 import pickle
 import warnings
 
@@ -235,6 +236,39 @@ def test_commit_and_rollback():
     assert (state.residual(("t", "send", 0), 3, np) == 2).all() and state.step_of("t") == 1
     seed = state.seed_for(0, "t", "send")
     assert seed != state.seed_for(1, "t", "send") and seed == state.seed_for(0, "t", "send")
+
+
+def test_chunkings_are_judged_by_whole_steps_not_after_a_switch(monkeypatch):
+    """Two buckets on trial step by step: each candidate runs for TRIALS timed steps, both
+    buckets alike; the step that first runs a candidate (a bucket's first, or after a switch:
+    Horovod renegotiates new chunk names) is not timed; each timed step rides on the next step's
+    metadata with its candidate; the decision is the least median step. Here 4 MiB chunks make
+    the shorter steps though switching to them costs a slow first step (an exchange's own time
+    would not see what the other bucket's exchange costs beside it)."""
+    from hvd_aps import _schedule
+    step_seconds, first_after_switch = {0: 0.5, 4 << 20: 0.3, 1 << 20: 0.4}, 2.0
+    now = [0.0]
+    monkeypatch.setattr(_schedule.time, "perf_counter", lambda: now[0])
+    schedule = _schedule.Schedule((0, 4 << 20, 1 << 20))
+    ran, before = [], None
+    for _ in range(20):
+        candidates = {name: schedule.candidate(name) for name in ("b0", "b1")}
+        assert len(set(candidates.values())) == 1  # every bucket of a step runs alike
+        c = candidates["b0"]
+        for name in candidates:  # the metadata: the slowest rank's entries (one rank here), then the exchange
+            schedule.agreed(name, schedule.entries(name))
+            schedule.ran(name, c)
+        now[0] += step_seconds[c] + (first_after_switch if c != before else 0.0)
+        schedule.commit()
+        ran.append(c)
+        before = c
+    report = {row["bucket"]: row for row in schedule.report()}
+    assert report["b0"]["chosen"] == report["b1"]["chosen"] == "codes in 4096 KiB chunks"
+    assert report["b0"]["seconds"] == pytest.approx({"unchunked codes": 0.5, "codes in 4096 KiB chunks": 0.3,
+                                                     "codes in 1024 KiB chunks": 0.4})  # no switch's first step
+    tried = [c for c, _ in itertools.groupby(ran)]
+    assert tried == [0, 4 << 20, 1 << 20, 4 << 20]  # each in one run of steps, then the decision
+    assert all(ran.count(c) >= 1 + _schedule.TRIALS for c in step_seconds)
 
 
 def _commits(schedule, steps: int) -> list:

@@ -75,7 +75,7 @@ def test_host_level_through_memory_and_a_16_bit_sum_take_the_processor():
     backward where it computes, and neither counts where the model says it does not apply."""
     n, inside, copy = 1 << 20, perf.Link(1e10, 1e-6), 1e-9
     memory = perf.Cluster(2, SLOW, 2, inside, sharing=4, copy=copy)
-    passes = (4 + 1 / 2) * n * copy * 4  # pack, write the box, sum from the boxes, read the results
+    passes = (3 + 1 / 2) * n * copy * 4  # write the box, sum from the boxes, read the results
     cross = 2 * (ALPHA + 0.5 * n * (1 + 2 / 2048) / BW)
     e4m3 = perf.Path("e4m3", 8, FREE)
     assert perf.exchange_time(n, e4m3, memory) == pytest.approx(2 * 1e-6 + passes + 6 * ALPHA + cross)
