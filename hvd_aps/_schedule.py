@@ -280,7 +280,7 @@ class Schedule:
         """This rank's timing entries for the metadata vector (ENTRIES of them, UNMEASURED where
         there is nothing to say: the vector has one length for every configuration, so a rank
         configured otherwise meets the signature check, not a shape error): the seconds and
-        candidate of its last exchange of this bucket, and while policy="auto" decides, its
+        candidate of the last step timed for this bucket, and while policy="auto" decides, its
         median step (or its prediction) on each path weighed, in PATHS' order."""
         with self._lock:
             last = self._bucket(name).last
@@ -321,7 +321,7 @@ class Schedule:
             self._timeline.placed(name, started, ended)
 
     def agreed(self, name: str, entries) -> None:
-        """The Max over ranks of the timing entries: the slowest rank's time of the last exchange,
+        """The Max over ranks of the timing entries: the slowest rank's time of the last timed step,
         recorded at commit (a failed step records nothing); while policy="auto" decides, the
         slowest rank's median steps, which decide it (every exchange of that step carries the
         same, so whichever agrees first decides alike)."""
