@@ -1,8 +1,9 @@
 """Float32 inside a host through shared memory (hvd_aps._host_memory), with real processes: every
 local rank's alltoall and allgather results (concatenated, and handed over one writer at a time,
 the alltoall's message written from pieces) against NumPy, message after message; nothing left
-in /dev/shm; a rank that closes before a slow peer read its message; a peer that dies is reported, not waited for; a full /dev/shm is an error that says
-what to do; files of dead processes are swept."""
+in /dev/shm; a rank that closes before a slow peer read its message; a peer that dies is
+reported, not waited for; a full /dev/shm is an error that says what to do; files of dead
+processes are swept."""
 import errno
 import multiprocessing
 import os
