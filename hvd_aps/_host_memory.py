@@ -161,9 +161,9 @@ class HostMemory(exchange.Eager):
         bounds = np.cumsum([0] + [int(s) for s in splits]) * np.dtype(dtype).itemsize
         return [(bounds[d], bounds[d + 1]) for d in range(self.world)]
 
-    def _exchange(self, name: str, send: Sequence[np.ndarray], parts: list,
+    def _exchange(self, name: str, send: Sequence[np.ndarray], bounds: list,
                   take: Optional[Callable] = None) -> Optional[np.ndarray]:
-        """Publish the arrays of `send` end to end (one dtype) with parts[d] (the bytes for local
+        """Publish the arrays of `send` end to end (one dtype) with bounds[d] (the bytes for local
         rank d), then every rank's part for this one, concatenated in local-rank order, as an
         array of that dtype; or, with `take`, take(writer, its part) straight from the writer's
         box, before it is acknowledged."""
@@ -179,7 +179,7 @@ class HostMemory(exchange.Eager):
             raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             box.data[at:at + raw.size] = raw
             at += raw.size
-        for d, (lo, hi) in enumerate(parts):
+        for d, (lo, hi) in enumerate(bounds):
             box.words[box.part_words(d):box.part_words(d) + 2] = (lo, hi)
         box.publish(0, count)
         self._sent[name] = count

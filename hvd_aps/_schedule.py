@@ -115,21 +115,21 @@ class _Timeline:
         self.starts = {}  # bucket name -> its exchange's start after the step began, a deque a step
         self.tails = collections.deque(maxlen=BLOCK_STEPS)  # from the last exchange's end to the step's
         self.step = {}    # this step's bucket name -> (started, ended)
-        self.began = None  # when this step began: the last commit (None: not a clean measurement)
 
     def placed(self, name: str, started: float, ended: float) -> None:
         self.step[name] = (started, ended)
 
-    def committed(self, now: float, record: bool) -> None:
-        """A step ended at `now`; `record`: it ran codes at the fixed chunking."""
-        if record and self.began is not None and self.step:
+    def committed(self, began: "float | None", now: float, record: bool) -> None:
+        """A step that began at `began` (None: not a clean measurement) ended at `now`; `record`:
+        it ran codes at the fixed chunking."""
+        if record and began is not None and self.step:
             for name, (started, _) in self.step.items():
-                self.starts.setdefault(name, collections.deque(maxlen=BLOCK_STEPS)).append(started - self.began)
+                self.starts.setdefault(name, collections.deque(maxlen=BLOCK_STEPS)).append(started - began)
             self.tails.append(now - max(ended for _, ended in self.step.values()))
-        self.step, self.began = {}, now
+        self.step = {}
 
     def rolled_back(self) -> None:
-        self.step, self.began = {}, None
+        self.step = {}
 
     def step_with(self, exchanges: dict) -> "float | None":
         """The step where bucket `name`'s exchange takes exchanges[name] seconds from its start on
@@ -418,8 +418,8 @@ class Schedule:
     # steps ------------------------------------------------------------------------------------------
     def commit(self) -> None:
         with self._lock:
-            now = time.perf_counter()
-            took, self._began = (None if self._began is None else now - self._began), now
+            now, began = time.perf_counter(), self._began
+            took, self._began = (None if began is None else now - began), now
             for name, b in self._buckets.items():
                 if b.pending is not None and b.chosen is None:
                     self._record(name, b, *b.pending)
@@ -429,7 +429,7 @@ class Schedule:
                 b.before, b.ran = b.ran, None
             fixed = bool(self._buckets) and all(b.chosen is not None for b in self._buckets.values())
             ran_codes = self._policy is None or self._policy.native is None
-            self._timeline.committed(now, self.predicting and fixed and ran_codes)
+            self._timeline.committed(began, now, self.predicting and fixed and ran_codes)
             if self._policy is not None:
                 self._step_ended(took)
             elif self._watch is not None:

@@ -90,8 +90,8 @@ class APSConfig:
             formats make 0.27-0.35 on Gaussian gradients and 0.55-1 on heavy-tailed ones.
         chunk_bytes: a bucket's exchange runs in chunks of this many float32 bytes, one encoded
             while the one before travels (0: the whole bucket at once), or "auto": chosen per
-            bucket from the times of whole steps at each (CHUNK_CANDIDATES). Pure scheduling: the results are the
-            same bits whatever it is.
+            bucket from the times of whole steps at each (CHUNK_CANDIDATES). Pure scheduling: the
+            results are the same bits whatever it is.
         hierarchical: None picks two levels (float32 inside a host, codes between hosts) where
             several hosts each hold several ranks, flat codes otherwise; True / False force it.
         policy: Policy.CODES always sends codes; AUTO times whole steps with codes and with the

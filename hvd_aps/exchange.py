@@ -258,9 +258,9 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     if levels.local is not None:
         results = _gather(bucket, slices, results, levels.local, outs, slice_message, stages.state.buffers)
     if coll.eager:
-        ended = time.perf_counter()
         schedule.ran(bucket.name, candidate)
         if schedule.predicting:  # policy="auto" will predict the framework's step from the model
+            ended = time.perf_counter()
             per_host = 1 if levels.local is None else levels.local.world
             schedule.estimate_native(bucket.name, sum(bucket.sizes), levels.world.world // per_host, per_host)
             schedule.placed(bucket.name, handed, ended)

@@ -431,18 +431,18 @@ def test_the_prediction_places_each_allreduce_on_the_codes_steps_timeline():
     before it ends, and the step goes on after the last as long as the codes steps did."""
     from hvd_aps._schedule import BLOCK_STEPS, _Timeline
     timeline = _Timeline()
-    timeline.committed(10.0, record=False)  # the first step begins
+    timeline.committed(None, 10.0, record=False)  # the first step begins
     for k in range(BLOCK_STEPS):
         began = 10.0 + k
         timeline.placed("a", began + 0.1, began + 0.5)
         timeline.placed("b", began + 0.3, began + 0.6)
-        timeline.committed(began + 1.0, record=True)
+        timeline.committed(began, began + 1.0, record=True)
     assert timeline.step_with({"a": 0.05, "b": 0.05}) == pytest.approx(0.3 + 0.05 + 0.4)
     assert timeline.step_with({"a": 0.5, "b": 0.1}) == pytest.approx(0.1 + 0.5 + 0.1 + 0.4)  # b waits for a
     assert timeline.step_with({"a": 0.1, "c": 0.1}) is None  # c never placed
     timeline.rolled_back()
     timeline.placed("a", 20.1, 20.2)
-    timeline.committed(21.0, record=True)  # began unknown after a rollback: not recorded
+    timeline.committed(None, 21.0, record=True)  # began unknown after a rollback (the schedule's clock): not recorded
     assert timeline.step_with({"a": 0.05, "b": 0.05}) == pytest.approx(0.3 + 0.05 + 0.4)
 
 
