@@ -17,7 +17,9 @@ fitted on its uncapped codes rows (below zero where the codec ran faster when th
 than when it is calibrated; torch's 16-bit cost, fitted on DDP's rows, serves FSDP2's too, and
 FSDP2's codes take the codec's time alone). Every other row (16-bit and codes rows on a capped link,
 and every FSDP2 row, its float32 reduce-scatter included: hvd_aps.perf.fsdp_step_time, HSDP's too)
-is then predicted, not fitted. policy="auto" rows are left out (the model does not run the trials).
+is then predicted, not fitted. Horovod's codes paths are modelled with their chunks' codec and wire
+adding up (hvd_aps.perf.Path.pipelined=False: one collective at a time on Horovod's background
+thread), the DDP hook's overlapping. policy="auto" rows are left out (the model does not run the trials).
 The summary is given for every row and for the rows run with OpenMP's idle workers waiting passively
 (the row's omp_wait_policy, netns_cluster.py's default since 2026-11-24): in older rows spinning
 workers of one simulated host took the cores of another, which no cluster of separate machines sees.
@@ -141,7 +143,7 @@ def predict(r, link, calibrated, processor=0.0, inside=perf.Link(*perf.LOOPBACK)
     codecs, copy = calibrated
     c, hsdp = cluster(r, link, copy, inside), r.get("hsdp", False)
     codec = None if fmt is None else codecs[(fmt, c.hosts if c.two_levels or hsdp else c.world)]
-    path = perf.Path(name, bits, codec, processor)
+    path = perf.Path(name, bits, codec, processor, pipelined=framework != "hvd")
     if framework == "fsdp":
         return perf.fsdp_step_time(workload(r), path, c, r.get("reshard", True), gloo=True, hsdp=hsdp)
     return perf.step_time(workload(r), path, c)

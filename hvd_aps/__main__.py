@@ -122,7 +122,7 @@ def plan_command(args):
                          buckets=units, shared_processor=not args.accelerator)
     step, split = _step_models(args)
     paths = [perf.Path("float32", 32), perf.Path("16-bit", 16)] + [
-        perf.Path(f"codes {f}", FloatFormat.parse(f).bits, codecs[f]) for f in formats]
+        perf.Path(f"codes {f}", FloatFormat.parse(f).bits, codecs[f], pipelined=not args.horovod) for f in formats]
     # on the CPU two levels run inside a host through its memory, at the rate calibrated (or measured now)
     copy = 0.0 if args.accelerator else loaded.copy or calibration.time_copy()
     clusters = [perf.Cluster(args.hosts, _link(rate, args, loaded), args.ranks_per_host, copy=copy)
@@ -132,7 +132,8 @@ def plan_command(args):
           f"{args.ranks_per_host} ranks{levels}, " + (
               f"{'HSDP' if args.hsdp else 'FSDP2'} in {args.fsdp} units ({'no ' if args.no_reshard else ''}resharding "
               f"after forward): the framework's {_fsdp_peer(args)}" if units else "the framework's allreduce") +
-          " against codes; predicted step (x float32's), and what its exchanges spend")
+          " against codes" + (" through Horovod's collectives" if args.horovod else "") +
+          "; predicted step (x float32's), and what its exchanges spend")
     for rate, cluster in zip(args.links.split(","), clusters):
         rows = perf.table(work, paths, cluster, step)
         print(f"\n{rate} between hosts: fastest {min(rows, key=lambda row: row[1])[0].name}")
@@ -264,6 +265,8 @@ def main(argv=None):
     plan.add_argument("--latency-us", type=float, default=perf.DEFAULT_LATENCY * 1e6, help="between hosts, us")
     plan.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3, e3m0")
     plan.add_argument("--calibration", help="a file from python -m hvd_aps calibrate (default: calibrate now)")
+    plan.add_argument("--horovod", action="store_true", help="codes through Horovod's collectives (APSCompressor in "
+                      "hvd.DistributedOptimizer), whose chunks do not overlap codec and wire; default: the DDP hook's")
     plan.add_argument("--accelerator", action="store_true", help="compute runs on an accelerator, not the codec's CPU")
     plan.add_argument("--fsdp", type=_count_arg, help="plan FSDP2 with this many units of equal size (reduce-scatters "
                                                       "and all-gathers) in place of bucket allreduces")
@@ -281,6 +284,8 @@ def main(argv=None):
         parser.error("--ranks and --size must be positive")
     if args.command == "plan" and args.hsdp and not args.fsdp:
         parser.error("--hsdp plans FSDP2's units: give --fsdp UNITS too")
+    if args.command == "plan" and args.horovod and args.fsdp:
+        parser.error("--horovod plans Horovod's optimizer; FSDP2 (--fsdp) runs on torch.distributed")
     try:
         args.run(args)
     except (ValueError, OSError) as bad:  # a link rate, a cluster shape or a calibration file

@@ -187,11 +187,16 @@ class Path:
     codes per element its codec handles beyond (below zero: short of) the codec's calibrated time
     (what the same passes cost inside a job that calibrating alone did not see: the collectives'
     own work, threads contending with compute's, a calibration taken on a slower day), scaled by
-    the cluster's `sharing`. FSDP2's codes paths take the codec's time alone."""
+    the cluster's `sharing`. FSDP2's codes paths take the codec's time alone. `pipelined`: a
+    bucket's chunks overlap one's codec with another's wire (torch.distributed's collectives);
+    False where they add up, as measured on Horovod's, whose one background thread runs a
+    collective at a time while the codec stages between them leave the wire idle (the timeline
+    in docs/benchmarks.md; the model's check: docs/performance-model.md)."""
     name: str
     bits: int
     codec: Optional[Codec] = None
     processor: float = 0.0
+    pipelined: bool = True
 
     @property
     def codes(self) -> bool:
@@ -237,7 +242,7 @@ def exchange_time(elements: int, path: Path, c: Cluster, tensors: float = 1) -> 
         return _ring_with_sums(elements * path.bits / BITS_PER_BYTE, processor_time(elements, path, c), c)
     host, between = _codes_wire(elements, path.bits, c)
     return (host + processor_time(elements, path, c)
-            + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between))
+            + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between, path.pipelined))
 
 
 def _ring_with_sums(nbytes: float, sums: float, c: Cluster) -> float:
@@ -309,12 +314,12 @@ def metadata_allreduce(c: Cluster) -> float:
     return allreduce(0, c)
 
 
-def _overlapped(codec: Codec, elements: float, tensors: float, wire: float) -> float:
-    """Codec and wire of one exchange in the faster chunking: unchunked they add up; in k chunks
-    chunk i is encoded while i-1 travels, so the longer of the two shows plus a k-th of the
-    other, and every chunk pays the cost per exchange."""
+def _overlapped(codec: Codec, elements: float, tensors: float, wire: float, pipelined: bool) -> float:
+    """Codec and wire of one exchange in the faster chunking: unchunked (or not `pipelined`) they
+    add up; in k pipelined chunks chunk i is encoded while i-1 travels, so the longer of the two
+    shows plus a k-th of the other, and every chunk pays the cost per exchange."""
     best = codec.time(elements, tensors) + wire
-    for chunk_bytes in CHUNK_CHOICES:
+    for chunk_bytes in CHUNK_CHOICES if pipelined else ():
         chunks = math.ceil(elements * FLOAT32_BYTES / chunk_bytes) if chunk_bytes else 1
         if chunks > 1:
             cpu = codec.time(elements, tensors) + codec.fixed * (chunks - 1)

@@ -60,6 +60,27 @@ def test_codes_exchange_is_metadata_alltoall_and_allgather():
         1e-3 + 3e-4 + 1e-6 + 4 * ALPHA + 1000 * (1 + 2 / 2048) / BW)
 
 
+
+def test_chunks_overlap_codec_and_wire_only_where_pipelined(tmp_path, capsys):
+    """A bucket of 64 MiB float32 on 1 Gbit/s: pipelined (torch.distributed's collectives) the
+    best chunking hides most of the shorter of codec and wire; not pipelined (Horovod's) they
+    add up, whatever the chunking; plan --horovod prints the steps of the latter."""
+    n, c, codec = 1 << 24, perf.Cluster(2, perf.Link.parse("1gbit")), perf.Codec(1e-4, 5e-9)
+    wire = perf.wire_time(n, perf.Path("e4m3", 8, codec), c)
+    serial = perf.exchange_time(n, perf.Path("e4m3", 8, codec, pipelined=False), c)
+    assert serial == pytest.approx(codec.time(n) + wire)
+    pipelined = perf.exchange_time(n, perf.Path("e4m3", 8, codec), c)
+    assert max(wire, codec.time(n)) < pipelined < serial - 0.5 * min(wire, codec.time(n))
+    cal = tmp_path / "cal.json"
+    calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(codec)}}, cal)
+    from hvd_aps.__main__ import main
+    work = perf.Workload(n, 0.05, tensors=1, shared_processor=True)
+    for extra, pipelined in (([], True), (["--horovod"], False)):
+        main(["plan", "--params", str(n), "--tensors", "1", "--compute-ms", "50", "--links", "1gbit",
+              "--format", "e4m3", "--calibration", str(cal)] + extra)
+        step = perf.step_time(work, perf.Path("codes e4m3", 8, codec, pipelined=pipelined), c)
+        assert capsys.readouterr().out.split("\ncodes e4m3 ")[1].split()[0] == f"{step * 1e3:.1f}", extra
+
 def test_two_levels_send_a_slice_of_codes_between_hosts():
     n, inside = 1 << 20, perf.Link(1e10, 1e-6)
     c = perf.Cluster(2, SLOW, 2, inside)
