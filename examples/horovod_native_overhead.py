@@ -1,6 +1,8 @@
 """What Horovod's optimizer step costs once policy="auto" settled on the framework's own allreduce
 (the compressor pinned native), against Horovod's own Compression.none, with forward, backward
-(the allreduces start there) and the optimizer's step (synchronize waits there) timed apart.
+(the allreduces start there) and the optimizer's step (synchronize waits there) timed apart,
+and the seconds a step spends inside the compression's compress() and decompress(), which the
+step's own noise cannot hide (Horovod's Compression.none timed by the same wrapper).
 One variant a job: Horovod's optimizer hooks every gradient once, so a job cannot switch. Rank 0
 prints one JSON line; alternate the variants' jobs, in both orders, to compare them:
 
@@ -32,6 +34,27 @@ def compression(variant: str):
     return compressor
 
 
+class Timed:
+    """A compression whose compress() and decompress() add their seconds to `seconds`."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds = inner, 0.0
+
+    def compress(self, tensor):
+        started = time.perf_counter()
+        try:
+            return self.inner.compress(tensor)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def decompress(self, tensor, ctx):
+        started = time.perf_counter()
+        try:
+            return self.inner.decompress(tensor, ctx)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
@@ -40,11 +63,13 @@ def main():
     args = parser.parse_args()
     hvd.init()
     model, opt, x, y, _, _ = prepared(args)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=compression(args.variant))
+    timed = Timed(compression(args.variant))
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=timed)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    loss_of, times = loss_fn(x), {"forward": [], "backward": [], "optimizer": [], "step": []}
+    loss_of = loss_fn(x)
+    times = {"forward": [], "backward": [], "optimizer": [], "step": [], "compression": []}
     for k in range(WARMUP_STEPS + args.steps):
+        timed.seconds = 0.0
         started = time.perf_counter()
         opt.zero_grad()
         loss = loss_of(model(x), y)
@@ -55,7 +80,8 @@ def main():
         ended = time.perf_counter()
         if k >= WARMUP_STEPS:
             for key, seconds in (("forward", forward - started), ("backward", backward - forward),
-                                 ("optimizer", ended - backward), ("step", ended - started)):
+                                 ("optimizer", ended - backward), ("step", ended - started),
+                                 ("compression", timed.seconds)):
                 times[key].append(seconds)
     if hvd.rank() == 0:
         print(json.dumps({"variant": args.variant, **{k: statistics.median(v) for k, v in times.items()}}), flush=True)

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 
 from . import _arrays, codec
+from ._schedule import NATIVE_BYTES
 
 STATS_SAMPLE = 1 << 12  # elements per tensor the stats look at by default
 STATS_COLUMNS = ["tensor", "format", "elements", "measured", "shift", "flushed", "saturated", "relative_error",
@@ -89,10 +90,10 @@ class StatsRecorder:
             self.bytes_sent += nbytes
 
     def passed_through(self, label: str, elements: int, dtype: str = "float32") -> None:
-        """A tensor the framework's own allreduce carried (too small for codes, or a fallback)."""
-        size = np.dtype(dtype).itemsize
-        self.record(label, TensorStats(elements=elements, bytes_in=4 * elements, bytes_carried=size * elements,
-                                       measured=elements, fmt=dtype))
+        """A tensor the framework's own allreduce carried (too small for codes, or a fallback) in
+        `dtype`, a name of NATIVE_BYTES (bfloat16 too, which NumPy alone does not know)."""
+        self.record(label, TensorStats(elements=elements, bytes_in=4 * elements,
+                                       bytes_carried=NATIVE_BYTES[dtype] * elements, measured=elements, fmt=dtype))
 
     def table(self, csv: bool = False) -> str:
         """The last stats of every tensor label as an aligned table, or CSV with a header."""

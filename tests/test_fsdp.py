@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -80,6 +81,20 @@ def test_native_reduce_scatter_is_the_float32_average(ranks):
         if world == 2:  # a sum of two float32 is one rounding, in either order
             exact = (rows[0, r].astype(np.float32) + rows[1, r].astype(np.float32)) / np.float32(2)
             assert got["native"].tobytes() == exact.tobytes()
+
+
+def test_native_reduce_scatter_in_bfloat16(ranks):
+    """fallback="bfloat16": FSDP's own reduce-scatter of the rows cast to bfloat16, averaged in
+    float32, counted as 2-byte elements (the worker never imports ml_dtypes: NumPy alone has no
+    bfloat16, and the count must not need it)."""
+    world = len(ranks)
+    rows = np.stack([rows_of(r, world) for r in range(world)])
+    for r, got in enumerate(ranks):
+        sent = rows[:, r].astype(ml_dtypes.bfloat16).astype(np.float64)
+        bound = 4 * float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps) * np.abs(sent).sum(axis=0) / world
+        assert (np.abs(got["native_bf16"] - sent.sum(axis=0) / world) <= bound).all(), r
+        assert str(got["native_bf16_fmt"]) == "bfloat16"
+        assert int(got["native_bf16_bytes"]) == (world - 1) * rows.shape[2] * 2
 
 
 @pytest.mark.parametrize("key", ["plain", "keep_unsharded", "bf16", "fp16", "ef", "hybrid", "auto"])

@@ -97,12 +97,20 @@ def reducible(tensor):
 
 
 def label(tensor):
-    return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
+    key = (tensor.dtype, tensor.shape)
+    if key not in _LABELS:  # formatted once per dtype and shape: every gradient of every step asks
+        _LABELS[key] = f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
+    return _LABELS[key]
+
+
+_LABELS: dict = {}
 
 
 def flatten(tensor):
-    """float32 NumPy/CuPy view of the gradient (a copy only where it is not float32 contiguous)."""
-    return _arrays.as_array(tensor.detach().to(torch.float32).reshape(-1))
+    """float32 NumPy/CuPy view of the gradient (a copy only where it is not float32 contiguous);
+    a CPU tensor's straight from torch, without as_array's probe for a CUDA device."""
+    flat = _as_dtype(tensor.detach(), torch.float32).reshape(-1)
+    return flat.numpy() if flat.device.type == "cpu" else _arrays.as_array(flat)
 
 
 def token(tensor):
@@ -125,11 +133,17 @@ def at_step_end(out, end_step, results):
 
 
 def native_wire(tensor, fallback):
-    return tensor.to(getattr(torch, str(fallback)))
+    return _as_dtype(tensor, getattr(torch, str(fallback)))
 
 
 def native_result(reduced, like):
-    return reduced.to(like.dtype)
+    return _as_dtype(reduced, like.dtype)
+
+
+def _as_dtype(tensor, dtype):
+    """tensor.to(dtype) without its call where the dtype is already that (the float32 gradients
+    of a policy that settled on float32)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 # wire="values" ------------------------------------------------------------------------------------

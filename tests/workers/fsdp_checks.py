@@ -46,6 +46,13 @@ def direct():
     hvd_aps.fsdp.APSReduceScatter(native, "native")(output, torch.from_numpy(rows).reshape(-1), dist.group.WORLD,
                                                      dist.ReduceOp.SUM)
     out["native"] = output.numpy()
+    native = hvd_aps.APSCompressor("e4m3", policy="auto", fallback="bfloat16")
+    native.pin({"policy": "native"})
+    output = torch.empty(rows.shape[1])
+    hvd_aps.fsdp.APSReduceScatter(native, "native_bf16")(output, torch.from_numpy(rows).reshape(-1),
+                                                          dist.group.WORLD, dist.ReduceOp.SUM)
+    out["native_bf16"], out["native_bf16_fmt"] = output.numpy(), np.array(native.stats["native_bf16"].fmt)
+    out["native_bf16_bytes"] = np.array(native.bytes_sent)
     try:
         hvd_aps.fsdp.APSReduceScatter(hvd_aps.APSCompressor("e4m3"), "avg")(
             output, torch.from_numpy(rows).reshape(-1), dist.group.WORLD, dist.ReduceOp.AVG)
