@@ -71,7 +71,8 @@ def test_training_is_identical_on_every_rank(ranks):
 
 def test_horovod_lifecycle(ranks):
     for r in ranks:
-        for key in ("zero_grad_refused", "skip_sent_nothing", "plain_step_warned", "compression_required"):
+        for key in ("zero_grad_refused", "skip_sent_nothing", "plain_step_warned", "compression_required",
+                    "bfloat16_fallback_refused"):
             assert bool(r[key]), key
         assert r["lifecycle_params"].tobytes() == ranks[0]["lifecycle_params"].tobytes()
 

@@ -168,6 +168,10 @@ def _check_arguments(compression, op):
     if compression.config.wire != "codes":
         raise ValueError("hvd_aps.torch.DistributedOptimizer sends codes; an APSCompressor with "
                          "wire='values' belongs in horovod.torch.DistributedOptimizer")
+    if compression.config.policy == "auto" and compression.config.fallback == "bfloat16":
+        raise ValueError("hvd_aps.torch.DistributedOptimizer's own allreduce carries float32 or float16 (NumPy "
+                         "and CuPy hold no bfloat16): fallback='bfloat16' belongs with the DDP hook, FSDP2, or "
+                         "horovod.torch.DistributedOptimizer on NCCL")
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError("op must be hvd.Average or hvd.Sum")
 
