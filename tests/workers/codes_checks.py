@@ -102,11 +102,11 @@ def lifecycle():
         hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     except TypeError as err:
         out["compression_required"] = np.array("compression" in str(err))
-    try:  # its native path casts with NumPy or CuPy, which hold no bfloat16
-        bf16 = hvd_aps.APSCompressor("e4m3", policy="auto", fallback="bfloat16")
-        hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=bf16)
-    except ValueError as err:
-        out["bfloat16_fallback_refused"] = np.array("fallback='bfloat16'" in str(err))
+    with hvd_aps.APSCompressor("e4m3", policy="auto", fallback="bfloat16") as bf16:
+        try:  # its native path casts with NumPy or CuPy, which hold no bfloat16
+            hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=bf16)
+        except ValueError as err:
+            out["bfloat16_fallback_refused"] = np.array("fallback='bfloat16'" in str(err))
 
 
 lifecycle()
