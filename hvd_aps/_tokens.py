@@ -40,6 +40,7 @@ hvd_aps.tensorflow.adapter, chosen by the tensor's type.
 """
 import contextlib
 import dataclasses
+import functools
 import threading
 from typing import Optional, Protocol, runtime_checkable
 
@@ -109,15 +110,14 @@ class Adapter(Protocol):
 def adapter_of(tensor) -> "Adapter | None":
     """The framework adapter for a tensor, or None for anything else (found once per tensor type:
     every gradient of every step asks, on the thread backward runs on)."""
-    kind = type(tensor)
-    if kind not in _ADAPTER_OF_TYPE:
-        root = kind.__module__.split(".")[0]
-        # __import__, not importlib: TF's autograph traces compress() and warns on importlib's frames
-        _ADAPTER_OF_TYPE[kind] = __import__(ADAPTERS[root], fromlist=["compress"]) if root in ADAPTERS else None
-    return _ADAPTER_OF_TYPE[kind]
+    return _adapter_of_type(type(tensor))
 
 
-_ADAPTER_OF_TYPE: dict = {}  # tensor type -> its adapter module (None: not a framework's tensor)
+@functools.lru_cache(maxsize=None)
+def _adapter_of_type(kind: type):
+    root = kind.__module__.split(".")[0]
+    # __import__, not importlib: TF's autograph traces compress() and warns on importlib's frames
+    return __import__(ADAPTERS[root], fromlist=["compress"]) if root in ADAPTERS else None
 
 
 @dataclasses.dataclass

@@ -60,7 +60,6 @@ def test_codes_exchange_is_metadata_alltoall_and_allgather():
         1e-3 + 3e-4 + 1e-6 + 4 * ALPHA + 1000 * (1 + 2 / 2048) / BW)
 
 
-
 def test_chunks_overlap_codec_and_wire_only_where_pipelined(tmp_path, capsys):
     """A bucket of 64 MiB float32 on 1 Gbit/s: pipelined (torch.distributed's collectives) the
     best chunking hides most of the shorter of codec and wire; not pipelined (Horovod's) they
@@ -80,6 +79,7 @@ def test_chunks_overlap_codec_and_wire_only_where_pipelined(tmp_path, capsys):
               "--format", "e4m3", "--calibration", str(cal)] + extra)
         step = perf.step_time(work, perf.Path("codes e4m3", 8, codec, pipelined=pipelined), c)
         assert capsys.readouterr().out.split("\ncodes e4m3 ")[1].split()[0] == f"{step * 1e3:.1f}", extra
+
 
 def test_two_levels_send_a_slice_of_codes_between_hosts():
     n, inside = 1 << 20, perf.Link(1e10, 1e-6)

@@ -2,6 +2,7 @@
 the exchange driver (one object per process set), the groups of a two-level exchange,
 conversions between tensors and the codec's arrays, and the values path. Tensors reach the codec
 through DLPack: zero-copy on the CPU, and on a GPU through the CuPy engine. No APS math here."""
+import functools
 import time
 
 import horovod.torch as hvd
@@ -97,13 +98,13 @@ def reducible(tensor):
 
 
 def label(tensor):
-    key = (tensor.dtype, tensor.shape)
-    if key not in _LABELS:  # formatted once per dtype and shape: every gradient of every step asks
-        _LABELS[key] = f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
-    return _LABELS[key]
+    return _label(tensor.dtype, tensor.shape)
 
 
-_LABELS: dict = {}
+@functools.lru_cache(maxsize=None)
+def _label(dtype, shape) -> str:
+    """Formatted once per dtype and shape: every gradient of every step asks."""
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
 
 
 def flatten(tensor):
