@@ -49,7 +49,7 @@ import numpy as np
 from . import exchange
 from ._schedule import NATIVE_BYTES
 from ._stages import Bucket
-from .config import Fallback
+from .config import Fallback, Policy
 
 # The token's reduced value is 1 or N up to a few float32 roundings of the scale factors.
 _TOKEN_TOLERANCE = 1e-4
@@ -98,6 +98,9 @@ class Adapter(Protocol):
 
     def native_wire(self, tensor, fallback):
         """The tensor in the dtype the framework's allreduce carries it in."""
+
+    def carries_bfloat16(self, tensor) -> bool:
+        """Whether the framework's allreduce takes this tensor in bfloat16."""
 
     def native_result(self, reduced, like): ...
 
@@ -186,6 +189,7 @@ class Batches:
             if self._open is not None and self._open.adapter is not adapter:
                 self._close(self._open)
             if self._open is None:
+                check_fallback(config, adapter, tensor)
                 name = f"hvd_aps.{self._count}"
                 self._open = _Batch(name, adapter, self._ex.state.schedule.native_dtype(),
                                     reduction=Reduction(averaged=name in self._averaged))
@@ -276,6 +280,15 @@ class Batches:
         batch.closed = True
         if self._open is batch:
             self._open = None
+
+
+def check_fallback(config, adapter: Adapter, tensor) -> None:
+    """Refuse a fallback Horovod's allreduce cannot carry at the first exchange, not after the
+    trials, when policy="auto" first sends a step that way."""
+    if config.policy == Policy.AUTO and config.fallback == Fallback.BFLOAT16 and not adapter.carries_bfloat16(tensor):
+        raise ValueError("APSCompressor(policy='auto', fallback='bfloat16'): Horovod's own allreduce does not "
+                         "carry bfloat16 here (horovod.torch only for CUDA tensors on NCCL, horovod.tensorflow "
+                         "never): use fallback='float16' or 'float32', or bfloat16 with the DDP hook or FSDP2")
 
 
 def pass_through(adapter: Adapter, tensor, exchanger) -> tuple:

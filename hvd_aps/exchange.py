@@ -439,21 +439,30 @@ def _gather(bucket: Bucket, slices: list, results: list, local: Collectives, out
 
 def _native(stages, bucket: Bucket, flats: list, world: Collectives, outs, divisor: int, dtype: str) -> list:
     """policy="auto" where codes do not pay: the framework's own allreduce of the bucket in
-    `dtype`, counted in the stats and the bytes."""
+    `dtype`, counted in the stats and the bytes. The casts run as stages, so the arrays are
+    NumPy or CuPy there even where the framework's are tensors (TensorFlow)."""
     dtype = np.dtype(dtype)
-    xp = _arrays.array_module(flats[0])
-    flat = xp.concatenate([f.astype(dtype) for f in flats]) if flats else xp.zeros(0, dtype)
+
+    def cast(*arrays):
+        return (_arrays.array_module(arrays[0]).concatenate([a.astype(dtype) for a in arrays]),)
+
+    def split(total):
+        xp = _arrays.array_module(total)
+        results = outs if outs is not None else [xp.empty(n, xp.float32) for n in bucket.sizes]
+        at = 0
+        for out, n in zip(results, bucket.sizes):
+            out[...] = total[at:at + n].astype(np.float32)
+            if divisor != 1:
+                out /= np.float32(divisor)
+            at += n
+        return tuple(results)
+
+    flat, = world.stage(cast, flats, [dtype])
     total = world.allreduce(flat, f"{bucket.name}.native")
-    outs = outs if outs is not None else [xp.empty(n, xp.float32) for n in bucket.sizes]
-    at = 0
-    for out, n in zip(outs, bucket.sizes):
-        out[...] = total[at:at + n].astype(np.float32)
-        if divisor != 1:
-            out /= np.float32(divisor)
-        at += n
+    results = list(world.stage(split, [total], [np.float32] * len(bucket.sizes)))
     count_native(stages.stats, stages.state, bucket.keys, zip(bucket.labels, bucket.sizes), dtype.name,
-                 ring_bytes(flat.nbytes, world.world))
-    return outs
+                 ring_bytes(dtype.itemsize * sum(bucket.sizes), world.world))
+    return results
 
 
 def ring_bytes(nbytes: float, world: int) -> float:

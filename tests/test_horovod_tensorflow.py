@@ -47,6 +47,19 @@ def test_naive_zeros_nan_dtype_and_a_single_variable(ranks):
         assert (r["single_variable"] == 1.5).all()
 
 
+def test_policy_auto_sends_the_tapes_buckets_through_horovods_allreduce(ranks):
+    """Pinned to the framework's path, the bucket is Horovod's sum of both ranks' values in the
+    fallback dtype, averaged in float32; a bfloat16 fallback is refused before anything is sent."""
+    x = [rank_data(r, seed=9) for r in range(2)]
+    for fallback in ("float32", "float16"):
+        total = (x[0].astype(fallback) + x[1].astype(fallback)).astype(np.float32)
+        for r in ranks:
+            assert r[f"tape_native_{fallback}"].tobytes() == (total / np.float32(2)).tobytes(), fallback
+            assert int(r[f"tape_native_{fallback}_bytes"]) == np.dtype(fallback).itemsize * x[0].size  # 2(N-1)/N = 1
+    for r in ranks:
+        assert bool(r["tape_bfloat16_refused"]) and bool(r["line_bfloat16_refused"])
+
+
 @pytest.mark.parametrize("key", ["tape_graph", "tape_eager", "v1_optimizer", "keras_codes", "tape_codes_graph",
                                  "keras_values"])
 def test_training_leaves_parameters_bit_identical(ranks, key):

@@ -195,4 +195,5 @@ def test_policy_auto_passes_decided_batches_to_horovods_own_allreduce(ranks):
             assert int(r[f"native_{fallback}_bytes"]) == int(2 * (n - 1) / n * itemsize * 1000)
             assert str(r[f"native_{fallback}_carried"]) == fallback
         assert str(r["auto_decision"]) in ("codes", "native float32")
+        assert bool(r["bfloat16_refused"])
     assert identical(ranks, "auto_decision")

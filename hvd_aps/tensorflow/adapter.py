@@ -140,6 +140,12 @@ def reducible(tensor):
     return tensor.dtype != tf.bfloat16
 
 
+def carries_bfloat16(tensor):
+    """Horovod's TensorFlow allreduce takes no bfloat16 anywhere (its op's types: integers,
+    half, float, double)."""
+    return False
+
+
 def native_wire(tensor, fallback):
     return tf.cast(tensor, tf.as_dtype(str(fallback)))
 

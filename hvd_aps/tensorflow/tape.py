@@ -6,9 +6,10 @@ TensorFlow overlaps them. A tensor that held NaN/Inf on any rank comes back all 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from .. import _layout
+from .. import _layout, _tokens
 from .._stages import Bucket
 from ..compressor import APSCompressor
+from . import adapter
 from .adapter import ended, flatten, label, levels, reducible
 
 
@@ -30,6 +31,8 @@ def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
         raise ValueError("allreduce_codes needs tensors of known shape")
     cfg, exchanger = compression.config, compression.exchanger
     buckets, small = _layout.buckets(sizes, cfg.bucket_bytes, cfg.min_elements)
+    if buckets:
+        _tokens.check_fallback(cfg, adapter, tensors[buckets[0][0]])
     out, exchanged = [None] * len(tensors), []
     for i in small:
         out[i] = _plain_allreduce(tensors[i], op, f"{name}.small{i}")

@@ -92,9 +92,15 @@ def numel(tensor):
 
 
 def reducible(tensor):
-    """Whether Horovod's own allreduce takes this dtype: bfloat16 only with NCCL (Gloo refuses it:
-    Horovod #4047), so a small bfloat16 gradient goes in float32 on the CPU."""
-    return tensor.dtype != torch.bfloat16 or tensor.is_cuda
+    """Whether Horovod's own allreduce takes this dtype: a small bfloat16 gradient it does not
+    carry goes in float32."""
+    return tensor.dtype != torch.bfloat16 or carries_bfloat16(tensor)
+
+
+def carries_bfloat16(tensor):
+    """Whether Horovod's own allreduce takes this tensor in bfloat16: only on the GPU, with NCCL
+    (its CPU ops refuse the type: Horovod #4047)."""
+    return tensor.is_cuda
 
 
 def label(tensor):

@@ -119,6 +119,29 @@ def low_precision():
 low_precision()
 
 
+def auto_policy():
+    """policy="auto" with the framework's path pinned, through the tape's exchange: the bucket in
+    Horovod's own allreduce in the fallback dtype; a bfloat16 fallback, which Horovod's
+    TensorFlow ops do not carry, refused at the first exchange on both paths."""
+    x = rank_data(rank, seed=9)
+    for fallback in ("float32", "float16"):
+        comp = hvd_aps.APSCompressor("e4m3", policy="auto", fallback=fallback, min_elements=16, chunk_bytes=0)
+        comp.pin({"policy": "native"})
+        out[f"tape_native_{fallback}"] = hvd_aps.tensorflow.allreduce_codes([tf.constant(x)], comp)[0].numpy()
+        out[f"tape_native_{fallback}_bytes"] = np.array(comp.bytes_sent)
+    comp = hvd_aps.APSCompressor("e4m3", policy="auto", fallback="bfloat16", min_elements=16)
+    for path, call in (("tape", lambda: hvd_aps.tensorflow.allreduce_codes([tf.constant(x)], comp)),
+                       ("line", lambda: hvd.allreduce(tf.constant(x), compression=comp, name="bfloat16"))):
+        try:
+            call()
+            out[f"{path}_bfloat16_refused"] = np.array(False)
+        except ValueError as err:
+            out[f"{path}_bfloat16_refused"] = np.array("fallback='float16'" in str(err))
+
+
+auto_policy()
+
+
 def keras_mixed_float16(key, data_scales):
     """Keras mixed precision (float16 compute, loss scaling from 2**15) through the wrapper, two
     steps, rank r's data scaled by data_scales[r]: small data keep every scaled gradient finite;

@@ -180,6 +180,12 @@ def auto_policy():
     for step in range(max_trial_steps() + 3):
         hvd.allreduce(torch.from_numpy(rank_data(rank, seed=step)), compression=comp, name="tried")
     out["auto_decision"] = np.array(str(comp.schedule_report()[-1]["chosen"]))
+    refused = hvd_aps.APSCompressor("e4m3", policy="auto", fallback="bfloat16", min_elements=16)
+    try:  # Horovod's CPU allreduce does not carry bfloat16: refused at the first exchange, not after the trials
+        hvd.allreduce(torch.from_numpy(rank_data(rank)), compression=refused, name="bfloat16")
+        out["bfloat16_refused"] = np.array(False)
+    except ValueError as err:
+        out["bfloat16_refused"] = np.array("fallback='float16'" in str(err))
 
 
 auto_policy()
