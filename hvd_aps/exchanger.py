@@ -80,17 +80,15 @@ class Exchanger:
         return future
 
     def bucket(self, levels: exchange.Levels, global_rank: int, bucket: Bucket, flats: list,
-               threaded: bool = True, **options) -> concurrent.futures.Future:
+               threaded: bool = True, **options) -> "concurrent.futures.Future | Done":
         """One bucket through the driver (hvd_aps.exchange.run, `options` its keywords) -> a
         Future of its results: on the threads where `threaded` (eager torch, so backward goes
         on), else in the caller's thread (TF's ops, which TF itself runs in parallel)."""
         stages = self.stages(levels.cross.world, levels.cross.rank, global_rank)
         if threaded:
             return self.submit(exchange.run, stages, bucket, flats, levels, **options)
-        future = concurrent.futures.Future()
         with self.exchange():
-            future.set_result(exchange.run(stages, bucket, flats, levels, **options))
-        return future
+            return Done(exchange.run(stages, bucket, flats, levels, **options))
 
     @contextlib.contextmanager
     def exchange(self):
@@ -155,6 +153,18 @@ class Exchanger:
         else:
             self.state.commit()
         self._step.notify_all()
+
+
+class Done:
+    """The results of an exchange that ran in the caller's thread, read as a finished Future's.
+    Plain Python: TensorFlow's autograph, tracing the caller, converts its result() where it
+    warns that it cannot convert concurrent.futures.Future's."""
+
+    def __init__(self, results: list):
+        self._results = results
+
+    def result(self) -> list:
+        return self._results
 
 
 def _error_of(done) -> Optional[BaseException]:

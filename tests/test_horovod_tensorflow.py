@@ -11,10 +11,20 @@ from workers.common import KERAS_LR, KERAS_W0, keras_data, rank_data
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tf")
-    horovodrun("tensorflow_checks.py", tmp)
-    return load(tmp, "tf")
+    return horovodrun("tensorflow_checks.py", tmp), load(tmp, "tf")
+
+
+@pytest.fixture(scope="module")
+def ranks(run):
+    return run[1]
+
+
+def test_autograph_converts_every_call_it_traces(run):
+    """The compressor's calls inside tf.function (Horovod's graph, the tape, Keras) are ones
+    autograph converts: nothing warns on the user's console that it could not."""
+    assert "AutoGraph could not transform" not in run[0].stderr + run[0].stdout
 
 
 def test_allreduce_sends_codes_bit_exact_eager_and_in_a_graph(ranks):
