@@ -3,12 +3,13 @@
 (the allreduces start there) and the optimizer's step (synchronize waits there) timed apart,
 and the seconds a step spends inside the compression's compress() and decompress(), which the
 step's own noise cannot hide (Horovod's Compression.none timed by the same wrapper).
-One variant a job: Horovod's optimizer hooks every gradient once, so a job cannot switch. Rank 0
-prints one JSON line; alternate the variants' jobs, in both orders, to compare them:
+Horovod's optimizer hooks every gradient once, so a model cannot switch; `--variant both` gives
+each variant a model (seeded alike) and its own optimizer in one job and alternates their steps,
+so the machine's speed, which moves between jobs by more than the compressor costs, moves both
+alike. Rank 0 prints a JSON line a variant, and with both their ratio:
 
-    for order in "none native" "native none" "none native" "native none"; do for v in $order; do
-      horovodrun -np 2 -H localhost:2 --gloo python examples/horovod_native_overhead.py --variant $v \
-          --profile resnet18 --image-size 224 --batch-size 2; done; done
+    horovodrun -np 2 -H localhost:2 --gloo python examples/horovod_native_overhead.py --variant both \
+        --profile resnet18 --image-size 224 --batch-size 2
 """
 import argparse
 import json
@@ -22,6 +23,7 @@ from benchmark_common import add_arguments
 from synthetic_models import loss_fn, prepared
 
 VARIANTS = ("none", "native")
+BOTH = "both"
 WARMUP_STEPS = 10
 
 
@@ -55,36 +57,61 @@ class Timed:
             self.seconds += time.perf_counter() - started
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    parser.add_argument("--variant", choices=VARIANTS, default="native")
-    parser.add_argument("--steps", type=int, default=16, help="timed steps, after the warm-up")
-    args = parser.parse_args()
-    hvd.init()
-    model, opt, x, y, _, _ = prepared(args)
-    timed = Timed(compression(args.variant))
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=timed)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    loss_of = loss_fn(x)
-    times = {"forward": [], "backward": [], "optimizer": [], "step": [], "compression": []}
-    for k in range(WARMUP_STEPS + args.steps):
-        timed.seconds = 0.0
+class Variant:
+    """One model with its own Horovod optimizer, its parameters' names prefixed with the variant's
+    (two optimizers in one job reduce apart), and its times a phase."""
+
+    def __init__(self, variant: str, args):
+        self.name = variant
+        self.model, opt, self.x, self.y, _, _ = prepared(args)
+        self.timed = Timed(compression(variant))
+        named = [(f"{variant}.{n}", p) for n, p in self.model.named_parameters()]
+        self.opt = hvd.DistributedOptimizer(opt, named_parameters=named, compression=self.timed)
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        self.loss_of = loss_fn(self.x)
+        self.times = {"forward": [], "backward": [], "optimizer": [], "step": [], "compression": []}
+
+    def step(self, timed: bool) -> None:
+        self.timed.seconds = 0.0
         started = time.perf_counter()
-        opt.zero_grad()
-        loss = loss_of(model(x), y)
+        self.opt.zero_grad()
+        loss = self.loss_of(self.model(self.x), self.y)
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
-        opt.step()
+        self.opt.step()
         ended = time.perf_counter()
-        if k >= WARMUP_STEPS:
+        if timed:
             for key, seconds in (("forward", forward - started), ("backward", backward - forward),
                                  ("optimizer", ended - backward), ("step", ended - started),
-                                 ("compression", timed.seconds)):
-                times[key].append(seconds)
+                                 ("compression", self.timed.seconds)):
+                self.times[key].append(seconds)
+
+    def medians(self) -> dict:
+        return {k: statistics.median(v) for k, v in self.times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--variant", choices=VARIANTS + (BOTH,), default="native",
+                        help=f"{BOTH}: a model for each in one job, their steps alternated")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps a variant, after the warm-up")
+    args = parser.parse_args()
+    hvd.init()
+    variants = [Variant(v, args) for v in (VARIANTS if args.variant == BOTH else (args.variant,))]
+    for k in range(WARMUP_STEPS + args.steps):
+        # in pairs of steps alternately in each order, so neither variant always follows the other
+        for v in variants if k % 2 == 0 else variants[::-1]:
+            v.step(timed=k >= WARMUP_STEPS)
     if hvd.rank() == 0:
-        print(json.dumps({"variant": args.variant, **{k: statistics.median(v) for k, v in times.items()}}), flush=True)
+        for v in variants:
+            print(json.dumps({"variant": v.name, **v.medians()}), flush=True)
+        if len(variants) == 2:
+            none, native = (v.times["step"] for v in variants)
+            print(json.dumps({"native / none": statistics.median(native) / statistics.median(none),
+                              "pairs' median ratio": statistics.median(b / a for a, b in zip(none, native))}),
+                  flush=True)
 
 
 if __name__ == "__main__":
