@@ -1,9 +1,11 @@
 """What the synthetic benchmarks share: timing, the interface's tx counter, the codec speed that
 examples/netns_cluster.py's performance model uses, and rank 0's JSON line."""
+import dataclasses
 import json
 import statistics
 import time
 import timeit
+from typing import Callable
 
 import numpy as np
 
@@ -46,41 +48,84 @@ def measure(step, args, phases, params, allgather_object, rank, size, compressor
     JSON line (with the schedule chosen, and `extra`'s keys). phases: compute-only seconds of the
     step's forward, backward and optimizer (or of the whole step, {"step": s}, where they cannot
     be told apart)."""
-    timed(step, args.num_warmup_batches)
-    steps_run = args.num_warmup_batches  # all of them: examples/profile_split.py --steps
-    for _ in range(MAX_TUNING_STEPS):
-        settled = compressor is None or all(row["chosen"] for row in compressor.schedule_report())
-        if all(allgather_object(settled)):  # every rank steps alike
-            break
-        step()
-        steps_run += 1
-    before, codes_before = tx_bytes(args.iface), compressor.bytes_sent if compressor is not None else 0
-    times, timed_steps = HARNESSES[args.harness](step, args)
-    sent = (tx_bytes(args.iface) - before) / timed_steps
-    codes = ((compressor.bytes_sent - codes_before) / timed_steps) if compressor is not None else None
-    per_rank = allgather_object({"step": statistics.median(times), "tx_bytes_per_step": sent, "codes": codes,
-                                 "phases": phases, "codec_gbps": codec_gbps(params)})
-    if rank == 0:
-        print(json.dumps({"compression": args.compression, "profile": args.profile, "ranks": size, "params": params,
-                          "steps_run": steps_run + timed_steps, "harness": args.harness, "threads": args.threads,
-                          "step_median": max(r["step"] for r in per_rank),
-                          "tx_bytes_per_step": statistics.mean(r["tx_bytes_per_step"] for r in per_rank),
-                          "compute": statistics.median(sum(r["phases"].values()) for r in per_rank),
-                          **{k: statistics.median(r["phases"][k] for r in per_rank) for k in phases},
-                          "codec_gbps": statistics.median(r["codec_gbps"] for r in per_rank),
-                          "codes_bytes_per_step": statistics.mean(r["codes"] for r in per_rank) if codes is not None else None,
-                          "schedule": compressor.schedule_report() if compressor is not None else None,
-                          **(extra or {})}), flush=True)
+    measure_together([Variant(args.compression, step, compressor)], args, phases, params, allgather_object, rank,
+                     size, extra)
+
+
+@dataclasses.dataclass
+class Variant:
+    """One way to step in a job: its compression's name, its step and its APSCompressor (or None),
+    and what its timed steps measured."""
+    name: str
+    step: Callable
+    compressor: object = None
+    times: list = dataclasses.field(default_factory=list)
+    sent: int = 0   # bytes the interface sent during its timed steps
+    codes: int = 0  # bytes its compressor counted meanwhile
+    steps_run: int = 0  # before the timed ones
+    timed_steps: int = 0
+
+    def settled(self) -> bool:
+        return self.compressor is None or all(row["chosen"] for row in self.compressor.schedule_report())
+
+    def run_timed(self, args) -> None:
+        """One harness block (a step, or Horovod's `timeit` over --num-batches-per-iter steps), its
+        bytes counted."""
+        before, codes_before = tx_bytes(args.iface), self.codes_sent()
+        seconds, steps = HARNESSES[args.harness](self.step, args)
+        self.times.append(seconds)
+        self.sent += tx_bytes(args.iface) - before
+        self.codes += self.codes_sent() - codes_before
+        self.timed_steps += steps
+
+    def codes_sent(self) -> int:
+        return self.compressor.bytes_sent if self.compressor is not None else 0
+
+
+def measure_together(variants, args, phases, params, allgather_object, rank, size, extra=None):
+    """measure() for several variants in one job, each warmed up and settled in turn (its
+    schedule's trials timing its own steps back to back), then their timed blocks alternated (in
+    each order by turns), so the machine's speed, which moves between jobs by more than many of
+    the differences measured, moves every variant alike; rank 0 prints a JSON line a variant."""
+    for v in variants:
+        timed(v.step, args.num_warmup_batches)
+        v.steps_run = args.num_warmup_batches  # all of them: examples/profile_split.py --steps
+        for _ in range(MAX_TUNING_STEPS):
+            if all(allgather_object(v.settled())):  # every rank steps alike
+                break
+            v.step()
+            v.steps_run += 1
+    for k in range(args.num_iters):
+        for v in variants if k % 2 == 0 else variants[::-1]:
+            v.run_timed(args)
+    codec = codec_gbps(params)
+    for v in variants:
+        per_rank = allgather_object({"step": statistics.median(v.times), "tx_bytes_per_step": v.sent / v.timed_steps,
+                                     "codes": v.codes / v.timed_steps if v.compressor is not None else None,
+                                     "phases": phases, "codec_gbps": codec})
+        if rank == 0:
+            print(json.dumps({"compression": v.name, "profile": args.profile, "ranks": size, "params": params,
+                              "steps_run": v.steps_run + v.timed_steps, "harness": args.harness, "threads": args.threads,
+                              "step_median": max(r["step"] for r in per_rank),
+                              "tx_bytes_per_step": statistics.mean(r["tx_bytes_per_step"] for r in per_rank),
+                              "compute": statistics.median(sum(r["phases"].values()) for r in per_rank),
+                              **{k: statistics.median(r["phases"][k] for r in per_rank) for k in phases},
+                              "codec_gbps": statistics.median(r["codec_gbps"] for r in per_rank),
+                              "codes_bytes_per_step": (statistics.mean(r["codes"] for r in per_rank)
+                                                       if v.compressor is not None else None),
+                              "schedule": v.compressor.schedule_report() if v.compressor is not None else None,
+                              **({"same_job": [u.name for u in variants]} if len(variants) > 1 else {}),
+                              **(extra or {})}), flush=True)
 
 
 def horovod_harness(step, args):
-    """Horovod's own synthetic-benchmark loop: --num-iters iterations, each `timeit` over
-    --num-batches-per-iter steps -> (seconds per step of every iteration, steps run)."""
+    """Horovod's own synthetic-benchmark loop, one iteration: `timeit` over --num-batches-per-iter
+    steps -> (seconds per step, steps run)."""
     n = args.num_batches_per_iter
-    return [timeit.timeit(step, number=n) / n for _ in range(args.num_iters)], n * args.num_iters
+    return timeit.timeit(step, number=n) / n, n
 
 
-HARNESSES = {"steps": lambda step, args: (timed(step, args.num_iters), args.num_iters), "horovod": horovod_harness}
+HARNESSES = {"steps": lambda step, args: (timed(step, 1)[0], 1), "horovod": horovod_harness}
 HIERARCHICAL = {"auto": None, "on": True, "off": False}
 
 

@@ -1,15 +1,17 @@
-"""What Horovod's optimizer step costs once policy="auto" settled on the framework's own allreduce
-(the compressor pinned native), against Horovod's own Compression.none, with forward, backward
-(the allreduces start there) and the optimizer's step (synchronize waits there) timed apart,
-and the seconds a step spends inside the compression's compress() and decompress(), which the
-step's own noise cannot hide (Horovod's Compression.none timed by the same wrapper).
-Horovod's optimizer hooks every gradient once, so a model cannot switch; `--variant both` gives
-each variant a model (seeded alike) and its own optimizer in one job and alternates their steps,
-so the machine's speed, which moves between jobs by more than the compressor costs, moves both
-alike. Rank 0 prints a JSON line a variant, and with both their ratio:
+"""What Horovod's optimizer step costs once policy="auto" settled on the framework's own allreduce,
+against Horovod's own Compression.none, with forward, backward (the allreduces start there) and
+the optimizer's step (synchronize waits there) timed apart, and the seconds a step spends inside
+the compression's compress() and decompress(), which the step's own noise cannot hide (Horovod's
+Compression.none timed by the same wrapper). Variants: `none`; `native`, the compressor pinned to
+Horovod's allreduce; `settled`, the compressor stepped through its trials until it decided (on
+loopback give it a link, e.g. HVD_APS_LINK=5gbit, or it may settle on codes: the line printed
+says which). Horovod's optimizer hooks every gradient once, so a model cannot switch; several
+variants get a model each (seeded alike) and an optimizer each in one job, their steps
+alternated, so the machine's speed, which moves between jobs by more than the compressor costs,
+moves all alike. Rank 0 prints a JSON line a variant, and each one's ratio to the first:
 
-    horovodrun -np 2 -H localhost:2 --gloo python examples/horovod_native_overhead.py --variant both \
-        --profile resnet18 --image-size 224 --batch-size 2
+    horovodrun -np 2 -H localhost:2 --gloo python examples/horovod_native_overhead.py \
+        --variants none,native,settled --profile resnet18 --image-size 224 --batch-size 2 --steps 100
 """
 import argparse
 import json
@@ -22,17 +24,19 @@ import hvd_aps
 from benchmark_common import add_arguments
 from synthetic_models import loss_fn, prepared
 
-VARIANTS = ("none", "native")
-BOTH = "both"
+VARIANTS = ("none", "native", "settled")
 WARMUP_STEPS = 10
+MAX_TRIAL_STEPS = 200  # `settled`: steps it may take to decide before the timed ones
 
 
 def compression(variant: str):
-    """Horovod's Compression.none, or an APSCompressor whose policy="auto" settled on native."""
+    """Horovod's Compression.none, or an APSCompressor with policy="auto" (`native`: pinned to
+    Horovod's allreduce, as if its trials had settled there)."""
     if variant == "none":
         return hvd.Compression.none
     compressor = hvd_aps.APSCompressor("e4m3", policy="auto")
-    compressor.pin({"policy": "native"})  # as if its trials had settled on Horovod's allreduce
+    if variant == "native":
+        compressor.pin({"policy": "native"})
     return compressor
 
 
@@ -59,7 +63,7 @@ class Timed:
 
 class Variant:
     """One model with its own Horovod optimizer, its parameters' names prefixed with the variant's
-    (two optimizers in one job reduce apart), and its times a phase."""
+    (the optimizers of one job reduce apart), its times a phase, and what its policy chose."""
 
     def __init__(self, variant: str, args):
         self.name = variant
@@ -70,6 +74,7 @@ class Variant:
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         self.loss_of = loss_fn(self.x)
         self.times = {"forward": [], "backward": [], "optimizer": [], "step": [], "compression": []}
+        self.chosen = None
 
     def step(self, timed: bool) -> None:
         self.timed.seconds = 0.0
@@ -87,6 +92,15 @@ class Variant:
                                  ("compression", self.timed.seconds)):
                 self.times[key].append(seconds)
 
+    def settle(self) -> None:
+        """Step until the compressor's policy decided on every rank (at once for the others)."""
+        report = getattr(self.timed.inner, "schedule_report", lambda: [])
+        for _ in range(MAX_TRIAL_STEPS):
+            if all(hvd.allgather_object(all(row["chosen"] for row in report()))):
+                break
+            self.step(timed=False)
+        self.chosen = report()[-1]["chosen"] if report() else None
+
     def medians(self) -> dict:
         return {k: statistics.median(v) for k, v in self.times.items()}
 
@@ -94,24 +108,27 @@ class Variant:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    parser.add_argument("--variant", choices=VARIANTS + (BOTH,), default="native",
-                        help=f"{BOTH}: a model for each in one job, their steps alternated")
+    parser.add_argument("--variants", default="native",
+                        help=f"comma-separated, of {', '.join(VARIANTS)}: several run in one job, a model each")
     parser.add_argument("--steps", type=int, default=16, help="timed steps a variant, after the warm-up")
     args = parser.parse_args()
+    names = args.variants.split(",")
+    if set(names) - set(VARIANTS):
+        parser.error(f"--variants takes {', '.join(VARIANTS)}, got {args.variants}")
     hvd.init()
-    variants = [Variant(v, args) for v in (VARIANTS if args.variant == BOTH else (args.variant,))]
+    variants = [Variant(v, args) for v in names]
+    for v in variants:
+        v.settle()
     for k in range(WARMUP_STEPS + args.steps):
-        # in pairs of steps alternately in each order, so neither variant always follows the other
+        # in rounds alternately in each order, so no variant always follows another
         for v in variants if k % 2 == 0 else variants[::-1]:
             v.step(timed=k >= WARMUP_STEPS)
     if hvd.rank() == 0:
+        first = variants[0].times["step"]
         for v in variants:
-            print(json.dumps({"variant": v.name, **v.medians()}), flush=True)
-        if len(variants) == 2:
-            none, native = (v.times["step"] for v in variants)
-            print(json.dumps({"native / none": statistics.median(native) / statistics.median(none),
-                              "pairs' median ratio": statistics.median(b / a for a, b in zip(none, native))}),
-                  flush=True)
+            ratios = {"x first": statistics.median(v.times["step"]) / statistics.median(first),
+                      "pairs' median ratio": statistics.median(b / a for a, b in zip(first, v.times["step"]))}
+            print(json.dumps({"variant": v.name, "chosen": v.chosen, **v.medians(), **ratios}), flush=True)
 
 
 if __name__ == "__main__":

@@ -128,9 +128,8 @@ def rank_env(host, local, hosts, per_host, port):
 def launch(names, per_host, argv, timeout, rank_prefix="", label=""):
     """Run the example `argv` (a script in examples/ and its arguments) as every rank of the
     cluster, per_host ranks in each host namespace, Horovod's rendezvous served from the switch
-    namespace; returns rank 0's JSON line (the last one, whatever a rank_prefix command prints
-    after it). rank_prefix: a command every rank runs under, {rank} and {compression} (label)
-    filled in."""
+    namespace; returns rank 0's JSON lines (whatever a rank_prefix command prints around them).
+    rank_prefix: a command every rank runs under, {rank} and {compression} (label) filled in."""
     server = subprocess.Popen(["ip", "netns", "exec", SWITCH, sys.executable, __file__, "--serve",
                                f"{len(names)},{per_host}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     procs = []
@@ -147,7 +146,7 @@ def launch(names, per_host, argv, timeout, rank_prefix="", label=""):
                   for rank, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode]
         if failed:  # every failed rank's own words: the first to fail is often not rank 0
             raise RuntimeError(f"{label}: " + "\n".join(failed))
-        return json.loads(next(line for line in reversed(outs[0][0].splitlines()) if line.startswith("{")))
+        return [json.loads(line) for line in outs[0][0].splitlines() if line.startswith("{")]
     finally:
         for p in procs:
             p.kill()
@@ -161,25 +160,32 @@ def _without_module_list(stderr: str) -> str:
     return "\n".join(line for line in stderr.splitlines() if not line.startswith("Extension modules:"))
 
 
-def run_job(names, compression, args):
-    framework, _, name = compression.rpartition(":")
-    argv = [BENCHMARKS[framework], "--compression", name, "--iface", "hvd0", "--hidden", str(args.hidden),
+def run_job(names, compressions, args) -> dict:
+    """One job of the compressions (several: Horovod's benchmark, a model each, their steps
+    alternated) -> its row per compression."""
+    framework = compressions[0].rpartition(":")[0]
+    if len(compressions) > 1 and any(c.rpartition(":")[0] for c in compressions):
+        raise SystemExit(f"--same-job runs Horovod's torch benchmark only, not {','.join(compressions)}")
+    argv = [BENCHMARKS[framework], "--compression", ",".join(c.rpartition(":")[2] for c in compressions),
+            "--iface", "hvd0", "--hidden", str(args.hidden),
             "--profile", args.profile, "--num-iters", str(args.iters), "--batch-size", str(args.batch_size),
             "--hierarchical", args.hierarchical]
     if args.chunk_bytes is not None:
         argv += ["--chunk-bytes", str(args.chunk_bytes)]
-    return launch(names, args.ranks_per_host, argv + args.benchmark_args.split(), args.timeout, args.rank_prefix,
-                  compression.replace(":", "_"))
+    rows = launch(names, args.ranks_per_host, argv + args.benchmark_args.split(), args.timeout, args.rank_prefix,
+                  "+".join(c.replace(":", "_") for c in compressions))
+    return dict(zip(compressions, rows[-len(compressions):]))
 
 
 def repeated(names, compressions, args):
     """Every compression --repeats times, in alternating order (a, b, c, a, b, c, ...), so slow
-    drifts of a shared machine fall on all alike: per compression the runs' results, and the
-    median step of them."""
+    drifts of a shared machine fall on all alike (--same-job: all in each job, their steps
+    alternated there): per compression the runs' results, and the median step of them."""
     runs = {c: [] for c in compressions}
     for _ in range(args.repeats):
-        for c in compressions:
-            runs[c].append(run_job(names, c, args))
+        for job in [compressions] if args.same_job else [[c] for c in compressions]:
+            for c, row in run_job(names, job, args).items():
+                runs[c].append(row)
     return {c: dict(rs[-1], step_median=statistics.median(r["step_median"] for r in rs),
                     step_runs=[r["step_median"] for r in rs],
                     tx_bytes_per_step=statistics.median(r["tx_bytes_per_step"] for r in rs)) for c, rs in runs.items()}
@@ -275,6 +281,9 @@ def main():
                         "prof.{compression}.{rank}.txt --' for examples/profile_split.py)")
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of every compression")
+    parser.add_argument("--same-job", action="store_true", help="every compression in one job (Horovod's torch "
+                        "benchmark: a model each, their timed steps alternated), the machine's drifts between jobs "
+                        "falling on all alike")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per job")
     parser.add_argument("--quick", action="store_true", help="2 hosts at 1gbit, a 1M-parameter model, 3 steps")
     parser.add_argument("--json", help="also write the rows here")

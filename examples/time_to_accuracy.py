@@ -330,7 +330,7 @@ def grid(args):
                             started = time.time()
                             try:
                                 result = netns_cluster.launch(names, args.ranks_per_host, argv, args.timeout,
-                                                              label=peer)
+                                                              label=peer)[-1]
                             except (RuntimeError, subprocess.TimeoutExpired) as failed:  # the others still run
                                 print(f"{label} seed {seed} {peer} failed: {str(failed)[-1500:]}", file=sys.stderr)
                                 continue

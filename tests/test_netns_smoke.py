@@ -41,3 +41,16 @@ def test_quick_cluster_run(tmp_path):
     assert rows["none"]["tx_bytes_per_step"] > 2 * 1e6  # ~4 MB of float32 gradients really crossed the link
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"hvdaps-{run.pid}-" not in left  # everything it made is gone
+
+
+@pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc, and network namespaces")
+def test_compressions_in_one_job_count_their_own_bytes(tmp_path):
+    """--same-job: both models step in one job, each variant's bytes read around its own timed
+    steps (summed over both, the codes row would show about 1.25x of fp32's bytes)."""
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--same-job", "--compressions", "none,aps-e4m3",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = {r["compression"]: r for r in json.loads(out.read_text())}
+    assert rows["none"]["same_job"] == rows["aps-e4m3"]["same_job"] == ["none", "aps-e4m3"]
+    assert rows["aps-e4m3"]["bytes_ratio"] <= 0.25 + 0.03
