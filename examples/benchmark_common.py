@@ -65,9 +65,6 @@ class Variant:
     steps_run: int = 0  # before the timed ones
     timed_steps: int = 0
 
-    def settled(self) -> bool:
-        return self.compressor is None or all(row["chosen"] for row in self.compressor.schedule_report())
-
     def run_timed(self, args) -> None:
         """One harness block (a step, or Horovod's `timeit` over --num-batches-per-iter steps), its
         bytes counted."""
@@ -89,12 +86,8 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
     the differences measured, moves every variant alike; rank 0 prints a JSON line a variant."""
     for v in variants:
         timed(v.step, args.num_warmup_batches)
-        v.steps_run = args.num_warmup_batches  # all of them: examples/profile_split.py --steps
-        for _ in range(MAX_TUNING_STEPS):
-            if all(allgather_object(v.settled())):  # every rank steps alike
-                break
-            v.step()
-            v.steps_run += 1
+        # all of them: examples/profile_split.py --steps
+        v.steps_run = args.num_warmup_batches + settle(v.step, v.compressor, allgather_object)
     for k in range(args.num_iters):
         for v in variants if k % 2 == 0 else variants[::-1]:
             v.run_timed(args)
@@ -116,6 +109,16 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
                               "schedule": v.compressor.schedule_report() if v.compressor is not None else None,
                               **({"same_job": [u.name for u in variants]} if len(variants) > 1 else {}),
                               **(extra or {})}), flush=True)
+
+
+def settle(step, compressor, allgather_object) -> int:
+    """Step until `compressor`'s run-time schedule (None: there is none) has decided every bucket
+    on every rank, at most MAX_TUNING_STEPS times -> the steps run."""
+    for steps in range(MAX_TUNING_STEPS):
+        if all(allgather_object(compressor is None or all(row["chosen"] for row in compressor.schedule_report()))):
+            return steps  # every rank steps alike
+        step()
+    return MAX_TUNING_STEPS
 
 
 def horovod_harness(step, args):

@@ -21,12 +21,11 @@ import time
 import horovod.torch as hvd
 
 import hvd_aps
-from benchmark_common import add_arguments
+from benchmark_common import add_arguments, settle
 from synthetic_models import loss_fn, prepared
 
 VARIANTS = ("none", "native", "settled")
 WARMUP_STEPS = 10
-MAX_TRIAL_STEPS = 200  # `settled`: steps it may take to decide before the timed ones
 
 
 def compression(variant: str):
@@ -94,12 +93,10 @@ class Variant:
 
     def settle(self) -> None:
         """Step until the compressor's policy decided on every rank (at once for the others)."""
-        report = getattr(self.timed.inner, "schedule_report", lambda: [])
-        for _ in range(MAX_TRIAL_STEPS):
-            if all(hvd.allgather_object(all(row["chosen"] for row in report()))):
-                break
-            self.step(timed=False)
-        self.chosen = report()[-1]["chosen"] if report() else None
+        compressor = self.timed.inner if isinstance(self.timed.inner, hvd_aps.APSCompressor) else None
+        settle(lambda: self.step(timed=False), compressor, hvd.allgather_object)
+        report = compressor.schedule_report() if compressor is not None else []
+        self.chosen = report[-1]["chosen"] if report else None
 
     def medians(self) -> dict:
         return {k: statistics.median(v) for k, v in self.times.items()}
