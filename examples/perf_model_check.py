@@ -36,8 +36,8 @@ import statistics
 
 import torch
 
-from hvd_aps import calibration, perf
-from synthetic_models import model as build_model
+from hvd_aps import calibration, perf, step_profile
+from synthetic_models import inputs, loss_fn, model as build_model
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 HOROVOD_FUSION_BYTES = 128 << 20  # Horovod >= 0.21's fusion threshold
@@ -49,6 +49,7 @@ PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments
     ("resnet18", 11689512): dict(image_size=112), ("transformer", 18915328): dict(hidden=512, blocks=6),
     ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384)}
 LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
+TIMELINES = {}  # (profile, parameters as text) -> its gradients' timeline (gradient_timelines)
 PROCESSOR_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per element: the processor fits' grid
 # a codes path's cost in the job may fall short of the codec's calibration too: the calibration is taken on
 # the machine at hand, today, and the rows were recorded on other days, when the codec ran faster or slower
@@ -93,6 +94,25 @@ def shapes(profile, params, cache={}):
     return cache[key]
 
 
+def gradient_timelines(rows, path):
+    """Per (profile, parameters) of the rows: its gradients' timeline (hvd_aps.step_profile, one
+    thread, batch 2), the shape of the profile's backward that each row's own measured backward
+    scales. Read from `path`; profiles it lacks are measured on this machine and added to it, so
+    the check gives the same numbers on every run."""
+    path = pathlib.Path(path)
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    for profile, params in sorted({(r["profile"], r["params"]) for r in rows}):
+        key = f"{profile}/{params}"
+        if key not in saved:
+            args = argparse.Namespace(**{"hidden": 2048, "blocks": 6, "vocab": 16384, "image_size": 112,
+                                         "batch_size": 2, "profile": profile, **PROFILE_ARGS[(profile, params)]})
+            model, shape_in, shape_out = build_model(profile, args)
+            x, y = inputs(args, shape_in, shape_out)
+            saved[key] = step_profile.to_json(step_profile.measure(model, lambda: loss_fn(x)(model(x), y)))
+            path.write_text(json.dumps(saved, indent=1) + "\n")
+    return {tuple(k.split("/")): step_profile.from_json(v).timeline for k, v in saved.items()}
+
+
 def fitted(r):
     """Whether a row is one the model is fitted on: Horovod's and DDP's float32 allreduce (the
     links), their uncapped 16-bit allreduce and codes (their processor costs)."""
@@ -121,7 +141,7 @@ def workload(r):
         cap = (CODES_BUCKET_BYTES if fmt else HOROVOD_FUSION_BYTES) // perf.FLOAT32_BYTES
         buckets = [min(cap, n - i) for i in range(0, n, cap)]
     return perf.Workload(n, compute, r["backward"] / compute if compute else 1.0, r["optimizer"], buckets,
-                         shapes(r["profile"], n)[0])
+                         shapes(r["profile"], n)[0], TIMELINES[(r["profile"], str(n))])
 
 
 def cluster(r, link, copy, inside):
@@ -182,9 +202,12 @@ def main():
     parser.add_argument("--calibration", help="python -m hvd_aps calibrate's file (default: calibrate now)")
     parser.add_argument("--plot", help="write the predicted-against-measured scatter here")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--timelines", default=str(DOCS / "perf_model_timelines.json"),
+                        help="the profiles' gradient timelines (measured into it where missing)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = measured_rows()
+    TIMELINES.update(gradient_timelines(rows, args.timelines))
     worlds = sorted({w for r in rows for w in (r["hosts"], r["hosts"] * r["ranks_per_host"])} - {1})
     codecs = {}
     loaded = calibration.load(args.calibration) if args.calibration else None

@@ -1,7 +1,8 @@
 """Command line: `python -m hvd_aps formats`, `python -m hvd_aps probe --format e4m3 --ranks 8`,
 `python -m hvd_aps calibrate --out calibration.json`, `horovodrun ... python -m hvd_aps calibrate --links`
 (or torchrun) and
-`python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit [--fsdp 8 [--hsdp]]`."""
+`python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit [--fsdp 8 [--hsdp]]`
+(or `plan --profile step.json`, a step hvd_aps.step_profile measured)."""
 import argparse
 import functools
 import json
@@ -10,7 +11,7 @@ import pathlib
 import re
 import sys
 
-from . import calibration, codec, emulate, perf
+from . import calibration, codec, emulate, perf, step_profile
 from .formats import PRESETS, FloatFormat
 
 _COUNT = re.compile(r"^\s*([0-9.]+)\s*([kmb]?)\s*$", re.IGNORECASE)
@@ -117,9 +118,7 @@ def plan_command(args):
     if missing:
         raise SystemExit(f"{args.calibration} has no calibration for {', '.join(missing)}: "
                          f"run python -m hvd_aps calibrate --format {missing[0]}")
-    units = perf.fsdp_units(args.params, args.fsdp) if args.fsdp else None
-    work = perf.Workload(args.params, args.compute_ms / 1e3, optimizer=args.optimizer_ms / 1e3, tensors=args.tensors,
-                         buckets=units, shared_processor=not args.accelerator)
+    work = _workload(args)
     step, split = _step_models(args)
     paths = [perf.Path("float32", 32), perf.Path("16-bit", 16)] + [
         perf.Path(f"codes {f}", FloatFormat.parse(f).bits, codecs[f], pipelined=not args.horovod) for f in formats]
@@ -127,11 +126,11 @@ def plan_command(args):
     copy = 0.0 if args.accelerator else loaded.copy or calibration.time_copy()
     clusters = [perf.Cluster(args.hosts, _link(rate, args, loaded), args.ranks_per_host, copy=copy)
                 for rate in args.links.split(",")]
-    levels = " (two levels)" if clusters[0].two_levels and not units else ""
-    print(f"{args.params:,} parameters, {args.compute_ms:g} ms compute a step, {args.hosts} hosts x "
+    levels = " (two levels)" if clusters[0].two_levels and not args.fsdp else ""
+    print(f"{work.parameters:,} parameters, {work.compute * 1e3:g} ms compute a step, {args.hosts} hosts x "
           f"{args.ranks_per_host} ranks{levels}, " + (
               f"{'HSDP' if args.hsdp else 'FSDP2'} in {args.fsdp} units ({'no ' if args.no_reshard else ''}resharding "
-              f"after forward): the framework's {_fsdp_peer(args)}" if units else "the framework's allreduce") +
+              f"after forward): the framework's {_fsdp_peer(args)}" if args.fsdp else "the framework's allreduce") +
           " against codes" + (" through Horovod's collectives" if args.horovod else "") +
           "; predicted step (x float32's), and what its exchanges spend")
     for rate, cluster in zip(args.links.split(","), clusters):
@@ -149,6 +148,19 @@ def plan_command(args):
         _write_pin(args.pin, work, paths, clusters, step)
     if args.plot:
         _plot(args.plot, work, paths, clusters[0], step)
+
+
+def _workload(args) -> perf.Workload:
+    """The step planned: from a saved step profile (its compute and its gradients' timeline), or
+    from --params and --compute-ms; in --fsdp units where FSDP2 is planned."""
+    options = {"shared_processor": not args.accelerator}
+    if args.profile:
+        profile = step_profile.load(args.profile)
+        units = perf.fsdp_units(profile.parameters, args.fsdp) if args.fsdp else None
+        return profile.workload(buckets=units, **options)
+    units = perf.fsdp_units(args.params, args.fsdp) if args.fsdp else None
+    return perf.Workload(args.params, args.compute_ms / 1e3, optimizer=args.optimizer_ms / 1e3, tensors=args.tensors,
+                         buckets=units, **options)
 
 
 def _link(rate: str, args, loaded: calibration.Calibration) -> perf.Link:
@@ -254,10 +266,12 @@ def main(argv=None):
                                                           "measured, HVD_APS_LINK)")
     cal.set_defaults(run=calibrate_command)
     plan = sub.add_parser("plan", help="predicted step time of each path and format, and where codes pay")
-    plan.add_argument("--params", type=_count_arg, required=True, help="gradient elements, e.g. 25M")
+    plan.add_argument("--params", type=_count_arg, help="gradient elements, e.g. 25M")
     plan.add_argument("--tensors", type=_count_arg, help="gradient tensors (default: one a DDP bucket)")
-    plan.add_argument("--compute-ms", type=float, required=True, help="forward + backward of one rank, ms")
+    plan.add_argument("--compute-ms", type=float, help="forward + backward of one rank, ms")
     plan.add_argument("--optimizer-ms", type=float, default=0.0)
+    plan.add_argument("--profile", help="a step profile (hvd_aps.step_profile.save) in place of --params, "
+                                        "--tensors, --compute-ms and --optimizer-ms: its gradients' timeline too")
     plan.add_argument("--hosts", type=int, default=2)
     plan.add_argument("--ranks-per-host", type=int, default=1)
     plan.add_argument("--links", default="1gbit,10gbit,100gbit",
@@ -282,6 +296,10 @@ def main(argv=None):
         args.format = args.format or [FloatFormat.parse("e4m3"), FloatFormat.parse("e3m0")]
     if args.command == "probe" and (args.ranks < 1 or args.size < 1):
         parser.error("--ranks and --size must be positive")
+    if args.command == "plan" and args.profile and (args.params is not None or args.compute_ms is not None):
+        parser.error("plan a step from --params and --compute-ms, or from a saved --profile (not both)")
+    if args.command == "plan" and not args.profile and (args.params is None or args.compute_ms is None):
+        parser.error("plan needs --params and --compute-ms (or a saved --profile)")
     if args.command == "plan" and args.hsdp and not args.fsdp:
         parser.error("--hsdp plans FSDP2's units: give --fsdp UNITS too")
     if args.command == "plan" and args.horovod and args.fsdp:

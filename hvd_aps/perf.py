@@ -22,9 +22,10 @@ them; `python -m hvd_aps calibrate` measures the codes exchange's own time, `Cod
   cluster rows Horovod 0.28's float16 allreduce over Gloo costs far more than torch's). Gloo's
   ring sums each segment of its reduce-scatter half while the next two are in flight, so those
   sums hide behind a slower wire (`_ring_with_sums`).
-- The step is a timeline: the forward, then the backward during which the buckets become ready in
-  proportion to their elements (DDP's order: the last layers first), each exchange starting when
-  its bucket is ready and the one before it has ended; the optimizer after both. Where compute
+- The step is a timeline: the forward, then the backward during which the gradients become ready
+  (DDP's order: the last layers first; at the times a profile measured, `Workload.timeline`, else
+  in proportion to their elements), each exchange starting when its bucket is ready and the one
+  before it has ended; the optimizer after both. Where compute
   and the codec share one processor (training on the CPU), the codec's time and the passes of
   processor_time are added to the backward's.
 
@@ -32,6 +33,7 @@ What the model leaves out (a reason for a measured step to differ): the framewor
 processor time per float32 collective, stragglers, and congestion beyond the link's rate.
 """
 import dataclasses
+import itertools
 import math
 import re
 from typing import Callable, Optional, Sequence
@@ -141,14 +143,17 @@ class Workload:
     `backward` the share of it that is backward; `optimizer` seconds after the exchange;
     `buckets` their sizes in elements in the order they become ready (default: DDP's);
     `tensors` how many gradient tensors there are (default: one a bucket), spread over the
-    buckets by size; `shared_processor`: the codec runs on the processor that computes
-    (training on the CPU)."""
+    buckets by size; `timeline`: each gradient tensor's (elements, fraction of the backward
+    after which it is ready) in the order backward produces them, as a profile measured them
+    (default: in proportion to their elements); `shared_processor`: the codec runs on the
+    processor that computes (training on the CPU)."""
     parameters: int
     compute: float
     backward: float = 2 / 3
     optimizer: float = 0.0
     buckets: Optional[Sequence[int]] = None
     tensors: Optional[int] = None
+    timeline: Optional[Sequence[tuple]] = None
     shared_processor: bool = True
 
     def __post_init__(self):
@@ -156,11 +161,26 @@ class Workload:
             raise ValueError(f"a workload needs parameters >= 1, compute and optimizer >= 0, 0 <= backward <= 1: {self}")
         if self.buckets is not None and sum(self.buckets) != self.parameters:
             raise ValueError(f"buckets hold {sum(self.buckets)} elements, not the {self.parameters} parameters")
+        if self.timeline is not None and (sum(n for n, _ in self.timeline) != self.parameters or any(
+                not 0 <= a <= b <= 1 for (_, a), (_, b) in zip(self.timeline, [*self.timeline[1:], (0, 1)]))):
+            raise ValueError(f"a timeline holds the {self.parameters} parameters, each tensor ready at a fraction "
+                             f"of the backward between 0 and 1, in order: {self.timeline}")
 
     def bucket_sizes(self) -> list:
         if self.buckets is not None:
             return list(self.buckets)
         return ddp_buckets(self.parameters)
+
+    def ready(self, elements: int) -> float:
+        """The fraction of the backward after which its first `elements` gradients are ready."""
+        if self.timeline is None:
+            return elements / self.parameters
+        done = 0
+        for n, at in self.timeline:
+            done += n
+            if done >= elements:
+                return at
+        return 1.0
 
     def tensors_in(self, elements: int) -> float:
         """Gradient tensors in a bucket of `elements` (at least one)."""
@@ -335,11 +355,9 @@ def step_time(w: Workload, path: Path, c: Cluster) -> float:
     """Seconds of one training step: forward, backward with the exchanges as their buckets become
     ready, then the optimizer."""
     backward = w.compute * w.backward
-    ready, done, free, busy = 0.0, 0, 0.0, 0.0
-    for n in w.bucket_sizes():
-        done += n
-        ready = backward * done / w.parameters
-        free = max(ready, free) + exchange_time(n, path, c, w.tensors_in(n))
+    free, busy = 0.0, 0.0
+    for n, done in zip(w.bucket_sizes(), itertools.accumulate(w.bucket_sizes())):
+        free = max(backward * w.ready(done), free) + exchange_time(n, path, c, w.tensors_in(n))
         if w.shared_processor:
             busy += processor_time(n, path, c)
             if path.codes:

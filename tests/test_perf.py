@@ -157,6 +157,23 @@ def test_step_overlaps_exchanges_with_backward_and_adds_a_shared_codec():
     assert perf.step_time(shared, gpu, fast) < perf.step_time(shared, dataclasses.replace(gpu, codec=perf.Codec(0.01, 1e-9)), fast) - 0.01
 
 
+def test_a_measured_timeline_decides_when_each_bucket_can_start():
+    n = 1 << 20
+    c, fp32 = perf.Cluster(2, SLOW), perf.Path("float32", 32)
+    one, two = perf.exchange_time(n, fp32, c), perf.exchange_time(2 * n, fp32, c)  # about 42 and 84 ms
+    # three gradients, the first two ready early in a 0.1 s backward (a CNN's last layers), the third at its end
+    timeline = [(n, 0.1), (n, 0.2), (n, 1.0)]
+    w = perf.Workload(3 * n, compute=0.1, backward=1.0, buckets=[2 * n, n], timeline=timeline)
+    assert w.ready(n) == 0.1 and w.ready(n + 1) == 0.2 and w.ready(3 * n) == 1.0
+    # the first bucket is ready when its last gradient is (0.02 s), not at two thirds of the backward
+    assert perf.step_time(w, fp32, c) == pytest.approx(max(0.02 + two, 0.1) + one)
+    proportional = dataclasses.replace(w, timeline=None)
+    assert perf.step_time(proportional, fp32, c) == pytest.approx(max(0.1 * 2 / 3 + two, 0.1) + one)
+    for wrong in ([(n, 0.5), (n, 0.2)], [(n, 0.5), (n - 1, 1.0)], [(n, 0.5), (n, 1.5)]):
+        with pytest.raises(ValueError, match="timeline"):
+            perf.Workload(2 * n, 0.1, timeline=wrong)
+
+
 def test_break_even_solves_where_the_saved_bytes_pay_for_the_extra_latencies():
     n = 1 << 16
     w = perf.Workload(n, compute=0.0, buckets=[n])
@@ -295,6 +312,43 @@ def test_plan_fsdp_prints_the_fsdp_step_model(tmp_path, capsys):
             assert f"{fsdp * 1e3:.1f}" in printed.split(f"\n{path.name} ")[1].split()[0:1], path.name
             assert abs(fsdp - perf.step_time(work, path, cluster)) > 1e-3  # another model than the buckets'
         assert "FSDP2 in 6 units" in printed and ("no resharding" in printed) != reshard
+
+
+def test_a_step_profile_measures_when_gradients_are_ready_and_plans_from_it(tmp_path, capsys):
+    """hvd_aps.step_profile on a real torch model: a wide last layer's gradients are ready
+    early (its backward is a fraction of the whole), the first layer's last; saved, loaded and
+    planned from with `plan --profile`, whose float32 step is perf.step_time's on that timeline."""
+    import torch
+    from hvd_aps import step_profile
+    torch.manual_seed(0)
+    deep = [torch.nn.Linear(256, 256) for _ in range(6)]
+    model = torch.nn.Sequential(*deep, torch.nn.Linear(256, 4096))  # the last layer: 1M of its 1.4M parameters
+    x = torch.randn(64, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    profile = step_profile.measure(model, lambda: model(x).square().mean(), opt)
+    assert profile.parameters == sum(p.numel() for p in model.parameters())
+    assert len(profile.timeline) == len(list(model.parameters()))
+    fractions = [at for _, at in profile.timeline]
+    assert fractions == sorted(fractions) and 0 <= fractions[0] and fractions[-1] <= 1
+    by_size = {n: at for n, at in profile.timeline}
+    assert by_size[256 * 4096] < fractions[-1]  # the wide last layer before the first layer's weight
+    assert profile.timeline[-1][0] in (256, 256 * 256)  # the first layer's bias or weight, last
+    assert profile.forward > 0 and profile.backward > 0 and profile.optimizer > 0
+    saved = tmp_path / "step.json"
+    step_profile.save(profile, saved)
+    assert step_profile.load(saved) == profile
+    cal = tmp_path / "cal.json"
+    calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(perf.Codec(1e-3, 1e-9))}}, cal)
+    from hvd_aps.__main__ import main
+    main(["plan", "--profile", str(saved), "--links", "1gbit", "--format", "e4m3", "--calibration", str(cal)])
+    expected = perf.step_time(profile.workload(), perf.Path("float32", 32), perf.Cluster(2, perf.Link.parse("1gbit")))
+    assert f"{expected * 1e3:.1f}" in capsys.readouterr().out.split("\nfloat32 ")[1].split()[0:1]
+    for wrong in (["--profile", str(saved), "--params", "1M"], ["--params", "1M"]):
+        with pytest.raises(SystemExit):
+            main(["plan", *wrong, "--calibration", str(cal)])
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        main(["plan", "--profile", str(tmp_path / "other.json"), "--calibration", str(cal)])
 
 
 def test_at_scale_tables_and_the_dettmers_shape():
