@@ -247,6 +247,8 @@ def codes_at(row, fmt, positions):
     sample of a stream without unpacking the rest of it. Three bytes hold any code of <= 16 bits
     wherever it starts."""
     fmt, xp = FloatFormat.parse(fmt), array_module(row)
+    if fmt.bits == 8:  # a byte a code
+        return row[xp.asarray(positions, dtype=np.int64)].astype(np.uint32)
     bit = xp.asarray(positions, dtype=np.int64) * fmt.bits
     word = xp.zeros(bit.shape, np.uint32)
     for k in range(3):  # bytes past the stream's end only hold bits the mask drops
