@@ -3,10 +3,12 @@ through ctypes. Large arrays are cut into one chunk per core and converted in a 
 ctypes releases the GIL during each call, so the chunks really run in parallel.
 """
 import concurrent.futures
+import contextlib
 import ctypes
 import importlib.machinery
 import os
 import pathlib
+import threading
 
 import numpy as np
 
@@ -87,15 +89,44 @@ _lib = _load()
 available = _lib is not None
 _threads = _thread_count()
 _pool = concurrent.futures.ThreadPoolExecutor(_threads, thread_name_prefix="hvd_aps") if _threads > 1 else None
+# Exchanges on threads beside the step's compute (beside_compute) encode and decode on their own
+# thread while nothing waits for them (awaited): the backward holds every core then, and more
+# codec threads only slow it down (docs/benchmarks.md, "Where the time goes")
+_beside = threading.local()
+_awaiting = [0]  # threads waiting for an exchange's results: the cores are the codec's then
+_awaiting_lock = threading.Lock()
+
+
+def beside_compute() -> None:
+    """This thread's exchanges run while the step computes (an exchanger's worker thread)."""
+    _beside.compute = True
+
+
+@contextlib.contextmanager
+def awaited():
+    """The caller waits for exchanges' results: until it is done, every thread codes at full width."""
+    with _awaiting_lock:
+        _awaiting[0] += 1
+    try:
+        yield
+    finally:
+        with _awaiting_lock:
+            _awaiting[0] -= 1
+
+
+def _width() -> int:
+    """Threads the codec's calls on this thread may use now."""
+    return 1 if getattr(_beside, "compute", False) and not _awaiting[0] else _threads
 
 
 def _chunks(n, pos, unit):
     """One range per thread, each starting where element lo + pos is a multiple of `unit`:
     a byte group (_BYTE_GROUP) of a packed stream, so threads writing packed codes never share a
     byte, or a block whose maximum one thread must compute whole."""
-    if _pool is None or n < 2 * _MIN_CHUNK:
+    width = _width()
+    if _pool is None or width == 1 or n < 2 * _MIN_CHUNK:
         return [(0, n)]
-    step = -(-n // _threads)
+    step = -(-n // width)
     step += -step % unit
     bounds = [0, *range(step - pos % unit, n, step), n]
     return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if lo < hi]

@@ -223,7 +223,7 @@ class Batches:
             if isinstance(context, Passed):
                 out = context.adapter.native_result(reduced, context.like)
             else:
-                total = context.batch.future.result()[context.index]
+                total = self._ex.result(context.batch.future)[context.index]
                 out = context.adapter.finish(total, reduced, context.like, context.batch.reduction)
         except BaseException:
             self.abort()
@@ -236,7 +236,7 @@ class Batches:
 
     def _end_step(self, context: Context, out):
         """End the step (after every exchange of it, in a graph too) and restart the naming."""
-        results = [t for batch in self._launched for t in batch.future.result()]
+        results = [t for batch in self._launched for t in self._ex.result(batch.future)]
         self._averaged = {batch.name for batch in self._launched if batch.reduction.all_average()}
         self._open, self._count, self._launched = None, 0, []
         return context.adapter.at_step_end(out, self._ex.end_step, results)

@@ -40,6 +40,9 @@ from .config import Rounding
 from .formats import FloatFormat
 
 _INPUT_KINDS = "fiub"  # float, signed, unsigned, bool: numbers NumPy converts exactly or by rounding
+# How wide the CPU engine's calls run (the other engines have no threads of their own): one
+# thread for exchanges beside the step's compute, every thread while the step waits for them
+beside_compute, awaited = _host_engine.beside_compute, _host_engine.awaited
 
 
 def _engine_for(a):

@@ -26,7 +26,7 @@ import contextlib
 import threading
 from typing import Callable, Optional
 
-from . import exchange
+from . import codec, exchange
 from ._scatter import ScatterExchange
 from ._stages import Bucket, CodesExchange
 from ._state import ExchangeState
@@ -89,6 +89,12 @@ class Exchanger:
             return self.submit(exchange.run, stages, bucket, flats, levels, **options)
         with self.exchange():
             return Done(exchange.run(stages, bucket, flats, levels, **options))
+
+    @staticmethod
+    def result(future: "concurrent.futures.Future | Done") -> list:
+        """An exchange's results, waited for: while the caller waits, the codec takes every core."""
+        with codec.awaited():
+            return future.result()
 
     @contextlib.contextmanager
     def exchange(self):

@@ -2,8 +2,8 @@
 forward, backward and optimizer, and the *timeline* of its backward, when each gradient is ready
 (a fraction of the backward), which decides when each exchange can start. A CNN's last layers
 hold most of its parameters and are ready early in a backward that spends most of its time in
-the first layers; counting readiness in proportion to elements put a ResNet-18's first bucket at
-a third of its backward where it is ready at a tenth.
+the first layers; counting readiness in proportion to elements put a ResNet-18's second DDP
+bucket (25 MiB) at 58 % of its backward where it is ready at 38 %.
 
     profile = hvd_aps.step_profile.measure(model, lambda: loss_fn(model(x), y), optimizer)
     hvd_aps.step_profile.save(profile, "step.json")

@@ -1,6 +1,10 @@
 """The codes exchange (hvd_aps.exchange driving hvd_aps._stages), with N ranks as N threads of one
 process, against the independent NumPy + ml_dtypes model in tests/model.py: flat and two levels,
 every schedule, error feedback, hybrid precision, stochastic rounding, a failed step."""
+import concurrent.futures
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -78,6 +82,34 @@ def test_codec_thread_count_changes_no_bit(monkeypatch):
     monkeypatch.setattr(_host_engine, "_pool", None)
     single, _ = simulate(grads, same_format("e2m1fn", 2))
     assert threaded[0][0].tobytes() == single[0][0].tobytes() == model.flat(grads, "e2m1fn")[0].tobytes()
+
+
+def test_exchanges_beside_compute_code_on_one_thread_until_awaited(monkeypatch):
+    """An exchanger's worker thread (beside the step's compute) cuts the codec's calls into one
+    range, and into one per thread while a caller waits for results (Exchanger.result); any
+    other thread always uses every thread. The bits are the same either way."""
+    monkeypatch.setattr(_host_engine, "_threads", 2)
+    monkeypatch.setattr(_host_engine, "_pool", concurrent.futures.ThreadPoolExecutor(2))
+    n = 1 << 20
+    with concurrent.futures.ThreadPoolExecutor(1, initializer=hvd_aps.codec.beside_compute) as worker:
+        assert worker.submit(_host_engine._chunks, n, 0, 8).result() == [(0, n)]
+        with hvd_aps.codec.awaited():
+            assert len(worker.submit(_host_engine._chunks, n, 0, 8).result()) == 2
+        assert worker.submit(_host_engine._chunks, n, 0, 8).result() == [(0, n)]
+        x = np.random.default_rng(6).standard_normal(n).astype(np.float32)
+        beside = worker.submit(hvd_aps.encode, x, "e4m3").result()
+    assert len(_host_engine._chunks(n, 0, 8)) == 2  # a thread of the caller's own
+    assert beside.tobytes() == hvd_aps.encode(x, "e4m3").tobytes()
+    comp = hvd_aps.APSCompressor("e4m3")
+    done = concurrent.futures.Future()
+    waited = []
+    worker = threading.Thread(target=lambda: waited.append(comp.exchanger.result(done)))
+    worker.start()
+    while not _host_engine._awaiting[0]:  # the waiting caller widens every exchange's codec
+        time.sleep(1e-3)
+    done.set_result([1])
+    worker.join()
+    assert waited == [[1]] and _host_engine._awaiting[0] == 0
 
 
 def test_stochastic_rounding_is_reproducible_whatever_the_schedule():

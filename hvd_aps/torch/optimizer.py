@@ -107,7 +107,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if p not in self._handles:
                     self._allreduce_small(p)
             for future in self._futures.values():
-                future.result()
+                self._compression.exchanger.result(future)
             for handle, _ in self._handles.values():
                 wait(handle)
         except BaseException:
