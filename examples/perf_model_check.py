@@ -49,7 +49,7 @@ PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments
     ("resnet18", 11689512): dict(image_size=112), ("transformer", 18915328): dict(hidden=512, blocks=6),
     ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384)}
 LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
-TIMELINES = {}  # (profile, parameters as text) -> its gradients' timeline (gradient_timelines)
+TIMELINES = {}  # (profile, parameters) -> its gradients' timeline (gradient_timelines)
 PROCESSOR_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per element: the processor fits' grid
 # a codes path's cost in the job may fall short of the codec's calibration too: the calibration is taken on
 # the machine at hand, today, and the rows were recorded on other days, when the codec ran faster or slower
@@ -110,7 +110,8 @@ def gradient_timelines(rows, path):
             x, y = inputs(args, shape_in, shape_out)
             saved[key] = step_profile.to_json(step_profile.measure(model, lambda: loss_fn(x)(model(x), y)))
             path.write_text(json.dumps(saved, indent=1) + "\n")
-    return {tuple(k.split("/")): step_profile.from_json(v).timeline for k, v in saved.items()}
+    return {(profile, int(params)): step_profile.from_json(v).timeline
+            for profile, params, v in ((*k.split("/"), v) for k, v in saved.items())}
 
 
 def fitted(r):
@@ -141,7 +142,7 @@ def workload(r):
         cap = (CODES_BUCKET_BYTES if fmt else HOROVOD_FUSION_BYTES) // perf.FLOAT32_BYTES
         buckets = [min(cap, n - i) for i in range(0, n, cap)]
     return perf.Workload(n, compute, r["backward"] / compute if compute else 1.0, r["optimizer"], buckets,
-                         shapes(r["profile"], n)[0], TIMELINES[(r["profile"], str(n))])
+                         shapes(r["profile"], n)[0], TIMELINES[(r["profile"], n)])
 
 
 def cluster(r, link, copy, inside):

@@ -52,10 +52,12 @@ def measure(model, loss: Callable[[], object], optimizer=None, repeats: int = RE
     params = [p for p in model.parameters() if p.requires_grad]
     steps = [_one_step(params, loss, optimizer) for _ in range(repeats + 1)][1:]
     reached = [k for k in range(len(params)) if all(k in ready for *_, ready in steps)]
+    if not reached:
+        raise ValueError("the backward of loss() gave none of the model's parameters a gradient")
     at = {k: min(1.0, statistics.median(ready[k] for *_, ready in steps)) for k in reached}
     order = sorted(reached, key=lambda k: at[k])
-    forward, backward, step = (statistics.median(s[i] for s in steps) for i in range(3))
-    return StepProfile(forward, backward, step, tuple((params[k].numel(), at[k]) for k in order))
+    forward, backward, optimizer_step = (statistics.median(s[i] for s in steps) for i in range(3))
+    return StepProfile(forward, backward, optimizer_step, tuple((params[k].numel(), at[k]) for k in order))
 
 
 def _one_step(params: list, loss: Callable[[], object], optimizer) -> tuple:

@@ -346,6 +346,9 @@ def test_a_step_profile_measures_when_gradients_are_ready_and_plans_from_it(tmp_
     for wrong in (["--profile", str(saved), "--params", "1M"], ["--params", "1M"]):
         with pytest.raises(SystemExit):
             main(["plan", *wrong, "--calibration", str(cal)])
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match="none of the model's parameters"):
+        step_profile.measure(torch.nn.Sequential(frozen, torch.nn.Linear(4, 4)), lambda: x[:, :4].sum().requires_grad_())
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(SystemExit):
         main(["plan", "--profile", str(tmp_path / "other.json"), "--calibration", str(cal)])
