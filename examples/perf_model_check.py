@@ -77,14 +77,18 @@ def path_of(compression):
     return (framework or "hvd", name, FORMATS[fmt], fmt) if fmt in FORMATS else None
 
 
+def profile_args(profile, params):
+    """The synthetic benchmark's arguments that build a profile of `params` parameters (batch 2)."""
+    return argparse.Namespace(**{"hidden": 2048, "blocks": 6, "vocab": 16384, "image_size": 112, "batch_size": 2,
+                                 "profile": profile, **PROFILE_ARGS[(profile, params)]})
+
+
 def shapes(profile, params, cache={}):
     """(gradient tensors, FSDP units' sizes: every block as pytorch_fsdp_synthetic_benchmark.py
     shards it, in backward's order, the root's own parameters last) of a profile."""
     key = (profile, params)
     if key not in cache:
-        args = argparse.Namespace(**{"hidden": 2048, "blocks": 6, "vocab": 16384, "image_size": 112,
-                                     **PROFILE_ARGS[key]})
-        model = build_model(profile, args)[0]
+        model = build_model(profile, profile_args(profile, params))[0]
         assert sum(p.numel() for p in model.parameters()) == params, key
         blocks = getattr(model, "blocks", model)
         units = [sum(p.numel() for p in child.parameters()) for child in blocks.children()]
@@ -104,8 +108,7 @@ def gradient_timelines(rows, path):
     for profile, params in sorted({(r["profile"], r["params"]) for r in rows}):
         key = f"{profile}/{params}"
         if key not in saved:
-            args = argparse.Namespace(**{"hidden": 2048, "blocks": 6, "vocab": 16384, "image_size": 112,
-                                         "batch_size": 2, "profile": profile, **PROFILE_ARGS[(profile, params)]})
+            args = profile_args(profile, params)
             model, shape_in, shape_out = build_model(profile, args)
             x, y = inputs(args, shape_in, shape_out)
             saved[key] = step_profile.to_json(step_profile.measure(model, lambda: loss_fn(x)(model(x), y)))

@@ -153,14 +153,14 @@ def plan_command(args):
 def _workload(args) -> perf.Workload:
     """The step planned: from a saved step profile (its compute and its gradients' timeline), or
     from --params and --compute-ms; in --fsdp units where FSDP2 is planned."""
-    options = {"shared_processor": not args.accelerator}
-    if args.profile:
-        profile = step_profile.load(args.profile)
-        units = perf.fsdp_units(profile.parameters, args.fsdp) if args.fsdp else None
-        return profile.workload(buckets=units, **options)
-    units = perf.fsdp_units(args.params, args.fsdp) if args.fsdp else None
-    return perf.Workload(args.params, args.compute_ms / 1e3, optimizer=args.optimizer_ms / 1e3, tensors=args.tensors,
-                         buckets=units, **options)
+    profile = step_profile.load(args.profile) if args.profile else None
+    parameters = profile.parameters if profile else args.params
+    options = {"buckets": perf.fsdp_units(parameters, args.fsdp) if args.fsdp else None,
+               "shared_processor": not args.accelerator}
+    if profile:
+        return profile.workload(**options)
+    return perf.Workload(parameters, args.compute_ms / 1e3, optimizer=args.optimizer_ms / 1e3, tensors=args.tensors,
+                         **options)
 
 
 def _link(rate: str, args, loaded: calibration.Calibration) -> perf.Link:
