@@ -5,6 +5,7 @@ ctypes releases the GIL during each call, so the chunks really run in parallel.
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import importlib.machinery
 import os
 import pathlib
@@ -140,6 +141,7 @@ def _run(fn, n, pos=0, unit=_BYTE_GROUP):
     return list(_pool.map(lambda p: fn(*p), parts))
 
 
+@functools.lru_cache(maxsize=None)
 def _c_fmt(fmt, saturate=False):
     return _Fmt(fmt.exp_bits, fmt.man_bits, fmt.policy, int(bool(saturate)))
 
@@ -172,8 +174,22 @@ def encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, pos, index
 
 
 def decode_table(fmt, shift):
+    return _scaled_table(fmt, shift, 1.0)
+
+
+# A step decodes every piece at one of a few exponents (they follow the gradients' magnitudes):
+# tables made once, read-only, at most this many (for 16-bit formats 256 KiB each)
+_TABLES_KEPT = 128
+
+
+@functools.lru_cache(maxsize=_TABLES_KEPT)
+def _scaled_table(fmt, shift, divisor):
+    """fmt's values at 2**-shift, divided by `divisor` in float32 (an average's N)."""
     table = np.empty(1 << fmt.bits, dtype=np.float32)
     _lib.hvd_decode_table(table.ctypes.data, _c_fmt(fmt), shift)
+    if divisor != 1:
+        table /= np.float32(divisor)
+    table.flags.writeable = False
     return table
 
 
@@ -215,12 +231,29 @@ def sum_rows(rows, fmt, start, stop, shift, block, out=None):
     return out, peaks
 
 
+# A range's blocks take their exponents from a short run (they follow the gradients' magnitudes):
+# one table per exponent of the run, indexed by exponent - lowest, where they hold at most this
+# many values; else one per distinct exponent
+_RUN_TABLE_ELEMENTS = 1 << 14
+
+
+@functools.lru_cache(maxsize=_TABLES_KEPT)
+def _run_tables(fmt, low, high, divisor):
+    tables = np.stack([_scaled_table(fmt, s, divisor) for s in range(low, high + 1)])
+    tables.flags.writeable = False
+    return tables
+
+
 def decode_row(row, fmt, start, stop, shifts, block, out=None, divisor=np.float32(1), stream=False):
-    """One table per distinct exponent among the blocks' (a handful: they follow the gradients'
-    magnitudes), each divided by `divisor` as the values are."""
+    """The tables of the blocks' exponents (_run_tables), each divided by `divisor` as the values
+    are."""
     out = np.empty(stop - start, np.float32) if out is None else out
-    distinct, which = np.unique(shifts, return_inverse=True)
-    tables = np.stack([decode_table(fmt, int(s)) / divisor for s in distinct])
+    low, high = int(shifts.min()), int(shifts.max())
+    if (high - low + 1) << fmt.bits <= _RUN_TABLE_ELEMENTS:
+        tables, which = _run_tables(fmt, low, high, float(divisor)), shifts - np.int32(low)
+    else:
+        distinct, which = np.unique(shifts, return_inverse=True)
+        tables = np.stack([_scaled_table(fmt, int(s), float(divisor)) for s in distinct])
     which = np.ascontiguousarray(which, dtype=np.int32)
     rp, op, tp, wp = row.ctypes.data, out.ctypes.data, tables.ctypes.data, which.ctypes.data
     _run(lambda lo, hi: _lib.hvd_decode_row_blocks(rp, fmt.bits, start + lo, start + hi, lo, block, op + 4 * lo, tp,

@@ -13,6 +13,7 @@ part of each tensor in this local rank's slice, laid end to end into one flat ra
   every shard. A chunk's alltoall then sends every rank about 1/(N * count) of the bucket, and no
   element changes owner whatever the chunk count, so chunking is pure scheduling.
 """
+import bisect
 import dataclasses
 import functools
 
@@ -55,6 +56,10 @@ class Layout:
         starts = [o + np.arange(0, n, BLOCK) for o, n in zip(self.offsets[:-1], sizes) if n]
         self.boundaries = np.concatenate(starts + [[self.total]]).astype(np.int64)  # block starts, then the end
         self.shards = self.cut(0, self.total, world)
+        # Every step asks for the same ranges' pieces: Python lists and a table of answers keep
+        # the stages' per-range geometry off NumPy's per-call overhead.
+        self._boundary_list, self._offset_list = self.boundaries.tolist(), self.offsets.tolist()
+        self._pieces = {}
 
     def cut(self, lo: int, hi: int, parts: int) -> np.ndarray:
         """parts + 1 block boundaries from lo to hi, each the first at or after an even cut."""
@@ -68,20 +73,23 @@ class Layout:
 
     def blocks_in(self, lo: int, hi: int) -> int:
         """Blocks that start in lo..hi (lo a block boundary): the exponents a range carries."""
-        return int(np.searchsorted(self.boundaries, hi) - np.searchsorted(self.boundaries, lo))
+        return bisect.bisect_left(self._boundary_list, hi) - bisect.bisect_left(self._boundary_list, lo)
 
-    def pieces(self, lo: int, hi: int) -> list:
+    def pieces(self, lo: int, hi: int) -> tuple:
         """The segment parts in flat range lo..hi, in order."""
-        out = []
-        first = int(np.searchsorted(self.offsets, lo, side="right")) - 1
-        for k in range(max(first, 0), len(self.segments)):
-            a, b = max(lo, int(self.offsets[k])), min(hi, int(self.offsets[k + 1]))
-            if int(self.offsets[k]) >= hi:
+        if (lo, hi) not in self._pieces:
+            self._pieces[(lo, hi)] = tuple(self._cut_pieces(lo, hi))
+        return self._pieces[(lo, hi)]
+
+    def _cut_pieces(self, lo: int, hi: int):
+        offsets = self._offset_list
+        for k in range(max(bisect.bisect_right(offsets, lo) - 1, 0), len(self.segments)):
+            if offsets[k] >= hi:
                 break
+            a, b = max(lo, offsets[k]), min(hi, offsets[k + 1])
             if a < b:
                 seg = self.segments[k]
-                out.append(Piece(k, seg.tensor, a, b, seg.start + a - int(self.offsets[k]), self.blocks_in(a, b)))
-        return out
+                yield Piece(k, seg.tensor, a, b, seg.start + a - offsets[k], self.blocks_in(a, b))
 
 
 @functools.lru_cache(maxsize=256)

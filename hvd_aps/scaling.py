@@ -39,7 +39,8 @@ def shifts_for(amaxes, world_size, fmt, sum_max=None):
         raise ValueError("amax must be >= 0 (it is a max of absolute values)")
     usable = np.isfinite(amaxes) & (amaxes > 0)
     amax = np.where(usable, amaxes, 1.0)
-    s = np.minimum(_largest_shift(amax, fmt.max), _largest_shift(amax, _term_limit(world_size, fmt, sum_max)))
+    # both bounds at once: the largest s under the smaller limit is the largest under both
+    s = _largest_shift(amax, min(fmt.max, _term_limit(world_size, fmt, sum_max)))
     return np.where(usable, s, 0)
 
 
