@@ -54,6 +54,8 @@ PROCESSOR_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per elemen
 # a codes path's cost in the job may fall short of the codec's calibration too: the calibration is taken on
 # the machine at hand, today, and the rows were recorded on other days, when the codec ran faster or slower
 CODES_COSTS = sorted({-c for c in PROCESSOR_COSTS} | set(PROCESSOR_COSTS))
+# s each of Horovod's codes collectives costs beyond its link's latency (perf.HOROVOD_COLLECTIVE_S): the grid
+COLLECTIVE_COSTS = (0.0, 0.5e-3, 1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3, 8e-3, 10e-3)
 CODES_COST_MEANING = "codec handles, beyond the codec alone (below zero: it ran faster in the jobs than calibrated now)"
 
 
@@ -160,14 +162,14 @@ def cluster(r, link, copy, inside):
                         hierarchical=r["tx_bytes_per_step"] < TWO_LEVEL_BYTES * ring, sharing=n, copy=copy)
 
 
-def predict(r, link, calibrated, processor=0.0, inside=perf.Link(*perf.LOOPBACK)):
-    """The row's predicted step; `processor`: its path's processor cost (processor_key); `inside`:
-    the link among a host's ranks."""
+def predict(r, link, calibrated, cost=(0.0, 0.0), inside=perf.Link(*perf.LOOPBACK)):
+    """The row's predicted step; `cost`: its path's (processor cost, cost a collective) (processor_key);
+    `inside`: the link among a host's ranks."""
     framework, name, bits, fmt = path_of(r["compression"])
     codecs, copy = calibrated
     c, hsdp = cluster(r, link, copy, inside), r.get("hsdp", False)
     codec = None if fmt is None else codecs[(fmt, c.hosts if c.two_levels or hsdp else c.world)]
-    path = perf.Path(name, bits, codec, processor, pipelined=framework != "hvd")
+    path = perf.Path(name, bits, codec, cost[0], pipelined=framework != "hvd", collective=cost[1])
     if framework == "fsdp":
         return perf.fsdp_step_time(workload(r), path, c, r.get("reshard", True), gloo=True, hsdp=hsdp)
     return perf.step_time(workload(r), path, c)
@@ -185,13 +187,15 @@ def fit_links(rows, calibrated):
 
 
 def fit_processor_costs(rows, links, calibrated):
-    """Per processor_key: the processor cost that predicts its uncapped rows best (0 where it has none)."""
-    costs = {None: 0.0}
+    """Per processor_key: the (processor cost, cost a collective) that predicts its uncapped rows
+    best ((0, 0) where it has none); a cost a collective on Horovod's codes paths only."""
+    costs = {None: (0.0, 0.0)}
     for key in itertools.product(("hvd", "torch"), ("16-bit", "codes")):
         own = [r for r in rows if fitted(r) and processor_key(r) == key]
-        grid = CODES_COSTS if key[1] == "codes" else PROCESSOR_COSTS
-        costs[key] = _least_error(grid, own, lambda r, cost: predict(r, links[r["rate"]], calibrated, cost)
-                                  ) if own else 0.0
+        grid = itertools.product(CODES_COSTS if key[1] == "codes" else PROCESSOR_COSTS,
+                                 COLLECTIVE_COSTS if key == ("hvd", "codes") else (0.0,))
+        costs[key] = _least_error(list(grid), own, lambda r, cost: predict(r, links[r["rate"]], calibrated, cost)
+                                  ) if own else (0.0, 0.0)
     return costs
 
 
@@ -226,9 +230,10 @@ def main():
         print(f"link {rate}: fitted on its fp32 rows {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
               f"latency {link.latency * 1e6:.0f} us")
     costs = fit_processor_costs(rows, links, calibrated)
-    for (framework, path), cost in ((k, v) for k, v in costs.items() if k is not None):
+    for (framework, path), (cost, collective) in ((k, v) for k, v in costs.items() if k is not None):
         print(f"{framework}'s {path}: fitted on its uncapped rows {cost * 1e9:.2f} ns of processor per element its "
-              f"{'ring reduces' if path == '16-bit' else CODES_COST_MEANING}")
+              f"{'ring reduces' if path == '16-bit' else CODES_COST_MEANING}"
+              + (f"; {collective * 1e3:g} ms a collective beyond the link's latency" if collective else ""))
     # a host's ranks reach each other over its namespace's loopback: Gloo over the kernel's TCP on the
     # same two cores, as on the uncapped link between hosts (not LOOPBACK's nominal memory rate)
     inside = links["uncapped"]

@@ -121,7 +121,8 @@ def plan_command(args):
     work = _workload(args)
     step, split = _step_models(args)
     paths = [perf.Path("float32", 32), perf.Path("16-bit", 16)] + [
-        perf.Path(f"codes {f}", FloatFormat.parse(f).bits, codecs[f], pipelined=not args.horovod) for f in formats]
+        perf.Path(f"codes {f}", FloatFormat.parse(f).bits, codecs[f], pipelined=not args.horovod,
+                  collective=perf.HOROVOD_COLLECTIVE_S if args.horovod else 0.0) for f in formats]
     # on the CPU two levels run inside a host through its memory, at the rate calibrated (or measured now)
     copy = 0.0 if args.accelerator else loaded.copy or calibration.time_copy()
     clusters = [perf.Cluster(args.hosts, _link(rate, args, loaded), args.ranks_per_host, copy=copy)

@@ -56,6 +56,11 @@ LOOPBACK = (10e9, 20e-6)              # a host's own memory and loopback, bytes/
 # was written into the box without being concatenated first.)
 HOST_COPIES = 3
 DEFAULT_LATENCY = 50e-6               # between hosts, where nothing was measured (Ethernet with TCP)
+# What each collective of Horovod's costs beyond its link's latency: its background thread
+# negotiates every collective (rank 0 gathers the ranks' requests, then answers), which its
+# timeline showed at 3-5 ms an alltoall or allgather on the netns cluster; 2 ms fitted on that
+# cluster's uncapped Horovod codes rows (examples/perf_model_check.py, 2026-11-26)
+HOROVOD_COLLECTIVE_S = 2e-3
 # bits a second as tc names them (1gbit, 10Gbit/s), or bytes (12.5GB, 12.5GB/s); "bps" is left
 # out: tc reads it as bytes, a NIC's data sheet as bits
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kKmMgGtT]?)(bit|Bit|B)(?:/s)?\s*$")
@@ -211,12 +216,15 @@ class Path:
     bucket's chunks overlap one's codec with another's wire (torch.distributed's collectives);
     False where they add up, as measured on Horovod's, whose one background thread runs a
     collective at a time while the codec stages between them leave the wire idle (the timeline
-    in docs/benchmarks.md; the model's check: docs/performance-model.md)."""
+    in docs/benchmarks.md; the model's check: docs/performance-model.md). `collective`: seconds
+    each of a codes exchange's collectives costs beyond its link's latency (Horovod's:
+    HOROVOD_COLLECTIVE_S, the negotiation its background thread runs for each)."""
     name: str
     bits: int
     codec: Optional[Codec] = None
     processor: float = 0.0
     pipelined: bool = True
+    collective: float = 0.0
 
     @property
     def codes(self) -> bool:
@@ -262,7 +270,7 @@ def exchange_time(elements: int, path: Path, c: Cluster, tensors: float = 1) -> 
         return _ring_with_sums(elements * path.bits / BITS_PER_BYTE, processor_time(elements, path, c), c)
     host, between = _codes_wire(elements, path.bits, c)
     return (host + processor_time(elements, path, c)
-            + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between, path.pipelined))
+            + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between, path))
 
 
 def _ring_with_sums(nbytes: float, sums: float, c: Cluster) -> float:
@@ -334,16 +342,18 @@ def metadata_allreduce(c: Cluster) -> float:
     return allreduce(0, c)
 
 
-def _overlapped(codec: Codec, elements: float, tensors: float, wire: float, pipelined: bool) -> float:
+def _overlapped(codec: Codec, elements: float, tensors: float, wire: float, path: Path) -> float:
     """Codec and wire of one exchange in the faster chunking: unchunked (or not `pipelined`) they
     add up; in k pipelined chunks chunk i is encoded while i-1 travels, so the longer of the two
-    shows plus a k-th of the other, and every chunk pays the cost per exchange."""
-    best = codec.time(elements, tensors) + wire
-    for chunk_bytes in CHUNK_CHOICES if pipelined else ():
+    shows plus a k-th of the other, and every chunk pays the cost per exchange and its two
+    collectives' `collective` cost (the metadata's Max-allreduce one more)."""
+    best = codec.time(elements, tensors) + wire + 3 * path.collective
+    for chunk_bytes in CHUNK_CHOICES if path.pipelined else ():
         chunks = math.ceil(elements * FLOAT32_BYTES / chunk_bytes) if chunk_bytes else 1
         if chunks > 1:
             cpu = codec.time(elements, tensors) + codec.fixed * (chunks - 1)
-            best = min(best, max(cpu, wire) + min(cpu, wire) / chunks)
+            net = wire + (1 + 2 * chunks) * path.collective
+            best = min(best, max(cpu, net) + min(cpu, net) / chunks)
     return best
 
 

@@ -63,21 +63,30 @@ def test_codes_exchange_is_metadata_alltoall_and_allgather():
 def test_chunks_overlap_codec_and_wire_only_where_pipelined(tmp_path, capsys):
     """A bucket of 64 MiB float32 on 1 Gbit/s: pipelined (torch.distributed's collectives) the
     best chunking hides most of the shorter of codec and wire; not pipelined (Horovod's) they
-    add up, whatever the chunking; plan --horovod prints the steps of the latter."""
+    add up, whatever the chunking, with each collective's own cost; plan --horovod prints the
+    steps of the latter."""
     n, c, codec = 1 << 24, perf.Cluster(2, perf.Link.parse("1gbit")), perf.Codec(1e-4, 5e-9)
     wire = perf.wire_time(n, perf.Path("e4m3", 8, codec), c)
     serial = perf.exchange_time(n, perf.Path("e4m3", 8, codec, pipelined=False), c)
     assert serial == pytest.approx(codec.time(n) + wire)
     overlapped = perf.exchange_time(n, perf.Path("e4m3", 8, codec), c)
     assert max(wire, codec.time(n)) < overlapped < serial - 0.5 * min(wire, codec.time(n))
+    # each collective's own cost (Horovod's negotiation): three an unchunked exchange, two more a chunk
+    horovod = perf.Path("e4m3", 8, codec, pipelined=False, collective=2e-3)
+    assert perf.exchange_time(n, horovod, c) == pytest.approx(serial + 3 * 2e-3)
+    # pipelined over a link that costs nothing, in 16 chunks of 4 MiB: the codec, 15 more exchange
+    # costs, and a 16th of the 33 collectives' cost (1 MiB chunks: 63 more exchange costs, slower)
+    free_link = perf.Cluster(2, perf.Link(1e18, 0.0))
+    assert perf.exchange_time(n, dataclasses.replace(horovod, pipelined=True), free_link) == pytest.approx(
+        codec.time(n) + 15 * 1e-4 + 33 * 2e-3 / 16)
     cal = tmp_path / "cal.json"
     calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(codec)}}, cal)
     from hvd_aps.__main__ import main
     work = perf.Workload(n, 0.05, tensors=1, shared_processor=True)
-    for extra, pipelined in (([], True), (["--horovod"], False)):
+    for extra, pipelined, collective in (([], True, 0.0), (["--horovod"], False, perf.HOROVOD_COLLECTIVE_S)):
         main(["plan", "--params", str(n), "--tensors", "1", "--compute-ms", "50", "--links", "1gbit",
               "--format", "e4m3", "--calibration", str(cal)] + extra)
-        step = perf.step_time(work, perf.Path("codes e4m3", 8, codec, pipelined=pipelined), c)
+        step = perf.step_time(work, perf.Path("codes e4m3", 8, codec, pipelined=pipelined, collective=collective), c)
         assert capsys.readouterr().out.split("\ncodes e4m3 ")[1].split()[0] == f"{step * 1e3:.1f}", extra
 
 
