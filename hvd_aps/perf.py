@@ -345,16 +345,22 @@ def metadata_allreduce(c: Cluster) -> float:
 def _overlapped(codec: Codec, elements: float, tensors: float, wire: float, path: Path) -> float:
     """Codec and wire of one exchange in the faster chunking: unchunked (or not `pipelined`) they
     add up; in k pipelined chunks chunk i is encoded while i-1 travels, so the longer of the two
-    shows plus a k-th of the other, and every chunk pays the cost per exchange and its two
-    collectives' `collective` cost (the metadata's Max-allreduce one more)."""
-    best = codec.time(elements, tensors) + wire + 3 * path.collective
+    shows plus a k-th of the other, and every chunk pays the cost per exchange and its
+    collectives' `collective` cost."""
+    best = codec.time(elements, tensors) + wire + _collectives(1) * path.collective
     for chunk_bytes in CHUNK_CHOICES if path.pipelined else ():
         chunks = math.ceil(elements * FLOAT32_BYTES / chunk_bytes) if chunk_bytes else 1
         if chunks > 1:
             cpu = codec.time(elements, tensors) + codec.fixed * (chunks - 1)
-            net = wire + (1 + 2 * chunks) * path.collective
+            net = wire + _collectives(chunks) * path.collective
             best = min(best, max(cpu, net) + min(cpu, net) / chunks)
     return best
+
+
+def _collectives(chunks: int) -> int:
+    """A codes exchange's collectives: the metadata's Max-allreduce, then an alltoall and an
+    allgather a chunk."""
+    return 1 + 2 * chunks
 
 
 # one step ---------------------------------------------------------------------------------------
