@@ -134,9 +134,10 @@ HIERARCHICAL = {"auto": None, "on": True, "off": False}
 
 def compressor_options(args):
     """APSCompressor keywords from the command line: stats (off unless --stats: a sampled pass),
-    chunk_bytes, hierarchical."""
+    chunk_bytes, bucket_bytes, hierarchical."""
     options = {"stats": args.stats, "hierarchical": HIERARCHICAL[args.hierarchical]}
-    return {**options, **({} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes})}
+    given = {"chunk_bytes": args.chunk_bytes, "bucket_bytes": args.bucket_bytes}
+    return {**options, **{k: v for k, v in given.items() if v is not None}}
 
 
 def add_arguments(parser):
@@ -158,6 +159,8 @@ def add_arguments(parser):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--chunk-bytes", type=lambda v: v if v == "auto" else int(v),
                         help="APSCompressor's chunk_bytes (0: no pipelining; default auto: tuned at run time)")
+    parser.add_argument("--bucket-bytes", type=int,
+                        help="APSCompressor's bucket_bytes (default: its own, 16 MiB of float32 a bucket)")
     parser.add_argument("--hierarchical", choices=sorted(HIERARCHICAL), default="auto",
                         help="APSCompressor's hierarchical: auto (two levels where hosts hold several ranks), on, off")
     parser.add_argument("--stats", action="store_true",
