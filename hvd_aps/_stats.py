@@ -133,7 +133,12 @@ class StatsRecorder:
         return measure(xp, x.ravel()[::step], sent(step), limit, shift, x.size, carried, str(fmt))
 
 
-@functools.lru_cache(maxsize=1024)
+# Tables kept: a step's tensors take a few shifts each format, and a 16-bit format's table is
+# 256 KiB (the codec's host engine keeps as many of its own)
+_TABLES_KEPT = 128
+
+
+@functools.lru_cache(maxsize=_TABLES_KEPT)
 def _values(fmt, shift: int, xp):
     """Every code's value in `fmt` at `shift` (codec.decode of them all), so a tensor's sample is
     looked up in one indexing instead of a decode of its own: a table per format and shift, as
