@@ -46,9 +46,9 @@ def probe_command(args):
 def calibrate_command(args):
     if args.links:
         return _calibrate_links(args.out)
-    print(f"timing the codes exchange as rank 0 of {args.world} ranks ({codec.engine_name()} engine)...",
-          file=sys.stderr)
-    result = calibration.calibrate([str(f) for f in args.format], args.world)
+    engine = codec.engine_name() if args.device == "cpu" else "CuPy"
+    print(f"timing the codes exchange as rank 0 of {args.world} ranks ({engine} engine)...", file=sys.stderr)
+    result = calibration.calibrate([str(f) for f in args.format], args.world, device=args.device)
     calibration.save(result, args.out)
     rows = [(fmt, f"{c['fixed'] * 1e3:.3f}", f"{c['per_tensor'] * 1e3:.3f}", f"{c['per_element'] * 1e9:.3f}")
             for fmt, c in result["codecs"].items()]
@@ -261,6 +261,8 @@ def main(argv=None):
     cal = sub.add_parser("calibrate", help="time the codes exchange on this machine for the performance model")
     cal.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3 and e3m0")
     cal.add_argument("--world", type=int, default=2, help="ranks the timed rank stands among")
+    cal.add_argument("--device", choices=calibration.DEVICES, default="cpu",
+                     help="where the codec runs: cuda times the CuPy engine's kernels on this GPU")
     cal.add_argument("--out", default="hvd_aps_calibration.json")
     cal.add_argument("--links", action="store_true", help="inside a horovodrun or torchrun job: measure the link the "
                                                           "framework's allreduce gets and add it to --out (plan --links "

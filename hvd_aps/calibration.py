@@ -8,7 +8,8 @@ The exchange is timed on the real driver (hvd_aps.exchange.run, with a compresso
 users configure it, stats included), in this one process standing for rank 0 of `world` ranks
 that all hold the same gradients: every pass the rank makes (encode, decode-and-sum of the N
 copies of its share, re-encode, decode of every share) runs on the real sizes, and nothing waits
-for a wire.
+for a wire. On a GPU (`device="cuda"`) the gradients are CuPy arrays, so the CuPy engine's kernels
+run, and each exchange is timed to the device's synchronisation.
 """
 import concurrent.futures
 import contextlib
@@ -23,6 +24,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from . import codec, exchange, perf
+from ._arrays import array_module
 from ._stages import Bucket
 from .compressor import APSCompressor
 from .perf import Codec
@@ -30,6 +32,10 @@ from .perf import Codec
 # (elements, tensors) of the timed buckets: the fit separates a cost per exchange, per tensor
 # and per element, so sizes and tensor counts both vary
 BUCKETS = ((1 << 14, 1), (1 << 18, 1), (1 << 22, 1), (1 << 14, 16), (1 << 18, 16), (1 << 22, 16))
+# a GPU's kernels pass 4M elements in tens of microseconds: its fit also takes 256 MiB buckets, as
+# a large model's are, so the cost per element is measured where it is not hidden by launches
+DEVICE_BUCKETS = BUCKETS + ((1 << 26, 1), (1 << 26, 16))
+DEVICES = ("cpu", "cuda")
 REPEATS = 5  # timed exchanges per bucket (after one untimed): the median is fitted
 COPY_ELEMENTS = 1 << 23  # float32 a core copies per timed copy: 32 MiB, past the caches as gradients are
 # float32 elements of the framework's allreduces timed for the link fit: latency-bound to bandwidth-bound
@@ -54,21 +60,42 @@ class Mirror(exchange.Eager):
         return values * self.world
 
     def alltoall(self, send, splits, name):
-        return np.tile(send[:int(splits[0])], self.world)
+        return array_module(send).tile(send[:int(splits[0])], self.world)
 
     def allgather(self, message, name):
-        return np.concatenate([message, np.zeros(message.size * (self.world - 1), message.dtype)])
+        xp = array_module(message)
+        return xp.concatenate([message, xp.zeros(message.size * (self.world - 1), message.dtype)])
 
 
-def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: int = REPEATS) -> float:
+def _device(device: str) -> tuple:
+    """(array module, wait): where the timed gradients live, and what waits for its work to end."""
+    if device == "cpu":
+        return np, lambda: None
+    if device != "cuda":
+        raise ValueError(f"device is one of {DEVICES}, got {device!r}")
+    import cupy
+    return cupy, cupy.cuda.Device().synchronize
+
+
+def device_name(device: str) -> str:
+    """The processor the codec ran on, for the calibration file: the GPU's name, or "cpu"."""
+    if device == "cpu":
+        return "cpu"
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+
+
+def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: int = REPEATS,
+                  device: str = "cpu") -> float:
     """Median seconds of one codes exchange of a bucket of `elements` float32 in `tensors` equal
-    tensors, as rank 0 of `world` ranks runs it, unchunked."""
+    tensors, as rank 0 of `world` ranks runs it, unchunked, on `device` ("cpu" or "cuda")."""
+    xp, wait = _device(device)
     comp = APSCompressor(fmt, chunk_bytes=0)
     stages = comp.exchanger.stages(world, 0)
     sizes = [elements // tensors] * tensors
     rng = np.random.default_rng(0)
-    flats = [rng.standard_normal(n).astype(np.float32) * np.float32(1e-3) for n in sizes]
-    outs = [np.empty(n, np.float32) for n in sizes]
+    flats = [xp.asarray(rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)) for n in sizes]
+    outs = [xp.empty(n, np.float32) for n in sizes]
     keys = [f"t{i}" for i in range(tensors)]
     bucket = Bucket.whole("calibration", keys, keys, sizes)
     levels = exchange.Levels.flat(Mirror(world))
@@ -77,20 +104,22 @@ def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: in
         started = time.perf_counter()
         exchange.run(stages, bucket, flats, levels, outs=outs, average=True)
         comp.state.commit()
+        wait()
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])
 
 
-def fit_codec(fmt: str, world: int, buckets: Sequence = BUCKETS, repeats: int = REPEATS) -> tuple:
+def fit_codec(fmt: str, world: int, buckets: Sequence = BUCKETS, repeats: int = REPEATS,
+              device: str = "cpu") -> tuple:
     """(Codec, [(elements, tensors, seconds)]): least squares of the measured times, relative to
     each (the buckets span three orders of magnitude), on a cost per exchange, per tensor and per
-    element (none below zero)."""
-    rows = [(n, t, time_exchange(fmt, world, n, t, repeats)) for n, t in buckets]
+    element (none below zero); a Codec of a GPU is a `device` one (perf.Codec.busy)."""
+    rows = [(n, t, time_exchange(fmt, world, n, t, repeats, device)) for n, t in buckets]
     seconds = np.array([s for *_, s in rows])
     a = np.array([[1.0, t, n] for n, t, _ in rows]) / seconds[:, None]
     coef, *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
     fixed, per_tensor, per_element = (max(float(c), 0.0) for c in coef)
-    return Codec(fixed, per_element, per_tensor), rows
+    return Codec(fixed, per_element, per_tensor, device=device != "cpu"), rows
 
 
 def time_copy(elements: int = COPY_ELEMENTS, repeats: int = REPEATS) -> float:
@@ -154,15 +183,19 @@ class Calibration:
     link_shape: Optional[tuple] = None
 
 
-def calibrate(formats: Sequence[str], world: int, buckets: Sequence = BUCKETS, repeats: int = REPEATS) -> dict:
-    """The calibration file's contents for these formats at `world` ranks."""
+def calibrate(formats: Sequence[str], world: int, buckets: Optional[Sequence] = None, repeats: int = REPEATS,
+              device: str = "cpu") -> dict:
+    """The calibration file's contents for these formats at `world` ranks, the codec on `device`
+    (its buckets by default BUCKETS, DEVICE_BUCKETS on a GPU); the date says when it was measured."""
+    buckets = buckets or (BUCKETS if device == "cpu" else DEVICE_BUCKETS)
     codecs, measured = {}, {}
     for fmt in formats:
-        fitted, rows = fit_codec(fmt, world, buckets, repeats)
+        fitted, rows = fit_codec(fmt, world, buckets, repeats, device)
         codecs[fmt] = dataclasses.asdict(fitted)
         measured[fmt] = [{"elements": n, "tensors": t, "seconds": s} for n, t, s in rows]
-    return {"format": FORMAT, "engine": codec.engine_name(), "world": world, "codecs": codecs, "measured": measured,
-            "copy": time_copy(repeats=repeats)}
+    return {"format": FORMAT, "engine": codec.engine_name() if device == "cpu" else "cupy",
+            "device": device_name(device), "date": time.strftime("%Y-%m-%d"), "world": world,
+            "codecs": codecs, "measured": measured, "copy": time_copy(repeats=repeats)}
 
 
 def save(calibration: dict, path) -> None:

@@ -12,16 +12,20 @@ from horovod_run import WORKERS, free_port, load
 from workers.common import DDP_SIZES, codes_grads
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def ranks(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"ddp{request.param}")
-    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(request.param),
+def launch_ddp_checks(tmp, ranks, **env):
+    """workers/ddp_checks.py under torchrun with `ranks` processes: every rank's saved results."""
+    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1", **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(WORKERS / "ddp_checks.py"), str(tmp)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-4000:]}"
-    return load(tmp, f"ddp{request.param}", request.param)
+    return load(tmp, f"ddp{ranks}", ranks)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request, tmp_path_factory):
+    return launch_ddp_checks(tmp_path_factory.mktemp(f"ddp{request.param}"), request.param)
 
 
 def expected(rank_grads, order, average=True):
@@ -39,6 +43,14 @@ def test_bit_exact_to_the_numpy_model_on_every_rank(ranks, key, steps):
     """Several buckets; two steps, so the buckets DDP rebuilds after the first step are covered;
     gradient_as_bucket_view; a process group other than the default; chunks of 700 elements (the
     same numbers: chunking is scheduling)."""
+    assert_bit_exact(ranks, key, steps)
+    if key == "plain":  # DDP's buckets before and after its rebuild differ; one step has several
+        orders = [ranks[0][f"plain_{step}_order"].item() for step in range(steps)]
+        assert orders[0] != orders[1] and any(";" in order for order in orders)
+
+
+def assert_bit_exact(ranks, key, steps):
+    """Every rank's gradients of the `key` run, each step, as the NumPy model gives them."""
     grads = [codes_grads(r, DDP_SIZES) for r in range(len(ranks))]
     for step in range(steps):
         order = ranks[0][f"{key}_{step}_order"].item()
@@ -47,9 +59,6 @@ def test_bit_exact_to_the_numpy_model_on_every_rank(ranks, key, steps):
             assert r[f"{key}_{step}_order"].item() == order
             for i in range(len(DDP_SIZES)):
                 assert r[f"{key}_{step}_{i}"].tobytes() == want[i].tobytes(), (key, step, i)
-    if key == "plain":  # DDP's buckets before and after its rebuild differ; one step has several
-        orders = [ranks[0][f"plain_{step}_order"].item() for step in range(steps)]
-        assert orders[0] != orders[1] and any(";" in order for order in orders)
 
 
 def test_bytes_of_a_ring_of_one_byte_codes(ranks):

@@ -133,11 +133,15 @@ def test_torch_and_tensorflow_inputs_stay_on_the_device():
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1fn"])
 def test_codes_exchange_on_the_gpu_equals_the_cpu(fmt):
+    """The results, the bytes sent and every tensor's stats (sampled on the device, measured on
+    the host) as the CPU's."""
     from test_wire import rank_grads, same_format, simulate
     grads = rank_grads(3, [1000, 24, 9001])
-    on_cpu, sent_cpu = simulate(grads, same_format(fmt, 3))
-    on_gpu, sent_gpu = simulate([[cupy.asarray(g) for g in r] for r in grads], same_format(fmt, 3))
+    compressors = {"cpu": same_format(fmt, 3), "gpu": same_format(fmt, 3)}
+    on_cpu, sent_cpu = simulate(grads, compressors["cpu"])
+    on_gpu, sent_gpu = simulate([[cupy.asarray(g) for g in r] for r in grads], compressors["gpu"])
     assert sent_cpu == sent_gpu
+    assert [c.stats_table() for c in compressors["cpu"]] == [c.stats_table() for c in compressors["gpu"]]
     for cpu_rank, gpu_rank in zip(on_cpu, on_gpu):
         for c, g in zip(cpu_rank, gpu_rank):
             assert isinstance(g, cupy.ndarray) and cupy.asnumpy(g).tobytes() == c.tobytes()
@@ -173,3 +177,41 @@ def test_ddp_hook_over_nccl_on_one_gpu(tmp_path):
             assert p.grad.is_cuda and p.grad.cpu().numpy().tobytes() == w.tobytes()
     finally:
         dist.destroy_process_group()
+
+
+def test_ddp_hook_over_gloo_with_two_ranks_on_one_gpu(tmp_path):
+    """Two torchrun ranks share the one GPU over Gloo (NCCL takes one rank a device): the hook's
+    CuPy stages on CUDA tensors and Gloo's all_reduce, all_to_all_single and all_gather on them;
+    several buckets, DDP's rebuilt buckets, a bucket view, a process group, chunks, float16 and
+    bfloat16 models, bit for bit as the NumPy model on every rank, the gradients left on the GPU."""
+    pytest.importorskip("torch")
+    from test_ddp import assert_bit_exact, launch_ddp_checks
+    from test_ddp import test_low_precision_buckets_come_back_in_their_dtype as assert_low_precision
+    ranks = launch_ddp_checks(tmp_path, 2, HVD_APS_CHECK_DEVICE="cuda")
+    for key, steps in [("plain", 2), ("view", 1), ("group", 1), ("chunked", 1)]:
+        assert_bit_exact(ranks, key, steps)
+        assert all(bool(r[f"{key}_0_dtype_ok"]) for r in ranks)
+    for dtype in ("float16", "bfloat16"):
+        assert_low_precision(ranks, dtype)
+
+
+def test_calibration_times_the_gpu_engine_on_mirrored_ranks():
+    """`calibrate --device cuda`: the mirrored ranks take CuPy messages, rank 0's share of the
+    results holds the CPU's bits, and the fitted codec is a device one."""
+    from hvd_aps import _layout, calibration, exchange
+    from hvd_aps._stages import Bucket
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(5000).astype(np.float32), rng.standard_normal(700).astype(np.float32) * 1e-3]
+    bucket = Bucket.whole("mirrored", ["a", "b"], ["a", "b"], [g.size for g in grads])
+
+    def rank0(arrays):
+        comp = hvd_aps.APSCompressor("e4m3", chunk_bytes=0)
+        got = exchange.run(comp.exchanger.stages(4, 0), bucket, arrays, exchange.Levels.flat(calibration.Mirror(4)),
+                           average=True)
+        return np.concatenate([cupy.asnumpy(g) for g in got])
+
+    share = int(_layout.Layout(bucket.segments, 4).shards[1])
+    want, got = cpu(rank0, [g.copy() for g in grads]), rank0([cupy.asarray(g) for g in grads])
+    assert (got[:share].view(np.uint32) == want[:share].view(np.uint32)).all()
+    saved = calibration.calibrate(["e4m3"], 8, ((1 << 14, 1), (1 << 20, 1), (1 << 20, 8)), repeats=1, device="cuda")
+    assert saved["engine"] == "cupy" and saved["device"] != "cpu" and saved["codecs"]["e4m3"]["device"]

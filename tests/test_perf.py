@@ -221,6 +221,7 @@ def test_calibrate_and_plan_from_the_command_line(tmp_path):
     out = tmp_path / "cal.json"
     buckets = ((1 << 10, 1), (1 << 14, 1), (1 << 14, 4))
     saved = calibration.calibrate(["e4m3"], 2, buckets, repeats=1)
+    assert saved["device"] == "cpu" and not saved["codecs"]["e4m3"]["device"] and saved["date"].startswith("20")
     calibration.save(saved, out)
     assert [r["elements"] for r in json.loads(out.read_text())["measured"]["e4m3"]] == [1 << 10, 1 << 14, 1 << 14]
     loaded = calibration.load(out)

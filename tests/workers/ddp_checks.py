@@ -1,5 +1,8 @@
 """Run under `torchrun --nproc-per-node 2` (or 3), Gloo on loopback: hvd_aps.ddp.aps_hook in
-DistributedDataParallel. Each rank saves OUTDIR/ddp<N>_rank<r>.npz for tests/test_ddp.py."""
+DistributedDataParallel. Each rank saves OUTDIR/ddp<N>_rank<r>.npz for tests/test_ddp.py.
+HVD_APS_CHECK_DEVICE=cuda puts the given-gradient models on the GPU (tests/test_gpu.py): the
+hook's CuPy stages and Gloo's collectives on CUDA tensors, every rank on the one device."""
+import os
 import sys
 
 import numpy as np
@@ -14,6 +17,7 @@ from common import DDP_SIZES, codes_grads, leave_torchrun
 
 dist.init_process_group("gloo")
 rank, size, out = dist.get_rank(), dist.get_world_size(), {}
+DEVICE = torch.device(os.environ.get("HVD_APS_CHECK_DEVICE", "cpu"))
 torch.set_num_threads(1)
 
 
@@ -37,7 +41,7 @@ def recording(order, index_of):
 
 
 def given_steps(key, grads_per_step, dtype=torch.float32, group=None, compression=None, **ddp_kwargs):
-    model = Given(DDP_SIZES, dtype)
+    model = Given(DDP_SIZES, dtype).to(DEVICE)
     ddp = DDP(model, process_group=group, **ddp_kwargs)
     order, index_of = [], {id(p): i for i, p in enumerate(model.ps)}
     compressor = hvd_aps.APSCompressor("e4m3", **(compression or {}))
@@ -45,10 +49,11 @@ def given_steps(key, grads_per_step, dtype=torch.float32, group=None, compressio
     for step, grads in enumerate(grads_per_step):
         model.zero_grad()
         order.clear()
-        ddp([torch.from_numpy(g).to(dtype) for g in grads]).backward()
+        ddp([torch.from_numpy(g).to(DEVICE, dtype) for g in grads]).backward()
         for i, p in enumerate(model.ps):
-            out[f"{key}_{step}_{i}"] = p.grad.float().numpy().copy()
-        out[f"{key}_{step}_dtype_ok"] = np.array(all(p.grad.dtype == dtype for p in model.ps))
+            out[f"{key}_{step}_{i}"] = p.grad.float().cpu().numpy().copy()
+        out[f"{key}_{step}_dtype_ok"] = np.array(all(p.grad.dtype == dtype and p.grad.device.type == DEVICE.type
+                                                     for p in model.ps))
         out[f"{key}_{step}_order"] = np.array(";".join(",".join(map(str, bucket)) for bucket in order))
     out[f"{key}_bytes"] = np.array(compressor.bytes_sent)
 
