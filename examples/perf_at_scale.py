@@ -13,8 +13,9 @@ import argparse
 import dataclasses
 import json
 import math
+import pathlib
 
-from hvd_aps import perf
+from hvd_aps import calibration, perf
 
 GPUS_PER_HOST = 8
 GPU_COUNTS = (8, 64, 256, 1024)
@@ -24,14 +25,18 @@ BETWEEN_LATENCY = 5e-6
 # inside a host: nccl-tests' allreduce bus bandwidth on an 8-GPU H100 host is about 360 GB/s,
 # some 80 % of NVLink 4's 450 GB/s a direction
 NVLINK = perf.Link(360e9, 3e-6)
-# The GPU codec: the first CuPy engine on one H100 (docs/gpu.md, "What has run"; not yet re-run
-# with the packed-row kernels the exchange now launches). At 1 GiB, counting bytes read and
-# written: encode 1756 GB/s (5 bytes an element: 2.85 ps), decode 1391 GB/s (3.6 ps), the sum of
-# the ranks' codes about 2 bytes an element at 1422 GB/s (1.4 ps): 8 ps an element. At 1 MiB an
-# encode ran at 29 GB/s, about 45 us a kernel call; an exchange launches about five: 0.25 ms of
-# the host's driver, which delays the exchange but leaves the GPU to backward (Codec.busy).
-H100_CODEC = perf.Codec(fixed=0.25e-3, per_element=8e-12, device=True)
-SLOW_CODEC = perf.Codec(fixed=2.5e-3, per_element=80e-12, device=True)  # ten times slower: how much rides on it
+# The GPU codec as measured: `python -m hvd_aps calibrate --device cuda --world 8` on one NVIDIA
+# H200 on 2026-11-26 (scripts/gpu_check.sh; docs/gpu.md), the codes exchange's own time as rank 0 of
+# 8 fitted as a cost per exchange, per tensor and per element: e4m3 4.2 ms, 0.25 ms and 29 ps, e3m0
+# 7.0 ms, 0.49 ms and 12 ps. The costs per exchange and per tensor are the host's driver (kernel
+# launches, copies of shifts and samples, Python), which delay the exchange and leave the GPU to
+# backward (Codec.busy); the world it was measured at stands for every world here.
+GPU_CALIBRATION = pathlib.Path(__file__).parent.parent / "docs" / "perf_model_calibration_h200.json"
+GPU_CODECS = calibration.load(GPU_CALIBRATION).codecs
+# The kernels alone: the packed-row stages at 1 GiB on that H200 (encode 611 GB/s of bytes read and
+# written, the sum of 8 ranks' rows 401 GB/s, decode 745 GB/s: about 20 ps an element together) and
+# five launches of 10 us a bucket: the codec were its driver's host time cut to its launches
+KERNELS_ONLY_CODEC = perf.Codec(fixed=50e-6, per_element=20e-12, device=True)
 # A step's compute on one H100 (bf16, mixed precision), forward + backward, two thirds backward:
 # ResNet-50 at 256 images a GPU and about 2,850 images/s (MLPerf-class); transformers at
 # 6 x parameters x tokens FLOPs and 400 TFLOP/s (40 % of the H100's dense bf16 peak).
@@ -42,7 +47,7 @@ WORKLOADS = {
     "transformer 7B": perf.Workload(7_000_000_000, 6 * 7e9 * 8_192 / TRANSFORMER_FLOPS),
 }
 PATHS = (perf.Path("float32", 32), perf.Path("bf16", 16), perf.Path("NCCL fp8", 8),
-         perf.Path("e4m3", 8, H100_CODEC), perf.Path("e3m0", 4, H100_CODEC))
+         perf.Path("e4m3", 8, GPU_CODECS["e4m3"]), perf.Path("e3m0", 4, GPU_CODECS["e3m0"]))
 DETTMERS_GPUS, DETTMERS_FP32_SPEEDUP = 96, 23
 BUCKET_CAPS_MB = (25, 100, 400)  # DDP's bucket_cap_mb: 25 by default
 
@@ -110,10 +115,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args()
-    table, slow = rows(), rows(PATHS[:2] + tuple(dataclasses.replace(p, codec=SLOW_CODEC) for p in PATHS[3:]))
+    table = rows()
+    kernels = rows(PATHS[:2] + tuple(dataclasses.replace(p, codec=KERNELS_ONLY_CODEC) for p in PATHS[3:]))
     print(markdown(table))
-    print("\nThe codec ten times slower (2.5 ms an exchange, 80 ps an element):\n")
-    print(markdown([r for r in slow if r["gpus"] != GPUS_PER_HOST]))
+    print("\nThe codec's kernels alone (50 us an exchange, 20 ps an element):\n")
+    print(markdown([r for r in kernels if r["gpus"] != GPUS_PER_HOST]))
     shape = dettmers()
     print(f"\n{DETTMERS_GPUS} GPUs, ResNet-50: float32 scales {shape['float32']:.0f}x at {shape['gbit']:.1f} Gbit/s a host; "
           + ", ".join(f"{name} {shape[name]:.0f}x" for name in ("bf16", "NCCL fp8", "e4m3", "e3m0")))
@@ -122,7 +128,7 @@ def main():
           + "; ".join(f"{key}: " + ", ".join(f"{name} {x:.2f}" for name, x in v.items()) for key, v in caps.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": table, "slow_codec_rows": slow, "dettmers": shape, "bucket_caps": caps}, f, indent=1)
+            json.dump({"rows": table, "kernels_only_rows": kernels, "dettmers": shape, "bucket_caps": caps}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -373,6 +373,7 @@ def test_at_scale_tables_and_the_dettmers_shape():
     shape = perf_at_scale.dettmers()
     assert shape["float32"] == pytest.approx(perf_at_scale.DETTMERS_FP32_SPEEDUP, rel=1e-3)
     assert shape["float32"] < shape["bf16"] < shape["NCCL fp8"] < shape["e3m0"] <= perf_at_scale.DETTMERS_GPUS
+    assert all(c.device for c in perf_at_scale.GPU_CODECS.values())  # the GPU calibration file, loaded
     rows = perf_at_scale.rows()
     assert len(rows) == len(perf_at_scale.WORKLOADS) * (1 + (len(perf_at_scale.GPU_COUNTS) - 1) * len(perf_at_scale.HOST_LINKS))
     for r in rows:
