@@ -73,7 +73,12 @@ def _device(device: str) -> tuple:
         return np, lambda: None
     if device != "cuda":
         raise ValueError(f"device is one of {DEVICES}, got {device!r}")
-    import cupy
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except (ImportError, RuntimeError) as e:  # CuPy's CUDARuntimeError is a RuntimeError
+        raise ValueError(f"calibrating on cuda needs CuPy and a CUDA device ({e}): pip install "
+                           f"'hvd_aps[cupy]' on a GPU machine, or calibrate on the cpu") from e
     return cupy, cupy.cuda.Device().synchronize
 
 
@@ -81,7 +86,7 @@ def device_name(device: str) -> str:
     """The processor the codec ran on, for the calibration file: the GPU's name, or "cpu"."""
     if device == "cpu":
         return "cpu"
-    import cupy
+    cupy, _ = _device(device)
     return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
 
 

@@ -2,6 +2,7 @@
 calibration's stand-in ranks (hvd_aps.calibration.Mirror) against the emulated exchange of real
 workers, bit for bit."""
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -222,6 +223,11 @@ def test_calibrate_and_plan_from_the_command_line(tmp_path):
     buckets = ((1 << 10, 1), (1 << 14, 1), (1 << 14, 4))
     saved = calibration.calibrate(["e4m3"], 2, buckets, repeats=1)
     assert saved["device"] == "cpu" and not saved["codecs"]["e4m3"]["device"] and saved["date"].startswith("20")
+    with pytest.raises(ValueError, match="device is one of"):
+        calibration.time_exchange("e4m3", 2, 1 << 10, 1, device="tpu")
+    if importlib.util.find_spec("cupy") is None:  # the CPU machines: a clear error, not an ImportError
+        with pytest.raises(ValueError, match="needs CuPy and a CUDA device"):
+            calibration.calibrate(["e4m3"], 2, buckets, repeats=1, device="cuda")
     calibration.save(saved, out)
     assert [r["elements"] for r in json.loads(out.read_text())["measured"]["e4m3"]] == [1 << 10, 1 << 14, 1 << 14]
     loaded = calibration.load(out)
