@@ -27,12 +27,16 @@ wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 
 run 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 run 20 $PY -c "import torch, cupy, numpy, ml_dtypes; print(torch.__version__, cupy.__version__, numpy.__version__, ml_dtypes.__version__)"
-# This copy installed without pip (whose build step would fetch its build dependencies): the C
-# engine built in place, ops/ seen as hvd_aps.ops as the wheel ships it, and the copy on the
-# interpreter's path for the processes torchrun starts (a .pth file, as an editable install writes).
-run 90 $PY setup.py -q build_ext --inplace
-[ -e hvd_aps/ops ] || ln -s ../ops hvd_aps/ops
-run 20 $PY -c "import site, sys; open(site.getsitepackages()[0] + '/hvd_aps_checkout.pth', 'w').write(sys.argv[1])" "$PWD"
+# This copy, installed (scripts/install.sh), is used as it is. Uninstalled (the GPU machine, where
+# pip's build step would fetch its build dependencies), it is installed without pip: the C engine
+# built in place, ops/ seen as hvd_aps.ops as the wheel ships it, and the copy on the interpreter's
+# path for the processes torchrun starts (a .pth file in its site-packages, as an editable install
+# writes).
+if ! (cd / && $PY -c "import sys, hvd_aps.ops; sys.exit(hvd_aps.__file__ != sys.argv[1])" "$PWD/hvd_aps/__init__.py") 2>/dev/null; then
+  run 90 $PY setup.py -q build_ext --inplace
+  [ -e hvd_aps/ops ] || ln -s ../ops hvd_aps/ops
+  run 20 $PY -c "import site, sys; open(site.getsitepackages()[0] + '/hvd_aps_checkout.pth', 'w').write(sys.argv[1])" "$PWD"
+fi
 if wanted tests; then
   run 240 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel_build.py --junitxml "$OUT/gpu-tests.xml"
 fi

@@ -30,8 +30,17 @@ def test_wheel_holds_the_kernel_sources_and_the_host_engine(tmp_path):
                     "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("hvd_aps-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "hvd_aps/ops/fpcodec.h" in names and "hvd_aps/ops/host.c" in names
+    assert {"hvd_aps/ops/__init__.py", "hvd_aps/ops/fpcodec.h", "hvd_aps/ops/host.c", "hvd_aps/ops/kernels.cu"} <= set(names)
     assert any(re.fullmatch(r"hvd_aps/_hostcodec\..*so", n) for n in names), names
+
+
+def test_the_installed_package_finds_the_kernel_sources(tmp_path):
+    """Where the CuPy engine reads kernels.cu (the package hvd_aps.ops), from outside the checkout
+    through the installer's editable install: a namespace package there was not found, so a GPU
+    machine installed by scripts/install.sh (the Docker image too) could not compile its kernels."""
+    code = "import importlib.resources as r; print((r.files('hvd_aps.ops') / 'kernels.cu').read_text().count('hvd_'))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0 and int(run.stdout) > 5, run.stderr
 
 
 def _build_horovod():
