@@ -35,7 +35,7 @@ GPU_CALIBRATION = pathlib.Path(__file__).parent.parent / "docs" / "perf_model_ca
 GPU_CODECS = calibration.load(GPU_CALIBRATION).codecs
 # The kernels alone: the packed-row stages at 1 GiB on that H200 (encode 611 GB/s of bytes read and
 # written, the sum of 8 ranks' rows 401 GB/s, decode 745 GB/s: about 20 ps an element together) and
-# five launches of 10 us a bucket: the codec were its driver's host time cut to its launches
+# five launches of 10 us a bucket: the codec as if its driver's host time were cut to its launches
 KERNELS_ONLY_CODEC = perf.Codec(fixed=50e-6, per_element=20e-12, device=True)
 # A step's compute on one H100 (bf16, mixed precision), forward + backward, two thirds backward:
 # ResNet-50 at 256 images a GPU and about 2,850 images/s (MLPerf-class); transformers at

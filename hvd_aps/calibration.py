@@ -78,7 +78,7 @@ def _device(device: str) -> tuple:
         cupy.cuda.runtime.getDeviceCount()
     except (ImportError, RuntimeError) as e:  # CuPy's CUDARuntimeError is a RuntimeError
         raise ValueError(f"calibrating on cuda needs CuPy and a CUDA device ({e}): pip install "
-                           f"'hvd_aps[cupy]' on a GPU machine, or calibrate on the cpu") from e
+                         f"'hvd_aps[cupy]' on a GPU machine, or calibrate on the cpu") from e
     return cupy, cupy.cuda.Device().synchronize
 
 

@@ -50,8 +50,9 @@ if wanted exchange; then
   run 90 $PY examples/benchmark_exchange.py --device cuda --model resnet50 --workers 8
 fi
 if wanted ncu && command -v ncu >/dev/null; then
-  run 90 ncu --target-processes all -k regex:hvd_ --launch-skip 6 --launch-count 4 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis \
+  # the packed-row kernels the exchange launches, at 64 MiB (benchmark_codec's packed-row stages)
+  run 90 ncu --target-processes all -k regex:"hvd_(encode_row|sum_rows|decode_row)" --launch-count 3 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section ComputeWorkloadAnalysis \
       $PY examples/benchmark_codec.py --device cuda --repeats 1
 fi
 if wanted sanitizer && command -v compute-sanitizer >/dev/null; then
