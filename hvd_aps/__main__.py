@@ -46,8 +46,8 @@ def probe_command(args):
 def calibrate_command(args):
     if args.links:
         return _calibrate_links(args.out)
-    engine = codec.engine_name() if args.device == "cpu" else "CuPy"
-    print(f"timing the codes exchange as rank 0 of {args.world} ranks ({engine} engine)...", file=sys.stderr)
+    print(f"timing the codes exchange as rank 0 of {args.world} ranks ({calibration.engine_name(args.device)} "
+          f"engine)...", file=sys.stderr)
     result = calibration.calibrate([str(f) for f in args.format], args.world, device=args.device)
     calibration.save(result, args.out)
     rows = [(fmt, f"{c['fixed'] * 1e3:.3f}", f"{c['per_tensor'] * 1e3:.3f}", f"{c['per_element'] * 1e9:.3f}")

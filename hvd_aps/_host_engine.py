@@ -178,11 +178,12 @@ def decode_table(fmt, shift):
 
 
 # A step decodes every piece at one of a few exponents (they follow the gradients' magnitudes):
-# tables made once, read-only, at most this many (for 16-bit formats 256 KiB each)
-_TABLES_KEPT = 128
+# tables made once, read-only, at most this many (for 16-bit formats 256 KiB each; the stats'
+# sample tables are bounded alike)
+TABLES_KEPT = 128
 
 
-@functools.lru_cache(maxsize=_TABLES_KEPT)
+@functools.lru_cache(maxsize=TABLES_KEPT)
 def _scaled_table(fmt, shift, divisor):
     """fmt's values at 2**-shift, divided by `divisor` in float32 (an average's N)."""
     table = np.empty(1 << fmt.bits, dtype=np.float32)
@@ -237,7 +238,7 @@ def sum_rows(rows, fmt, start, stop, shift, block, out=None):
 _RUN_TABLE_ELEMENTS = 1 << 14
 
 
-@functools.lru_cache(maxsize=_TABLES_KEPT)
+@functools.lru_cache(maxsize=TABLES_KEPT)
 def _run_tables(fmt, low, high, divisor):
     tables = np.stack([_scaled_table(fmt, s, divisor) for s in range(low, high + 1)])
     tables.flags.writeable = False

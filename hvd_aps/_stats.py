@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from . import _arrays, codec
+from . import _arrays, _host_engine, codec
 from ._schedule import NATIVE_BYTES
 
 STATS_SAMPLE = 1 << 12  # elements per tensor the stats look at by default
@@ -133,12 +133,8 @@ class StatsRecorder:
         return measure(xp, x.ravel()[::step], sent(step), limit, shift, x.size, carried, str(fmt))
 
 
-# Tables kept: a step's tensors take a few shifts each format, and a 16-bit format's table is
-# 256 KiB (the codec's host engine keeps as many of its own)
-_TABLES_KEPT = 128
-
-
-@functools.lru_cache(maxsize=_TABLES_KEPT)
+# a step's tensors take a few shifts each format: as many tables kept as the host engine keeps
+@functools.lru_cache(maxsize=_host_engine.TABLES_KEPT)
 def _values(fmt, shift: int, xp):
     """Every code's value in `fmt` at `shift` (codec.decode of them all), so a tensor's sample is
     looked up in one indexing instead of a decode of its own: a table per format and shift, as

@@ -82,6 +82,11 @@ def _device(device: str) -> tuple:
     return cupy, cupy.cuda.Device().synchronize
 
 
+def engine_name(device: str) -> str:
+    """The codec's engine on `device`: the CPU's (codec.engine_name()), or "cupy" on a GPU."""
+    return codec.engine_name() if device == "cpu" else "cupy"
+
+
 def device_name(device: str) -> str:
     """The processor the codec ran on, for the calibration file: the GPU's name, or "cpu"."""
     if device == "cpu":
@@ -198,7 +203,7 @@ def calibrate(formats: Sequence[str], world: int, buckets: Optional[Sequence] = 
         fitted, rows = fit_codec(fmt, world, buckets, repeats, device)
         codecs[fmt] = dataclasses.asdict(fitted)
         measured[fmt] = [{"elements": n, "tensors": t, "seconds": s} for n, t, s in rows]
-    return {"format": FORMAT, "engine": codec.engine_name() if device == "cpu" else "cupy",
+    return {"format": FORMAT, "engine": engine_name(device),
             "device": device_name(device), "date": time.strftime("%Y-%m-%d"), "world": world,
             "codecs": codecs, "measured": measured, "copy": time_copy(repeats=repeats)}
 
