@@ -19,7 +19,10 @@ FSDP2's codes take the codec's time alone). Every other row (16-bit and codes ro
 and every FSDP2 row, its float32 reduce-scatter included: hvd_aps.perf.fsdp_step_time, HSDP's too)
 is then predicted, not fitted. Horovod's codes paths are modelled with their chunks' codec and wire
 adding up (hvd_aps.perf.Path.pipelined=False: one collective at a time on Horovod's background
-thread), the DDP hook's overlapping. policy="auto" rows are left out (the model does not run the trials).
+thread), the DDP hook's overlapping. Each two-level row's host level is the one its tree ran (HOST_LEVELS:
+over TCP, or 6, 4 or 3 float32 passes through shared memory). policy="auto" rows are left out (the model
+does not run the trials). The last line is the rows' own spread: how far the invocations of a setting
+measured more than once lie from their median.
 The summary is given for every row and for the rows run with OpenMP's idle workers waiting passively
 (the row's omp_wait_policy, netns_cluster.py's default since 2026-11-24): in older rows spinning
 workers of one simulated host took the cores of another, which no cluster of separate machines sees.
@@ -48,6 +51,16 @@ PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments
     ("mlp", 16785408): dict(hidden=2048), ("mlp", 4198400): dict(hidden=1024), ("large", 16783360): {},
     ("resnet18", 11689512): dict(image_size=112), ("transformer", 18915328): dict(hidden=512, blocks=6),
     ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384)}
+# the host level of two levels as the tree that recorded a file ran it (by the commits that changed it;
+# every other file: the model's perf.HOST_COPIES, as the code now runs it): None over TCP on loopback
+# (process sets and Gloo subgroups, before d285d71 put it in shared memory), else its float32 passes an
+# element (6 until a647df1/d3ce2a2 read straight from the boxes, 4 until 977eaee stopped concatenating)
+TCP_HOST_LEVEL = None
+HOST_LEVELS = {**dict.fromkeys(("hosts2x2_mlp", "hosts2x4_mlp4m", "levels2x2_before_1", "levels2x2_before_2"),
+                               TCP_HOST_LEVEL),
+               **dict.fromkeys(("levels2x2_after_1", "levels2x2_after_2", "passive_mlp_2x2", "passive_large_2x4",
+                                "passive_mlp4m_2x4"), 6),
+               **dict.fromkeys((f"copies_large_2x{k}" for k in ("2_1", "2_2", "2_3", "4_1", "4_2")), 4)}
 LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
 TIMELINES = {}  # (profile, parameters) -> its gradients' timeline (gradient_timelines)
 PROCESSOR_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per element: the processor fits' grid
@@ -153,13 +166,17 @@ def workload(r):
 def cluster(r, link, copy, inside):
     """The row's cluster: two levels where hosts held several ranks and its bytes show them (8-bit
     codes: about 0.17x an fp32 ring's bytes on two levels, 0.29-0.42x flat), through host memory
-    at the calibrated `copy` rate (every rank runs on the CPU); `inside`: what the framework's
-    collectives among a host's ranks get (HSDP's all-gathers and reduce-scatters)."""
+    at the calibrated `copy` rate (every rank runs on the CPU) in as many passes as the row's tree
+    made, or over `inside` where that tree ran its host level over TCP (HOST_LEVELS); `inside`:
+    what the framework's collectives among a host's ranks get (HSDP's all-gathers and
+    reduce-scatters)."""
     n = r["hosts"] * r["ranks_per_host"]
     ring = r["params"] * perf.FLOAT32_BYTES * 2 * (n - 1) / n
+    passes = HOST_LEVELS.get(r["file"], perf.HOST_COPIES)
     # every rank of the netns cluster runs on this one machine, whose cores the calibration had
     return perf.Cluster(r["hosts"], link, r["ranks_per_host"], inside,
-                        hierarchical=r["tx_bytes_per_step"] < TWO_LEVEL_BYTES * ring, sharing=n, copy=copy)
+                        hierarchical=r["tx_bytes_per_step"] < TWO_LEVEL_BYTES * ring, sharing=n,
+                        copy=0.0 if passes is TCP_HOST_LEVEL else copy, host_copies=passes or 0)
 
 
 def predict(r, link, calibrated, cost=(0.0, 0.0), inside=perf.Link(*perf.LOOPBACK)):
@@ -261,6 +278,7 @@ def report(out):
     for title, rows in (("every row", out), ("rows run with OpenMP's passive wait", [o for o in out if o["passive"]])):
         if rows:
             print(f"{title}: {summary(rows)}")
+    print(f"the measurements' own spread: {spread(out)}")
 
 
 def summary(out):
@@ -272,10 +290,24 @@ def summary(out):
             if abs(a["measured"] / b["measured"] - 1) > 0.05:  # closer than the runs' spread: no order to check
                 pairs += 1
                 agree += (a["measured"] < b["measured"]) == (a["predicted"] < b["predicted"])
-    return (f"{len(errors)} predicted rows, median absolute error {statistics.median(errors):.0%}, "
+    return (f"{len(errors)} predicted rows, median absolute error {statistics.median(errors):.1%}, "
             f"90th percentile {errors[int(0.9 * (len(errors) - 1))]:.0%}, worst {errors[-1]:.0%}, "
             f"within 25 %: {sum(e <= 0.25 for e in errors)}/{len(errors)}; pairs of paths ordered as measured "
             f"(where they differ by > 5 %): {agree}/{pairs}")
+
+
+def spread(out):
+    """How far each invocation of a setting measured in several (one profile, hosts, ranks a host,
+    link and compression, in any file) lies from those invocations' median step: what the rows
+    themselves would miss a perfect model by. The invocations ran on different days and, some,
+    on different trees, so this bounds the machine's own spread from above."""
+    steps = {}
+    for o in out:
+        steps.setdefault(_setting(o)[1:] + (o["compression"],), []).append(o["measured"])
+    off = sorted(abs(m / statistics.median(ms) - 1) for ms in steps.values() if len(ms) > 1 for m in ms)
+    return (f"{len(off)} rows of {sum(len(ms) > 1 for ms in steps.values())} settings measured more than once, "
+            f"each from its setting's median: median {statistics.median(off):.1%}, 90th percentile "
+            f"{off[int(0.9 * (len(off) - 1))]:.0%}, past 25 %: {sum(d > 0.25 for d in off)}")
 
 
 def _setting(o):

@@ -16,7 +16,7 @@ them; `python -m hvd_aps calibrate` measures the codes exchange's own time, `Cod
 - Two levels (several hosts of several ranks): float32 reduce-scatter and allgather inside the
   host, codes between hosts on a 1/L slice a rank. Inside a GPU host that is a link (NVLink); on
   the CPU hvd_aps runs it through the host's shared memory, so it is processor time: the copies and
-  sums HOST_COPIES counts, at the host's calibrated copy rate (`Cluster.copy`).
+  sums HOST_COPIES counts (`Cluster.host_copies`), at the host's calibrated copy rate (`Cluster.copy`).
 - A framework's 16-bit allreduce on the CPU casts and sums 16-bit values on the processor: the
   path's `processor` cost per element its ring reduces (fitted per framework: on this project's
   cluster rows Horovod 0.28's float16 allreduce over Gloo costs far more than torch's). Gloo's
@@ -98,7 +98,9 @@ class Cluster:
     latency grows with log2 of the ranks, not with the ranks; `copy`: seconds per float32 element
     the host's processor copies through its memory (`python -m hvd_aps calibrate`, every core at
     once, so scaled by `sharing` as the codec is): where > 0, two levels run their host level
-    through that memory on the processor (hvd_aps on the CPU), where 0 over the `inside` link."""
+    through that memory on the processor (hvd_aps on the CPU), where 0 over the `inside` link;
+    `host_copies`: the float32 passes that host level makes per element of a rank's bucket
+    (HOST_COPIES: hvd_aps's now; earlier trees made more, and the model's check counts theirs)."""
     hosts: int
     between: Link
     ranks_per_host: int = 1
@@ -107,10 +109,12 @@ class Cluster:
     sharing: float = 1.0
     tree: bool = False
     copy: float = 0.0
+    host_copies: float = HOST_COPIES
 
     def __post_init__(self):
-        if self.hosts < 1 or self.ranks_per_host < 1 or self.sharing < 1 or self.copy < 0:
-            raise ValueError(f"a cluster needs hosts and ranks_per_host >= 1, sharing >= 1 and copy >= 0, got {self}")
+        if self.hosts < 1 or self.ranks_per_host < 1 or self.sharing < 1 or self.copy < 0 or self.host_copies < 0:
+            raise ValueError(f"a cluster needs hosts and ranks_per_host >= 1, sharing >= 1, copy >= 0 and "
+                             f"host_copies >= 0, got {self}")
 
     @property
     def world(self) -> int:
@@ -293,7 +297,7 @@ def processor_time(elements: int, path: Path, c: Cluster) -> float:
     job = path.processor * _codes_elements(elements, c) * c.sharing
     if not (c.two_levels and c.copy):
         return job
-    return job + (HOST_COPIES + 1 / c.ranks_per_host) * elements * c.copy * c.sharing
+    return job + (c.host_copies + 1 / c.ranks_per_host) * elements * c.copy * c.sharing
 
 
 def wire_time(elements: int, path: Path, c: Cluster) -> float:

@@ -111,6 +111,9 @@ def test_host_level_through_memory_and_a_16_bit_sum_take_the_processor():
     e4m3 = perf.Path("e4m3", 8, FREE)
     assert perf.exchange_time(n, e4m3, memory) == pytest.approx(2 * 1e-6 + passes + 6 * ALPHA + cross)
     assert perf.processor_time(n, e4m3, dataclasses.replace(memory, ranks_per_host=1)) == 0.0  # flat: no host level
+    # an earlier tree's host level, of 6 passes: what the check counts for the rows it recorded
+    assert perf.processor_time(n, e4m3, dataclasses.replace(memory, host_copies=6)) == pytest.approx(
+        (6 + 1 / 2) * n * copy * 4)
     half = perf.Path("fp16", 16, processor=3e-9)
     four = perf.Cluster(4, SLOW, sharing=2)
     summed = 3e-9 * 0.75 * n * 2
@@ -132,6 +135,8 @@ def test_host_level_through_memory_and_a_16_bit_sum_take_the_processor():
     assert perf.processor_time(n, in_job, four) == pytest.approx(2e-9 * n * 2)
     with pytest.raises(ValueError, match="copy >= 0"):
         perf.Cluster(2, SLOW, copy=-1.0)
+    with pytest.raises(ValueError, match="host_copies >= 0"):
+        perf.Cluster(2, SLOW, 2, host_copies=-1)
 
 
 def test_link_fit_recovers_the_alpha_and_beta_the_allreduce_times_came_from():
