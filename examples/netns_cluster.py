@@ -233,6 +233,16 @@ def peers(compression, results):
             min(own, key=lambda r: r["step_median"]) if own else None)
 
 
+def tree() -> str:
+    """The commit of the hvd_aps tree this run imports (PYTHONPATH may point at another checkout),
+    "+" where its files differ from it: which code a row measured, for the model's check."""
+    root = pathlib.Path(hvd_aps.__file__).resolve().parent.parent
+    git = ("git", "-c", "safe.directory=*", "-C", root)  # run as root in a checkout someone else owns
+    commit = sh(*git, "rev-parse", "--short", "HEAD", check=False).stdout.strip()
+    dirty = sh(*git, "status", "--porcelain", "--untracked-files=no", check=False).stdout.strip()
+    return (commit or "unknown") + ("+" if dirty else "")
+
+
 def rate_bytes(rate):
     return None if rate is None else perf.Link.parse(rate).bandwidth
 
@@ -245,12 +255,13 @@ def table(results, hosts, per_host, rate, args):
           f"(median of {args.repeats} alternating runs of {args.iters} steps; bytes: a host's tx counter per step)")
     print(f"{'compression':>18} {'step s':>8} {'x none':>7} {'x best':>7} {'floor s':>8} "
           f"{'x floor':>7} {'MB/step':>8} {'x none':>7}  schedule")
-    rows = []
+    rows, measured_tree = [], tree()
     for c, r in results.items():
         none, best = peers(c, results)
         floor = floor_seconds(r, c, hosts, per_host, link)
         row = dict(r, compression=c, rate=rate or "uncapped", hosts=hosts, ranks_per_host=per_host,
-                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY), floor_step=floor, step_ratio=r["step_median"] / none["step_median"] if none else None,
+                   tree=measured_tree, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY),
+                   floor_step=floor, step_ratio=r["step_median"] / none["step_median"] if none else None,
                    best_ratio=r["step_median"] / best["step_median"] if best else None,
                    bytes_ratio=r["tx_bytes_per_step"] / none["tx_bytes_per_step"] if none else None)
         rows.append(row)

@@ -39,6 +39,9 @@ def test_quick_cluster_run(tmp_path):
     assert rows["aps-e4m3"]["bytes_ratio"] <= 0.25 + overhead and rows["aps-e3m0"]["bytes_ratio"] <= 0.125 + overhead
     assert rows["ddp:aps-e4m3"]["bytes_ratio"] <= 0.25 + overhead
     assert rows["none"]["tx_bytes_per_step"] > 2 * 1e6  # ~4 MB of float32 gradients really crossed the link
+    head = subprocess.run(["git", "-C", str(SCRIPT.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert head and rows["none"]["tree"].rstrip("+") == head  # which code the row measured
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"hvdaps-{run.pid}-" not in left  # everything it made is gone
 
