@@ -258,7 +258,7 @@ def main():
     out = []
     for r in rows:
         predicted = predict(r, links[r["rate"]], calibrated, costs[processor_key(r)], inside)
-        out.append({k: r[k] for k in ("file", "profile", "hosts", "ranks_per_host", "rate", "compression")}
+        out.append({k: r[k] for k in ("file", "profile", "params", "hosts", "ranks_per_host", "rate", "compression")}
                    | {"measured": r["step_median"], "predicted": predicted, "error": predicted / r["step_median"] - 1,
                       "fitted": fitted(r), "passive": r.get("omp_wait_policy", "").upper() == "PASSIVE"})
     report(out)
@@ -298,13 +298,13 @@ def summary(out):
 
 
 def spread(out):
-    """How far each invocation of a setting measured in several (one profile, hosts, ranks a host,
-    link and compression, in any file) lies from those invocations' median step: what the rows
+    """How far each invocation of a setting measured in several (one profile and size, hosts, ranks
+    a host, link and compression, in any file) lies from those invocations' median step: what the rows
     themselves would miss a perfect model by. The invocations ran on different days and, some,
     on different trees, so this bounds the machine's own spread from above."""
     steps = {}
     for o in out:
-        steps.setdefault(_setting(o)[1:] + (o["compression"],), []).append(o["measured"])
+        steps.setdefault(_setting(o)[1:] + (o["params"], o["compression"]), []).append(o["measured"])
     off = sorted(abs(m / statistics.median(ms) - 1) for ms in steps.values() if len(ms) > 1 for m in ms)
     return (f"{len(off)} rows of {sum(len(ms) > 1 for ms in steps.values())} settings measured more than once, "
             f"each from its setting's median: median {statistics.median(off):.1%}, 90th percentile "
