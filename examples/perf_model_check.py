@@ -52,15 +52,17 @@ PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments
     ("resnet18", 11689512): dict(image_size=112), ("transformer", 18915328): dict(hidden=512, blocks=6),
     ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384)}
 # the host level of two levels as the tree that recorded a file ran it (by the commits that changed it;
-# every other file: the model's perf.HOST_COPIES, as the code now runs it): TCP, over TCP on loopback
-# (process sets and Gloo subgroups, before d285d71 put it in shared memory), else its float32 passes an
-# element (6 until a647df1/d3ce2a2 read straight from the boxes, 4 until 977eaee stopped concatenating)
-TCP = "over TCP"
+# every other file: the model's perf.HOST_COPIES, as the code now runs it), as the Cluster's keywords:
+# over TCP on loopback (process sets and Gloo subgroups, before d285d71 put it in shared memory: no
+# copy rate, so over the `inside` link), else its float32 passes an element (6 until a647df1/d3ce2a2
+# read straight from the boxes, 4 until 977eaee stopped concatenating)
+OVER_TCP = {"copy": 0.0}
 HOST_LEVELS = {**dict.fromkeys(("hosts2x2_mlp", "hosts2x4_mlp4m", "levels2x2_before_1", "levels2x2_before_2"),
-                               TCP),
+                               OVER_TCP),
                **dict.fromkeys(("levels2x2_after_1", "levels2x2_after_2", "passive_mlp_2x2", "passive_large_2x4",
-                                "passive_mlp4m_2x4"), 6),
-               **dict.fromkeys((f"copies_large_2x{k}" for k in ("2_1", "2_2", "2_3", "4_1", "4_2")), 4)}
+                                "passive_mlp4m_2x4"), {"host_copies": 6}),
+               **dict.fromkeys((f"copies_large_2x{k}" for k in ("2_1", "2_2", "2_3", "4_1", "4_2")),
+                               {"host_copies": 4})}
 LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
 TIMELINES = {}  # (profile, parameters) -> its gradients' timeline (gradient_timelines)
 PROCESSOR_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per element: the processor fits' grid
@@ -172,12 +174,10 @@ def cluster(r, link, copy, inside):
     reduce-scatters)."""
     n = r["hosts"] * r["ranks_per_host"]
     ring = r["params"] * perf.FLOAT32_BYTES * 2 * (n - 1) / n
-    host_level = HOST_LEVELS.get(r["file"], perf.HOST_COPIES)
     # every rank of the netns cluster runs on this one machine, whose cores the calibration had
     return perf.Cluster(r["hosts"], link, r["ranks_per_host"], inside,
                         hierarchical=r["tx_bytes_per_step"] < TWO_LEVEL_BYTES * ring, sharing=n,
-                        copy=0.0 if host_level == TCP else copy,
-                        host_copies=perf.HOST_COPIES if host_level == TCP else host_level)
+                        **{"copy": copy, **HOST_LEVELS.get(r["file"], {})})
 
 
 def predict(r, link, calibrated, cost=(0.0, 0.0), inside=perf.Link(*perf.LOOPBACK)):
