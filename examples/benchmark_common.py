@@ -34,7 +34,7 @@ def codec_gbps(params):
     return 4 * params / statistics.median(timed(lambda: hvd_aps.quantize(flat, "e4m3"), 3)) / 1e9
 
 
-PROFILES = ("mlp", "large", "resnet50", "resnet18", "transformer", "lm")  # see synthetic_models.py
+PROFILES = ("mlp", "large", "resnet50", "tensors", "resnet18", "transformer", "lm")  # see synthetic_models.py
 
 
 # warm-up steps at most while a compressor's schedule is still being chosen: the chunking's exchanges
@@ -148,6 +148,8 @@ def add_arguments(parser):
     parser.add_argument("--hidden", type=int, default=2048,
                         help="mlp: 4 x hidden^2 parameters (2048: 16.8M); transformer: the width")
     parser.add_argument("--blocks", type=int, default=6, help="transformer: blocks")
+    parser.add_argument("--tensors", type=int, default=300, help="tensors: how many")
+    parser.add_argument("--tensor-elements", type=int, default=20_000, help="tensors: elements in each")
     parser.add_argument("--vocab", type=int, default=16384, help="lm: tokens in the embedding and the LM head")
     parser.add_argument("--image-size", type=int, default=112, help="resnet18: square images of this side")
     parser.add_argument("--threads", type=int, default=0,

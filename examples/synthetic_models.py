@@ -15,7 +15,10 @@ Communication-bound (little compute):
   large: two 8.4M-parameter Linear layers (2048 -> 4096 -> 2048), a few huge tensors;
   resnet50: ResNet-50's 161 parameter tensors (25.6M parameters), most of them small, so
     per-tensor costs show; its compute is an elementwise product of every parameter with a fixed
-    tensor of its shape, so every gradient is ready at once.
+    tensor of its shape, so every gradient is ready at once;
+  tensors: --tensors vectors of --tensor-elements each (default 300 x 20000: 6M parameters, as
+    many tensors as a ResNet-50 or a BERT has), with resnet50's compute: what the exchange costs
+    per tensor shows against the same elements in fewer tensors.
 No weights or data are downloaded: inputs are random, seeded alike on every rank.
 """
 import statistics
@@ -136,6 +139,8 @@ def model(profile, args):
         return Transformer(hidden, args.blocks), (SEQUENCE, hidden), (SEQUENCE, hidden)
     if profile == "lm":
         return LanguageModel(args.vocab, hidden, args.blocks), (SEQUENCE,), (SEQUENCE,)
+    if profile == "tensors":
+        return Shaped([(args.tensor_elements,)] * args.tensors), (1,), (1,)
     return Shaped(resnet50_shapes()), (1,), (1,)
 
 

@@ -120,3 +120,55 @@ def _amax_from_bits(result):
     """The host's float32 maxima from a kernel's max of |x| bits: +inf for any NaN/Inf."""
     bits = result.get()
     return np.where(bits >= 0x7F800000, np.float32(np.inf), bits.view(np.float32)).astype(np.float32)
+
+
+# Block tables (hvd_aps._tables): one launch per stage, one thread block per table row ----------
+@functools.lru_cache(maxsize=1024)
+def _rows(blocks):
+    """A table's rows on the device, copied once per table (tables are made once per layout)."""
+    return cupy.asarray(blocks.rows)
+
+
+def _launch_rows(name, blocks, *args):
+    _module().get_function(name)((blocks.count,), (_THREADS,), args)
+
+
+def table_amax(x, blocks):
+    peaks = cupy.zeros(blocks.count, cupy.uint32)
+    if blocks.count:
+        _launch_rows("hvd_table_amax", blocks, x, _rows(blocks), peaks)
+    return _amax_from_bits(peaks)
+
+
+def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual=None):
+    if blocks.count:
+        stochastic = rounding == "stochastic"
+        _launch_rows("hvd_table_encode", blocks, x, _rows(blocks), message, *_fmt_args(fmt), np.int32(saturate),
+                     cupy.asarray(shifts, cupy.int32), np.int32(stochastic),
+                     cupy.asarray(seeds, cupy.uint64) if stochastic else cupy.zeros(1, cupy.uint64),
+                     residual if residual is not None else np.uint64(0))
+    return message
+
+
+def table_sum(rows, fmt, blocks, shifts, out):
+    peaks = cupy.zeros(blocks.count, cupy.uint32)
+    if blocks.count:
+        _launch_rows("hvd_table_sum", blocks, rows, np.int64(rows.strides[0]), np.int32(rows.shape[0]), _rows(blocks),
+                     out, *_fmt_args(fmt), cupy.asarray(shifts, cupy.int32), peaks)
+    return _amax_from_bits(peaks)
+
+
+def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), stream=False):
+    if blocks.count:
+        _launch_rows("hvd_table_decode", blocks, message, _rows(blocks), out, *_fmt_args(fmt),
+                     cupy.asarray(shifts, cupy.int32), np.float32(divisor))
+    return out
+
+
+def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
+    sums = cupy.zeros((blocks.count, 6), cupy.float64)
+    if blocks.count:
+        _launch_rows("hvd_table_stats", blocks, x, message, _rows(blocks), cupy.asarray(first, cupy.int64),
+                     cupy.asarray(step, cupy.int64), *_fmt_args(fmt), cupy.asarray(shifts, cupy.int32),
+                     cupy.asarray(limits, cupy.float32), sums)
+    return sums

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import functools
 import importlib.machinery
+import math
 import os
 import pathlib
 import threading
@@ -64,6 +65,13 @@ def _load():
     lib.hvd_decode_row_blocks.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, ptr, i32]
     lib.hvd_amax_blocks.argtypes = [ptr, i64, i64, ptr]
     for name in ("hvd_encode_row_blocks", "hvd_sum_rows_blocks", "hvd_decode_row_blocks", "hvd_amax_blocks"):
+        getattr(lib, name).restype = None
+    lib.hvd_table_amax.argtypes = [ptr, ptr, i64, i64, ptr]
+    lib.hvd_table_encode.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, _Fmt, ptr, i32, ptr, ptr, ptr, ptr]
+    lib.hvd_table_sum.argtypes = [ptr, i64, i32, i32, ptr, i64, i64, ptr, ptr, ptr, ptr]
+    lib.hvd_table_decode.argtypes = [ptr, i32, ptr, i64, i64, ptr, ptr, ptr, i32]
+    lib.hvd_table_stats.argtypes = [ptr, ptr, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    for name in ("hvd_table_amax", "hvd_table_encode", "hvd_table_sum", "hvd_table_decode", "hvd_table_stats"):
         getattr(lib, name).restype = None
     lib.hvd_store_release.argtypes, lib.hvd_store_release.restype = [ptr, i64], None
     lib.hvd_load_acquire.argtypes, lib.hvd_load_acquire.restype = [ptr], i64
@@ -245,21 +253,98 @@ def _run_tables(fmt, low, high, divisor):
     return tables
 
 
-def decode_row(row, fmt, start, stop, shifts, block, out=None, divisor=np.float32(1), stream=False):
-    """The tables of the blocks' exponents (_run_tables), each divided by `divisor` as the values
-    are."""
-    out = np.empty(stop - start, np.float32) if out is None else out
+def _tables_for(fmt, shifts, divisor=1.0) -> tuple:
+    """(tables, which): one decode table per exponent the blocks take (_run_tables over their
+    run, else one per distinct exponent), each divided by `divisor` as the values are, and the
+    int32 index of every block's table."""
     low, high = int(shifts.min()), int(shifts.max())
     if (high - low + 1) << fmt.bits <= _RUN_TABLE_ELEMENTS:
         tables, which = _run_tables(fmt, low, high, float(divisor)), shifts - np.int32(low)
     else:
         distinct, which = np.unique(shifts, return_inverse=True)
         tables = np.stack([_scaled_table(fmt, int(s), float(divisor)) for s in distinct])
-    which = np.ascontiguousarray(which, dtype=np.int32)
+    return tables, np.ascontiguousarray(which, dtype=np.int32)
+
+
+def decode_row(row, fmt, start, stop, shifts, block, out=None, divisor=np.float32(1), stream=False):
+    out = np.empty(stop - start, np.float32) if out is None else out
+    tables, which = _tables_for(fmt, shifts, divisor)
     rp, op, tp, wp = row.ctypes.data, out.ctypes.data, tables.ctypes.data, which.ctypes.data
     _run(lambda lo, hi: _lib.hvd_decode_row_blocks(rp, fmt.bits, start + lo, start + hi, lo, block, op + 4 * lo, tp,
                                                    wp, int(stream)), stop - start)
     return out
+
+
+# Block tables (hvd_aps._tables): one call per stage of a bucket, threads sharing its blocks ----------
+def _run_table(fn, blocks, period=1):
+    """fn(b0, o0, b1, o1) over shares of the table's blocks, in parallel where it pays (period:
+    Blocks.cuts')."""
+    width = _width()
+    if _pool is None or width == 1 or blocks.elements < 2 * _MIN_CHUNK:
+        return [fn(0, 0, blocks.count, 0)] if blocks.count else []
+    return list(_pool.map(lambda share: fn(*share[0], *share[1]), blocks.cuts(width, period)))
+
+
+def table_amax(x, blocks):
+    peaks = np.empty(blocks.count, np.float32)
+    xp, tp, pp = x.ctypes.data, blocks.rows.ctypes.data, peaks.ctypes.data
+    _run_table(lambda b0, o0, b1, o1: _lib.hvd_table_amax(xp, tp, b0, b1, pp), blocks)
+    return peaks
+
+
+def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual=None):
+    shifts = np.ascontiguousarray(shifts, np.int32)
+    stochastic = int(rounding == "stochastic")
+    seeds = np.ascontiguousarray(seeds, np.uint64) if stochastic else None
+    tables, which = _tables_for(fmt, shifts) if residual is not None and blocks.count else (None, None)
+    args = (message.ctypes.data, _c_fmt(fmt, saturate), shifts.ctypes.data, stochastic,
+            None if seeds is None else seeds.ctypes.data, None if residual is None else residual.ctypes.data,
+            None if tables is None else tables.ctypes.data, None if which is None else which.ctypes.data)
+    xp, tp = x.ctypes.data, blocks.rows.ctypes.data
+    # threads' shares start where a packed stream's byte does: codes per byte-aligned group
+    _run_table(lambda b0, o0, b1, o1: _lib.hvd_table_encode(xp, tp, b0, o0, b1, o1, *args), blocks,
+               8 // math.gcd(8, fmt.bits))
+    return message
+
+
+def table_sum(rows, fmt, blocks, shifts, out):
+    peaks = np.empty(blocks.count, np.float32)
+    if not blocks.count:
+        return peaks
+    tables, which = _tables_for(fmt, np.asarray(shifts, np.int32))
+    rp, stride, ranks = rows.ctypes.data, rows.strides[0], rows.shape[0]
+    tp, op, tabp, wp, pp = (blocks.rows.ctypes.data, out.ctypes.data, tables.ctypes.data, which.ctypes.data,
+                            peaks.ctypes.data)
+    _run_table(lambda b0, o0, b1, o1: _lib.hvd_table_sum(rp, stride, ranks, fmt.bits, tp, b0, b1, op, tabp, wp, pp),
+               blocks)
+    return peaks
+
+
+def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), stream=False):
+    if not blocks.count:
+        return out
+    tables, which = _tables_for(fmt, np.asarray(shifts, np.int32), divisor)
+    mp, tp, op, tabp, wp = (message.ctypes.data, blocks.rows.ctypes.data, out.ctypes.data, tables.ctypes.data,
+                            which.ctypes.data)
+    _run_table(lambda b0, o0, b1, o1: _lib.hvd_table_decode(mp, fmt.bits, tp, b0, b1, op, tabp, wp, int(stream)),
+               blocks)
+    return out
+
+
+STATS_COLUMNS = 6  # ops/host.c's HVD_STATS: samples, nonzero, nonzero sent, saturated, error^2, input^2
+
+
+def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
+    sums = np.zeros((blocks.count, STATS_COLUMNS), np.float64)
+    if not blocks.count:
+        return sums
+    tables, which = _tables_for(fmt, np.asarray(shifts, np.int32))
+    first, step = np.ascontiguousarray(first, np.int64), np.ascontiguousarray(step, np.int64)
+    limits = np.ascontiguousarray(limits, np.float32)
+    ptrs = [a.ctypes.data for a in (x, message)], [a.ctypes.data for a in (first, step, tables, which, limits, sums)]
+    tp = blocks.rows.ctypes.data
+    _run_table(lambda b0, o0, b1, o1: _lib.hvd_table_stats(*ptrs[0], fmt.bits, tp, b0, b1, *ptrs[1]), blocks)
+    return sums
 
 
 def pack(codes, bits):

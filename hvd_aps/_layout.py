@@ -114,10 +114,11 @@ def buckets(sizes: list, bucket_bytes: int, min_elements: int) -> tuple:
     return [g for g in groups if g], [i for i in range(len(sizes)) if sizes[i] < min_elements]
 
 
-def slices(sizes: list, parts: int) -> list:
+@functools.lru_cache(maxsize=256)
+def slices(sizes: tuple, parts: int) -> tuple:
     """A bucket of tensors of `sizes` cut into `parts` slices on block boundaries (two levels:
-    one slice per local rank): per slice, its segments."""
+    one slice per local rank) -> (the parts + 1 flat cuts, per slice its segments)."""
     whole = layout(tuple(Segment(t, 0, n) for t, n in enumerate(sizes)), 1)
-    cuts = whole.cut(0, whole.total, parts)
-    return [tuple(Segment(p.tensor, p.start, p.start + p.hi - p.lo) for p in whole.pieces(int(a), int(b)))
-            for a, b in zip(cuts[:-1], cuts[1:])]
+    cuts = [int(c) for c in whole.cut(0, whole.total, parts)]
+    return cuts, [tuple(Segment(p.tensor, p.start, p.start + p.hi - p.lo) for p in whole.pieces(a, b))
+                  for a, b in zip(cuts[:-1], cuts[1:])]

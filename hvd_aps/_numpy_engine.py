@@ -17,10 +17,14 @@ def _mix64(z):
 
 def random32(seed, start, n):
     """The 32 random bits ops/fpcodec.h's hvd_random32 draws for flat indices start..start+n-1."""
-    mixed = int(_mix64(np.array([seed & _MASK64], dtype=_U64))[0])
-    index = np.arange(start + 1, start + n + 1, dtype=_U64)
+    return random32_at(np.array([seed & _MASK64], dtype=_U64), np.arange(start, start + n, dtype=np.int64))
+
+
+def random32_at(seeds, index):
+    """hvd_random32 of (seeds[i], index[i]) for every i (seeds broadcast)."""
     with np.errstate(over="ignore"):
-        z = _U64(mixed) + index * _U64(0x9E3779B97F4A7C15)
+        z = _mix64(np.asarray(seeds, _U64)) + (np.asarray(index, np.int64).astype(_U64) + _U64(1)) * _U64(
+            0x9E3779B97F4A7C15)
         return (_mix64(z) >> _U64(32)).astype(np.uint32)
 
 
@@ -45,7 +49,8 @@ def _special_codes(a, sign, fmt):
 
 def encode(x, fmt, shift, rounding, seed, saturate, out=None, index=0):
     """Codes of x * 2**shift (x float32, any shape): uint32, or written into `out`. index: the
-    stochastic hash's index of x's first element."""
+    stochastic hash's index of x's first element, or an array of every element's (seed then
+    broadcasts with it, one per element or one for all)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     sign, a = u >> np.uint32(31), u & np.uint32(0x7FFFFFFF)
     e32 = (a >> np.uint32(23)).astype(np.int64)
@@ -62,7 +67,8 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None, index=0):
     q = sig >> drop
     rem = sig - (q << drop)
     if rounding == "stochastic":
-        rnd = random32(seed, index, u.size).reshape(u.shape).astype(np.int64)
+        rnd = (random32_at(seed, index) if np.ndim(index) else random32(seed, index, u.size)).reshape(u.shape)
+        rnd = rnd.astype(np.int64)
         threshold = np.where(drop <= 32, rem << np.maximum(32 - drop, 0), rem >> np.maximum(drop - 32, 0))
         up = rnd < threshold
     else:
@@ -188,3 +194,103 @@ def unpack(packed, bits, n, dtype):
     planes = np.zeros((n, dtype.itemsize * 8), np.uint8)
     planes[:, :bits] = np.unpackbits(packed, bitorder="little")[: n * bits].reshape(n, bits)
     return np.packbits(planes, axis=1, bitorder="little").view(dtype).ravel()
+
+
+# Block tables (hvd_aps._tables): every block's elements at once -----------------------------------
+def _elements(blocks):
+    """(block of every element, its offset in the block) over the table's blocks in order."""
+    counts = blocks.rows[:, 1]
+    block = np.repeat(np.arange(blocks.count), counts)
+    return block, np.arange(blocks.elements) - blocks.starts[:-1][block]
+
+
+def _bit_positions(blocks, bits, block, within):
+    return blocks.rows[block, 2] * 8 + (blocks.rows[block, 3] + within) * bits
+
+
+def _codes_at_bits(message, bits, where):
+    """The `bits`-bit codes starting at bit positions `where` of a byte array."""
+    byte = where >> 3
+    word = np.zeros(where.shape, np.uint32)
+    for k in range(3):  # bytes past the end only hold bits the mask drops
+        word |= message[np.minimum(byte + k, message.size - 1)].astype(np.uint32) << np.uint32(8 * k)
+    return (word >> (where & 7).astype(np.uint32)) & np.uint32((1 << bits) - 1)
+
+
+def _values(fmt, codes, shifts, divisor=np.float32(1)):
+    """Each code's value at its own exponent, divided by divisor in float32 as the tables are."""
+    out = np.empty(codes.shape, np.float32)
+    for shift in np.unique(shifts):
+        chosen = shifts == shift
+        out[chosen] = (decode_table(fmt, int(shift)) / np.float32(divisor))[codes[chosen]]
+    return out
+
+
+def _block_peaks(values, blocks):
+    """max |v| of each block's run of `values` (the blocks' elements in order), +inf for NaN/Inf."""
+    with np.errstate(invalid="ignore"):
+        peaks = np.maximum.reduceat(np.abs(values), blocks.starts[:-1]) if blocks.count else values[:0]
+    return np.where(np.isfinite(peaks), peaks, np.inf).astype(np.float32)
+
+
+def table_amax(x, blocks):
+    block, within = _elements(blocks)
+    return _block_peaks(x[blocks.rows[block, 0] + within], blocks)
+
+
+def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual=None):
+    """Every block's codes placed bit by bit into its stream (the other bits of the bytes they
+    touch kept)."""
+    block, within = _elements(blocks)
+    src = blocks.rows[block, 0] + within
+    shifts_each = np.asarray(shifts, np.int64)[block]
+    seed_each = np.asarray(seeds, _U64)[block] if rounding == "stochastic" else 0
+    codes = encode(x[src], fmt, shifts_each, rounding, seed_each, saturate, index=blocks.rows[block, 4] + within)
+    where = _bit_positions(blocks, fmt.bits, block, within)
+    if fmt.bits == 8:
+        message[where >> 3] = codes
+    elif codes.size:
+        stream = np.unpackbits(message, bitorder="little")
+        for k in range(fmt.bits):
+            stream[where + k] = (codes >> np.uint32(k)) & np.uint32(1)
+        message[...] = np.packbits(stream, bitorder="little")
+    if residual is not None:
+        residual[src] = x[src] - _values(fmt, codes, shifts_each)
+    return message
+
+
+def table_sum(rows, fmt, blocks, shifts, out):
+    """Each rank's codes decoded at its block's exponent, added in rank order from +0.0."""
+    block, within = _elements(blocks)
+    shifts_each = np.asarray(shifts, np.int64)[block]
+    where = _bit_positions(blocks, fmt.bits, block, within)
+    total = np.zeros(blocks.elements, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf sums: the host's alike
+        for row in rows:
+            total += _values(fmt, _codes_at_bits(np.ascontiguousarray(row), fmt.bits, where), shifts_each)
+    out[blocks.rows[block, 0] + within] = total
+    return _block_peaks(total, blocks)
+
+
+def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), stream=False):
+    block, within = _elements(blocks)
+    codes = _codes_at_bits(message, fmt.bits, _bit_positions(blocks, fmt.bits, block, within))
+    out[blocks.rows[block, 0] + within] = _values(fmt, codes, np.asarray(shifts, np.int64)[block], divisor)
+    return out
+
+
+def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
+    """Per block: samples, nonzero inputs, nonzero values sent, inputs beyond the limit, and the
+    float64 sums of (sent - input)^2 and input^2 over its elements first, first + step, ..."""
+    counts = blocks.rows[:, 1]
+    taken = np.maximum(0, -(-(counts - first) // step))
+    block = np.repeat(np.arange(blocks.count), taken)
+    within = first[block] + (np.arange(block.size) - np.concatenate([[0], np.cumsum(taken)])[:-1][block]) * step[block]
+    v = x[blocks.rows[block, 0] + within]
+    codes = _codes_at_bits(message, fmt.bits, _bit_positions(blocks, fmt.bits, block, within))
+    sent = _values(fmt, codes, np.asarray(shifts, np.int64)[block])
+    limit = np.asarray(limits, np.float32)[block]
+    diff = sent.astype(np.float64) - v.astype(np.float64)
+    columns = [np.ones(v.size), v != 0, sent != 0, (v > limit) | (v < -limit), diff * diff,
+               v.astype(np.float64) ** 2]
+    return np.stack([np.bincount(block, weights=c, minlength=blocks.count) for c in columns], axis=1)

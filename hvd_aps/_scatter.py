@@ -7,10 +7,12 @@ reduce-scatter knows no tensor boundaries (FSDP hands it one flat buffer per mod
 per block follows the gradients' magnitudes at least as closely as one per tensor would.
 
 1. metadata: the max |g| of every (row, block), hybrid errors, the signature;   Max-allreduce
-2. agree: shifts and formats per block; consecutive blocks of one format and shift form runs;
-3. begin: row r's runs encoded straight into rank r's part of the message;      alltoall
-4. reduce: this rank's row summed from the N received copies in rank order in float32, run by
-   run in one pass over the packed bytes, divided by N for an average (one float32 rounding).
+2. agree: shifts and formats per block; each lane's blocks laid out per row (a table of blocks,
+   hvd_aps._tables, made with NumPy from the agreed formats: no loop over blocks in Python);
+3. begin: every row's blocks encoded straight into its owner's part of the message, one engine
+   call per lane;                                                                alltoall
+4. reduce: this rank's row summed from the N received copies in rank order in float32, one
+   engine call per lane over the packed bytes, divided by N for an average (one float32 rounding).
 A rank sends (N-1)/N of its codes once: half an allreduce's traffic and codec work. A block that
 held NaN/Inf on any rank is left out of the codes and comes back NaN to its owner.
 """
@@ -18,27 +20,23 @@ import dataclasses
 
 import numpy as np
 
-from . import _arrays, _metadata, codec
+from . import _arrays, _metadata, _tables, codec
 from ._layout import BLOCK
-from ._stages import corrected, formats_and_shifts, hybrid_error, keep_residual
+from ._stages import corrected, formats_and_shifts, hybrid_error, limits
 from ._state import SEND
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """Blocks of one row that travel alike: elements lo..hi of the row, in `fmt` at `shift`."""
-    lane: int
-    lo: int
-    hi: int
-    shift: int
+from ._stats import BucketStats
 
 
 @dataclasses.dataclass
 class ScatterAgreement:
     name: str
     rows: object        # (world, n) float32: what is encoded (with error feedback: + residual)
-    runs: list          # per row: its Runs, in order
-    lane_bytes: list    # per row: per lane, packed bytes
+    shifts: np.ndarray  # per (row, block)
+    send: list          # per lane: the Blocks every row's blocks of that lane are encoded by
+    mine: list          # per lane: this rank's row's blocks, as its received part holds them
+    lane_bytes: np.ndarray  # (world, lanes) packed bytes
+    carried: np.ndarray     # per row: packed bytes of its codes, run by run
+    last: list          # per row: (format, shift) of its last block sent, as the stats name it
     fallback: np.ndarray  # this rank's row: blocks NaN on every rank
     divisor: float
     seed: object
@@ -75,75 +73,113 @@ class ScatterExchange:
     def agree(self, name: str, agreed, rows, divisor: float) -> ScatterAgreement:
         n = rows.shape[1]
         sizes = self._sizes(n)
-        amaxes, errors, timing = _metadata.read(self.config, agreed, sizes,
-                                                [f"{name}[block {k}]" for k in range(len(sizes))], self.world)
+        amaxes, errors, timing = _metadata.read(self.config, agreed, sizes, _BlockLabels(name, len(sizes)),
+                                                self.world)
         self.state.ran_on(self.world)
         self.state.schedule.agreed(name, timing)
         finite, wide, shifts = formats_and_shifts(self.config, amaxes, errors, self.world)
         per_row = self._blocks(n)
-        runs = [self._runs(n, finite[r * per_row:(r + 1) * per_row], wide[r * per_row:(r + 1) * per_row],
-                           shifts[r * per_row:(r + 1) * per_row]) for r in range(self.world)]
-        lane_bytes = [[codec.packed_size(sum(u.hi - u.lo for u in row if u.lane == k), fmt)
-                       for k, fmt in enumerate(self.fmts)] for row in runs]
+        counts = np.asarray(sizes, np.int64)
+        lane = np.where(finite, wide.astype(np.int64), -1)
+        row = np.repeat(np.arange(self.world), per_row)
+        block = np.arange(row.size)  # blocks are named by their place among every row's: (row, block)
+        start = np.tile(np.arange(per_row, dtype=np.int64) * BLOCK, self.world)
+        taken = [np.where(lane == k, counts, 0).reshape(self.world, per_row) for k in range(len(self.fmts))]
+        lane_bytes = np.array([[codec.packed_size(int(t[r].sum()), fmt) for t, fmt in zip(taken, self.fmts)]
+                               for r in range(self.world)], np.int64).reshape(self.world, len(self.fmts))
+        at = np.concatenate([[0], np.cumsum(lane_bytes.ravel())])
+        send, mine = [], []
+        for k, t in enumerate(taken):
+            pos = (np.cumsum(t, axis=1) - t).ravel()  # each block's place in its row's part of lane k
+            sel = lane == k
+            base = at[row * len(self.fmts) + k]
+            send.append(_tables.Blocks.of(row[sel] * n + start[sel], counts[sel], base[sel], pos[sel],
+                                          row[sel] * n + start[sel], block[sel], row[sel]))
+            me = sel & (row == self.rank)
+            mine.append(_tables.Blocks.of(start[me], counts[me], int(lane_bytes[self.rank, :k].sum()), pos[me],
+                                          start[me], block[me], row[me]))
         seed = self.state.seed_for(self.rank, name, SEND) if self.config.rounding == "stochastic" else None
-        return ScatterAgreement(name, rows, runs, lane_bytes, ~finite[self.rank * per_row:(self.rank + 1) * per_row],
+        return ScatterAgreement(name, rows, shifts, send, mine, lane_bytes, self._carried(lane, shifts, counts, row),
+                                self._last(lane, shifts, row), ~finite[self.rank * per_row:(self.rank + 1) * per_row],
                                 divisor, seed)
 
-    @staticmethod
-    def _runs(n, finite, wide, shifts) -> list:
-        runs = []
-        for j in np.flatnonzero(finite):
-            lo, hi, lane = int(j) * BLOCK, min(n, (int(j) + 1) * BLOCK), int(wide[j])
-            last = runs[-1] if runs else None
-            if last is not None and last.hi == lo and last.lane == lane and last.shift == shifts[j]:
-                runs[-1] = Run(lane, last.lo, hi, last.shift)
-            else:
-                runs.append(Run(lane, lo, hi, int(shifts[j])))
-        return runs
+    def _carried(self, lane, shifts, counts, row) -> np.ndarray:
+        """Per row, the packed bytes of its runs (consecutive finite blocks of one lane and shift):
+        what the stats call carried."""
+        sent = np.flatnonzero(lane >= 0)
+        if not sent.size:
+            return np.zeros(self.world, np.int64)
+        same = (np.diff(sent) == 1) & (np.diff(lane[sent]) == 0) & (np.diff(shifts[sent]) == 0) & (
+            np.diff(row[sent]) == 0)
+        first = np.flatnonzero(np.concatenate([[True], ~same]))
+        elements = np.add.reduceat(counts[sent], first)
+        bits = np.array([fmt.bits for fmt in self.fmts])[lane[sent][first]]
+        return np.bincount(row[sent][first], weights=-(-elements * bits // 8), minlength=self.world).astype(np.int64)
+
+    def _last(self, lane, shifts, row) -> list:
+        """Per row, (format, shift) of its last block in the last lane that sent any: the fields
+        a row's stats take from its last run."""
+        out = []
+        for r in range(self.world):
+            last = None
+            for k, fmt in enumerate(self.fmts):
+                chosen = np.flatnonzero((lane == k) & (row == r))
+                last = (str(fmt), int(shifts[chosen[-1]])) if chosen.size else last
+            out.append(last)
+        return out
 
     def begin(self, a: ScatterAgreement) -> tuple:
-        """Every row's runs encoded into its owner's part -> (bytes to alltoall, bytes per rank)."""
+        """Every row's blocks encoded into its owner's part -> (bytes to alltoall, bytes per rank)."""
         xp, n = _arrays.array_module(a.rows), a.rows.shape[1]
-        splits = [sum(lanes) for lanes in a.lane_bytes]
+        splits = [int(s) for s in a.lane_bytes.sum(axis=1)]
         message = self.state.buffers.get((a.name, "send"), sum(splits), np.uint8, xp)
-        residual = (self.state.next_residual((a.name, SEND, 0), a.rows.size, xp).reshape(a.rows.shape)
+        ends = np.cumsum(a.lane_bytes.ravel())[a.lane_bytes.ravel() > 0] - 1
+        message[ends] = 0  # a reused buffer's unused high bits
+        residual = (self.state.next_residual((a.name, SEND, 0), a.rows.size, xp)
                     if self.config.error_feedback else None)
         if residual is not None:
             residual.fill(0)  # blocks left out (NaN/Inf) restart from zero
-        at = 0
-        for r in range(self.world):
-            stats = None
-            for k, fmt in enumerate(self.fmts):
-                segment = message[at:at + a.lane_bytes[r][k]]
-                if segment.size:
-                    segment[-1] = 0  # a reused buffer's unused high bits
-                pos = 0
-                for run in (u for u in a.runs[r] if u.lane == k):
-                    x = a.rows[r, run.lo:run.hi]
-                    codec.encode_into(x, fmt, segment, pos, self.config.rounding, a.seed, self.config.saturate,
-                                      run.shift, r * n + run.lo)
-                    if residual is not None:
-                        keep_residual(residual[r, run.lo:run.hi], x, segment, pos, run.shift, fmt)
-                    measured = self.stats.of_codes(x, segment, pos, run.shift, fmt, a.rows.shape[1], run.lo)
-                    stats = measured if stats is None else stats + measured if measured else stats
-                    pos += x.size
-                at += a.lane_bytes[r][k]
-            self.stats.record(f"{a.name}[{r}]", stats)
+        flat, engine = a.rows.reshape(-1), codec.engine_for(a.rows)
+        sums = np.zeros((self.world, 6))
+        step = _arrays.sample_stride(n, self.stats.sample)  # a row's sample: its elements 0, step, 2 step, ...
+        for send, fmt in zip(a.send, self.fmts):
+            if not send.count:
+                continue
+            shifts = a.shifts[send.tensor]
+            engine.table_encode(flat, fmt, send, shifts, self.config.rounding,
+                                None if a.seed is None else np.full(send.count, a.seed, np.uint64),
+                                self.config.saturate, message, residual)
+            if self.stats.enabled:
+                first = (-(send.rows[:, _tables.INDEX] - send.segment * n)) % step
+                block_sums = _arrays.to_numpy(engine.table_stats(flat, message, fmt, send, shifts, first,
+                                                                 np.full(send.count, step), limits(fmt, shifts)))
+                sums += np.stack([np.bincount(send.segment, weights=block_sums[:, j], minlength=self.world)
+                                  for j in range(block_sums.shape[1])], axis=1)
+        self._record(a, step, sums)
         self.stats.record_sent(sum(splits) - splits[self.rank])
         return message, splits
 
+    def _record(self, a: ScatterAgreement, step: int, sums: np.ndarray) -> None:
+        """Each row's stats, where it sent any codes (a row all NaN/Inf records nothing)."""
+        sent = [r for r in range(self.world) if a.last[r] is not None]
+        if not self.stats.enabled or not sent:
+            return
+        elements = sum(np.bincount(send.segment, weights=send.rows[:, _tables.COUNT], minlength=self.world)
+                       for send in a.send)[sent].astype(np.int64)
+        stats = BucketStats.of_sums([f"{a.name}[{r}]" for r in sent], [a.last[r][0] for r in sent],
+                                    [a.last[r][1] for r in sent], elements, np.full(len(sent), float(step)),
+                                    sums[sent], a.carried[sent], np.ones(len(sent), bool))
+        for i, r in enumerate(sent):
+            self.stats.record(f"{a.name}[{r}]", stats.row(i))
+
     def reduce(self, a: ScatterAgreement, received, out) -> object:
         """The N received copies of this rank's row -> their float32 sum (divided by `divisor`) in `out`."""
-        rows = received.reshape(self.world, sum(a.lane_bytes[self.rank]))
+        rows = received.reshape(self.world, int(a.lane_bytes[self.rank].sum()))
         out.fill(np.nan)  # what stays: the blocks left out
-        at = 0
-        for k, fmt in enumerate(self.fmts):
-            pos = 0
-            for run in (u for u in a.runs[self.rank] if u.lane == k):
-                codec.decode_sum_rows(rows[:, at:at + a.lane_bytes[self.rank][k]], fmt, pos, pos + run.hi - run.lo,
-                                      run.shift, out=out[run.lo:run.hi])
-                pos += run.hi - run.lo
-            at += a.lane_bytes[self.rank][k]
+        engine = codec.engine_for(received)
+        for mine, fmt in zip(a.mine, self.fmts):
+            if mine.count:
+                engine.table_sum(rows, fmt, mine, a.shifts[mine.tensor], out)
         if a.divisor != 1:
             out /= np.float32(a.divisor)
         self.state.exchanged([a.name])
@@ -153,3 +189,16 @@ class ScatterExchange:
         if not self.config.error_feedback:
             return rows
         return corrected(self.state, (name, "corrected"), (name, SEND, 0), rows.reshape(-1)).reshape(rows.shape)
+
+
+class _BlockLabels:
+    """The labels _metadata.read names blocks by in its errors, made only when one is named."""
+
+    def __init__(self, name: str, count: int):
+        self.name, self.count = name, count
+
+    def __getitem__(self, k: int) -> str:
+        return f"{self.name}[block {k}]"
+
+    def __len__(self) -> int:
+        return self.count

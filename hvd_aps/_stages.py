@@ -14,73 +14,125 @@ be, with collectives that only move bytes (hvd_aps._layout has the geometry):
    into the allgather message (the exponents follow the codes);
 4. finish: every rank decodes every owner's range into the results, divided by N for an average.
 
-Each rank sends about 2 (N-1)/N x (bits/8) bytes per element: 4x less than fp32, 8x for 4-bit
-formats. Every rank decodes the same gathered bytes alike, so results are identical everywhere,
-and the same whatever the chunking. Tensors whose agreed max is not finite are left out of the
-codes (`Agreement.fallback`) and come back NaN on every rank, so a NaN/Inf anywhere shows
-everywhere (a GradScaler skips the step) at no extra collective.
+The bucket is one flat float32 array (its tensors, or with two levels this local rank's slice of
+them, end to end) and every stage is one engine call per lane over a table of its blocks
+(hvd_aps._tables), made once per bucket layout and kept in the Bucket: the cost of a stage does
+not grow with the number of tensors. Each rank sends about 2 (N-1)/N x (bits/8) bytes per
+element: 4x less than fp32, 8x for 4-bit formats. Every rank decodes the same gathered bytes
+alike, so results are identical everywhere, and the same whatever the chunking. Tensors whose
+agreed max is not finite are left out of the codes (`Agreement.fallback`) and come back NaN on
+every rank, so a NaN/Inf anywhere shows everywhere (a GradScaler skips the step) at no extra
+collective.
 """
+import collections
 import dataclasses
+import functools
 import threading
 from typing import Optional
 
 import numpy as np
 
-from . import _arrays, _layout, _metadata, codec, scaling
-from ._layout import BLOCK, Segment
+from . import _arrays, _layout, _metadata, _tables, codec, scaling
+from ._layout import Segment
 from ._state import OWNER, SEND
+from ._stats import BucketStats
 
 _SHIFT = np.dtype("<i2")  # re-encode exponents on the wire
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # ranges are summed in float32: no x N headroom needed
 HYBRID_SAMPLE = 4096  # elements per tensor the hybrid policy's error estimate looks at
-# Buckets whose results are larger than this are decoded past the caches (codec.decode_row's
+# Buckets whose results are larger than this are decoded past the caches (the host engine's
 # stream): they would leave a typical last-level cache before the optimizer reads them anyway.
 STREAM_BYTES = 32 << 20
+# Plans a bucket keeps: one per (lanes, chunk count, group); hybrid precision's choices and the
+# schedule's trials move between a few
+PLANS_KEPT = 8
+BUCKETS_KEPT = 1024  # Bucket.whole's: every bucket a job exchanges, each step the same object
+_cache_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """What is exchanged: tensors of `sizes` (`keys`: stable names, equal on every rank, for
     residuals and stochastic rounding; `labels` for stats and errors) of which this rank holds
-    `segments` (whole tensors, or with two levels its local slice of them)."""
+    `segments` (whole tensors, or with two levels its local slice of them), end to end in one
+    flat array. `cache` keeps what is derived from the layout (tables, plans) between steps."""
     name: str
     keys: tuple
     labels: tuple
     sizes: tuple
     segments: tuple
+    cache: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def whole(cls, name: str, keys, labels, sizes) -> "Bucket":
-        return cls(name, tuple(keys), tuple(labels), tuple(sizes), tuple(Segment(t, 0, n) for t, n in enumerate(sizes)))
+        """Every tensor whole (kept: the same arguments give the same Bucket, and its tables)."""
+        return _whole(name, tuple(keys), tuple(labels), tuple(int(n) for n in sizes))
+
+    def kept(self, key, make):
+        """cache[key], made by make() the first time."""
+        value = self.cache.get(key)
+        if value is None:
+            value = make()
+            with _cache_lock:
+                value = self.cache.setdefault(key, value)
+        return value
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Where each tensor starts in the flat bucket, and its end."""
+        return self.kept("offsets", lambda: np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64))
+
+    def split(self, flat) -> list:
+        """The flat bucket's tensors, as views."""
+        cuts = self.offsets
+        return [flat[a:b] for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())]
+
+    def held(self) -> "_tables.Held":
+        return self.kept("held", lambda: _tables.held(self.segments))
+
+    def part(self, segments: tuple) -> "Bucket":
+        """This bucket's tensors of which this rank holds `segments` (kept)."""
+        return self.kept(("part", segments), lambda: Bucket(self.name, self.keys, self.labels, self.sizes, segments))
 
 
-@dataclasses.dataclass
-class Lane:
-    """The segments of a bucket that travel in one format (hybrid precision: a narrow and a wide
-    lane), their layout among the ranks and its chunks."""
-    fmt: object
-    index: list       # the bucket's segment index of each of the lane's segments
-    layout: object    # _layout.Layout
-    chunks: list      # per chunk, per owner: its flat range
-    owned: dict       # lane segment -> (tensor start, size) of this rank's share of it
+@functools.lru_cache(maxsize=BUCKETS_KEPT)
+def _whole(name, keys, labels, sizes) -> Bucket:
+    return Bucket(name, keys, labels, sizes, tuple(Segment(t, 0, n) for t, n in enumerate(sizes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The tables of one exchange layout: per lane its format, held segments, Layout and this
+    rank's shares (for owner residuals), per chunk its ChunkPlan, and the stats' sampling."""
+    fmts: list
+    lanes: list       # per lane: held segment indices
+    layouts: list
+    chunks: list      # per chunk: _tables.ChunkPlan
+    shards: list      # per lane: this rank's shard (lo, hi)
+    owned: list       # per lane: (tensor, start, size) of each share in the shard, in order
+    owner_keys: list  # per lane: those shares' residual keys
+    samples: list     # per chunk, per lane: (first, step) of every send block's stats sample
+    carried: np.ndarray  # per held segment: packed bytes its codes take in the alltoall
 
 
 @dataclasses.dataclass
 class Agreement:
     """What the metadata allreduce settled for one exchange of a bucket, alike on every rank."""
     bucket: Bucket
-    data: list          # per segment: what is encoded (with error feedback: gradient + residual)
-    outs: list          # per segment: where its results go
+    plan: Plan
+    data: object        # flat: what is encoded (with error feedback: gradient + residual)
+    out: object         # flat: where the results go
     shifts: np.ndarray  # per tensor, for the format it travels in
-    fallback: list      # segments of tensors with a NaN/Inf somewhere: NaN on every rank
-    lanes: list
+    fallback: np.ndarray  # held segments of tensors with a NaN/Inf somewhere: NaN on every rank
     count: int          # chunks
     divisor: float      # N for an average, 1 for a sum
-    seeds: dict         # tensor -> stochastic rounding seed of this rank's encode
-    encoded: list       # per segment: elements encoded so far (stats are recorded when all are)
-    padded: bool        # every owner's reduced message padded to the longest
+    seeds: Optional[np.ndarray]        # per tensor: stochastic rounding's seed of this rank's encode
+    owner_seeds: Optional[np.ndarray]  # per tensor: the shard owner's re-encode seed
+    residual: object    # error feedback: where this step's send residuals go (flat like data), else None
+    owner_residuals: list  # error feedback: per lane, where this step's owner residuals go (this rank's shard)
     lanes_of: tuple     # per tensor: its lane, -1 in the fallback (alike on every rank)
-    stats: dict = dataclasses.field(default_factory=dict)
+    sums: Optional[np.ndarray] = None  # the stats' sample sums per held segment
+    committed: Optional[list] = None   # error feedback: per lane, the committed owner residuals (read at reduce)
     bytes_sent: int = 0
     lock: object = dataclasses.field(default_factory=threading.Lock)  # graph stages may run at once
 
@@ -121,6 +173,11 @@ def hybrid_error(config, x, amax: float, world: int, stride: int = 1) -> float:
     return float(xp.minimum(error, 1).mean())
 
 
+def limits(fmt, shifts) -> np.ndarray:
+    """The largest magnitude `fmt` carries at each exponent, as float32 (the stats' saturation)."""
+    return np.ldexp(np.float64(fmt.max), -np.asarray(shifts, np.int64)).astype(np.float32)
+
+
 class CodesExchange:
     """The stages of a bucket's exchange for one rank of the codes group (`world` ranks; with two
     levels, one per host). Collaborators: the frozen config, the ExchangeState (residuals, step
@@ -132,51 +189,76 @@ class CodesExchange:
         self.fmts = [config.fmt] + ([config.hybrid] if config.hybrid is not None else [])
 
     # 1. metadata ----------------------------------------------------------------------------------
-    def metadata(self, bucket: Bucket, data: list) -> tuple:
+    def metadata(self, bucket: Bucket, data) -> tuple:
         """(vector to Max-allreduce, what begin() will encode): every tensor's max |g| (with error
-        feedback of gradient + residual) over this rank's segments, sizes, hybrid errors, timing."""
+        feedback of gradient + residual) over this rank's segments, sizes, hybrid errors, timing.
+        `data`: the held segments end to end, one flat float32 array."""
         data = self._corrected(bucket, data)
-        count = len(bucket.sizes)
-        amaxes, errors = np.zeros(count), np.zeros(count)
-        for seg, x in zip(bucket.segments, data):
-            peak = codec.amax(x)
-            amaxes[seg.tensor] = max(amaxes[seg.tensor], peak)
-            if self.config.hybrid is not None:
-                errors[seg.tensor] = max(errors[seg.tensor], self._sampled_error(x, peak))
+        held = bucket.held()
+        peaks = _tables.segment_max(_arrays.to_numpy(codec.engine_for(data).table_amax(data, held.blocks)), held)
+        amaxes, errors = np.zeros(len(bucket.sizes)), np.zeros(len(bucket.sizes))
+        amaxes[held.tensor] = peaks
+        if self.config.hybrid is not None:
+            for k, (tensor, a, b) in enumerate(zip(held.tensor, held.offsets[:-1], held.offsets[1:])):
+                errors[tensor] = self._sampled_error(data[a:b], peaks[k])
         vector = _metadata.vector(self.config, amaxes, bucket.sizes, errors if self.config.hybrid is not None else (),
                                   self.state.schedule.entries(bucket.name), self.state.resumed_world)
         return vector, data
 
     # 2. agreement ---------------------------------------------------------------------------------
-    def agree(self, bucket: Bucket, agreed, data: list, outs, divisor: float, xp, candidate: int,
+    def agree(self, bucket: Bucket, agreed, data, out, divisor: float, xp, candidate: int,
               padded: bool = True, chunked: Optional[int] = None) -> Agreement:
         """The metadata allreduce's result -> the exchange's Agreement: every tensor's format and
-        shift, the lanes and their chunks for `candidate` (chunk bytes), the result arrays
-        (`outs`, else reused buffers), NaN-filled already for the tensors in the fallback.
+        shift, the plan of its lanes and chunks for `candidate` (chunk bytes), the result array
+        (`out`, else a reused buffer), NaN-filled already for the tensors in the fallback.
         padded: the allgather needs messages of equal sizes. chunked: the elements the chunk count
         is cut from, where other groups must cut as many (default: the finite ones held here)."""
         amaxes, errors = self.check(bucket, agreed)
         finite, wide, shifts = formats_and_shifts(self.config, amaxes, errors, self.world)
-        if outs is None:
-            outs = [self.state.buffers.result((bucket.name, k), seg.size, xp) for k, seg in enumerate(bucket.segments)]
-        fallback = [k for k, seg in enumerate(bucket.segments) if not finite[seg.tensor]]
+        held = bucket.held()
+        if out is None:
+            out = self.state.buffers.result((bucket.name, "out"), int(held.offsets[-1]), xp)
+        fallback = np.flatnonzero(~finite[held.tensor])
         for k in fallback:
-            outs[k].fill(np.nan)
-        total = sum(seg.size for seg in bucket.segments if finite[seg.tensor]) if chunked is None else chunked
+            out[held.offsets[k]:held.offsets[k + 1]].fill(np.nan)
+        sizes = np.diff(held.offsets)
+        total = int(sizes[finite[held.tensor]].sum()) if chunked is None else chunked
         count = max(1, -(-total // (candidate // 4))) if candidate > 0 else 1
-        lanes = [self._lane(fmt, bucket, [finite[s.tensor] and wide[s.tensor] == bool(n) for s in bucket.segments],
-                            count) for n, fmt in enumerate(self.fmts)]
-        seeds = {t: self.state.seed_for(self.global_rank, bucket.keys[t], SEND) for t in range(len(amaxes))
-                 } if self.config.rounding == "stochastic" else {}
-        lanes_of = tuple(int(w) if f else -1 for f, w in zip(finite, wide))
-        return Agreement(bucket, data, outs, shifts, fallback, lanes, count, divisor, seeds,
-                         [0] * len(bucket.segments), padded, lanes_of)
+        lanes_of = np.where(finite, wide.astype(np.int64), -1)
+        plan = self._plan(bucket, lanes_of[held.tensor], count, padded)
+        stochastic = self.config.rounding == "stochastic"
+        a = Agreement(bucket, plan, data, out, shifts, fallback, count, divisor,
+                      self._seeds(bucket, self.global_rank, SEND) if stochastic else None,
+                      self._seeds(bucket, -1, OWNER) if stochastic else None, None, [], tuple(lanes_of.tolist()))
+        if self.config.error_feedback:
+            self._feedback(a, xp)
+        if self.stats.enabled:
+            a.sums = np.zeros((len(held.tensor), 6))
+        return a
+
+    def _seeds(self, bucket: Bucket, rank: int, side: str) -> np.ndarray:
+        return np.array([self.state.seed_for(rank, key, side) for key in bucket.keys], np.uint64)
+
+    def _feedback(self, a: Agreement, xp) -> None:
+        """Error feedback: where this step's send residuals go (the fallback's restart from zero),
+        and per lane where its owner residuals go."""
+        keys, sizes = self._send_keys(a.bucket)
+        a.residual = self.state.next_residuals((a.bucket.name, SEND), keys, sizes, xp)
+        held = a.bucket.held()
+        for k in a.fallback:
+            a.residual[held.offsets[k]:held.offsets[k + 1]] = 0
+        for n, (keys, owned) in enumerate(zip(a.plan.owner_keys, a.plan.owned)):
+            a.owner_residuals.append(self.state.next_residuals((a.bucket.name, OWNER, n), keys,
+                                                               [size for _, _, size in owned], xp))
+
+    def _send_keys(self, bucket: Bucket) -> tuple:
+        return bucket.kept("send keys", lambda: (tuple((bucket.keys[s.tensor], SEND, s.start) for s in bucket.segments),
+                                                 [s.size for s in bucket.segments]))
 
     def owned(self, a: Agreement) -> list:
         """(tensor, start, size) of every share this rank owns and re-encodes: where its owner
         residuals lie."""
-        return [(a.bucket.segments[lane.index[k]].tensor, start, size)
-                for lane in a.lanes for k, (start, size) in lane.owned.items()]
+        return [share for owned in a.plan.owned for share in owned]
 
     def check(self, bucket: Bucket, agreed) -> tuple:
         """The metadata allreduce's result checked (every rank configured alike, with the same
@@ -186,187 +268,187 @@ class CodesExchange:
         self.state.schedule.agreed(bucket.name, timing)
         return amaxes, errors
 
-    def _lane(self, fmt, bucket, chosen, count) -> Lane:
-        index = [k for k, c in enumerate(chosen) if c]
-        layout = _layout.layout(tuple(bucket.segments[k] for k in index), self.world)
-        mine = layout.pieces(int(layout.shards[self.rank]), int(layout.shards[self.rank + 1]))
-        return Lane(fmt, index, layout, layout.chunk(count), {p.segment: (p.start, p.hi - p.lo) for p in mine})
+    def _plan(self, bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool) -> Plan:
+        """The Plan for these lanes (each held segment's lane, -1: left out), kept in the bucket."""
+        key = ("plan", segment_lanes.tobytes(), count, padded, self.world, self.rank, tuple(map(str, self.fmts)),
+               self.stats.sample)
+        plans = bucket.kept("plans", collections.OrderedDict)
+        plan = plans.get(key)
+        if plan is None:
+            plan = self._make_plan(bucket, segment_lanes, count, padded)
+            with _cache_lock:
+                plans[key] = plan
+                while len(plans) > PLANS_KEPT:
+                    plans.popitem(last=False)
+        return plan
+
+    def _make_plan(self, bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool) -> Plan:
+        held = bucket.held()
+        lanes = [tuple(np.flatnonzero(segment_lanes == n).tolist()) for n in range(len(self.fmts))]
+        layouts = [_layout.layout(tuple(bucket.segments[k] for k in lane), self.world) for lane in lanes]
+        chunks = _tables.chunk_plans(lanes, self.fmts, layouts, [lay.chunk(count) for lay in layouts],
+                                     bucket.segments, held.offsets, self.world, self.rank, padded)
+        shards, owned = [], []
+        for lane, lay in zip(lanes, layouts):
+            lo, hi = int(lay.shards[self.rank]), int(lay.shards[self.rank + 1])
+            shards.append((lo, hi))
+            owned.append([(bucket.segments[lane[p.segment]].tensor, p.start, p.hi - p.lo) for p in lay.pieces(lo, hi)])
+        owner_keys = [tuple((bucket.keys[t], OWNER, start) for t, start, _ in shares) for shares in owned]
+        seg_start = np.array([s.start for s in bucket.segments], np.int64)
+        steps = np.array([_arrays.sample_stride(s.size, self.stats.sample) for s in bucket.segments], np.int64)
+        samples = [[self._sampling(lc.send, seg_start, steps) for lc in chunk.lanes] for chunk in chunks]
+        return Plan(self.fmts, lanes, layouts, chunks, shards, owned, owner_keys, samples,
+                    self._carried(chunks, len(bucket.segments)))
+
+    @staticmethod
+    def _sampling(send: "_tables.Blocks", seg_start: np.ndarray, steps: np.ndarray) -> tuple:
+        """(first, step) per block: the stats sample every segment's elements 0, step, 2 step, ..."""
+        step = steps[send.segment]
+        return (-(send.rows[:, _tables.INDEX] - seg_start[send.segment])) % step, step
+
+    def _carried(self, chunks: list, segments: int) -> np.ndarray:
+        """Per held segment, the packed bytes of its pieces in every destination's part."""
+        carried = np.zeros(segments, np.int64)
+        for chunk in chunks:
+            for lc, fmt in zip(chunk.lanes, self.fmts):
+                send = lc.send
+                if not send.count:
+                    continue
+                parts = np.unique(np.stack([send.rows[:, _tables.BASE], send.segment], axis=1), axis=0,
+                                  return_inverse=True)[1].ravel()
+                counts = np.bincount(parts, weights=send.rows[:, _tables.COUNT]).astype(np.int64)
+                owner_segment = np.zeros(len(counts), np.int64)
+                owner_segment[parts] = send.segment
+                np.add.at(carried, owner_segment, -(-counts * fmt.bits // 8))
+        return carried
 
     # 3. begin: encode -----------------------------------------------------------------------------
     def begin(self, a: Agreement, chunk: int) -> tuple:
         """Encode chunk `chunk` -> (bytes to alltoall, bytes per destination rank)."""
-        if chunk == 0:
-            self._leave_out(a)
-        sizes = [codec.packed_size(hi - lo, lane.fmt) for r in range(self.world) for lane in a.lanes
-                 for lo, hi in [lane.chunks[chunk][r]]]
-        xp = _arrays.array_module(a.outs[0]) if a.outs else np
-        message = self.state.buffers.get((a.bucket.name, "send", chunk), sum(sizes), np.uint8, xp)
-        at = np.cumsum([0] + sizes)
-        for r in range(self.world):
-            for n, lane in enumerate(a.lanes):
-                part = r * len(a.lanes) + n
-                lo, hi = lane.chunks[chunk][r]
-                row = _fresh_row(message[at[part]:at[part + 1]], hi - lo, lane.fmt)
-                for p in lane.layout.pieces(lo, hi):
-                    self._encode_piece(a, lane, p, row, p.lo - lo)
-        splits = [int(at[(r + 1) * len(a.lanes)] - at[r * len(a.lanes)]) for r in range(self.world)]
+        plan = a.plan.chunks[chunk]
+        xp = _xp(a.out)
+        message = self.state.buffers.get((a.bucket.name, "send", chunk), plan.send_bytes, np.uint8, xp)
+        if plan.clear_send.size:  # a reused buffer would send last step's bits in a stream's unused high bits
+            message[plan.clear_send] = 0
+        engine = codec.engine_for(a.data)
+        for n, (lc, fmt) in enumerate(zip(plan.lanes, a.plan.fmts)):
+            send = lc.send
+            if not send.count:
+                continue
+            shifts = a.shifts[send.tensor]
+            engine.table_encode(a.data, fmt, send, shifts, self.config.rounding,
+                                None if a.seeds is None else a.seeds[send.tensor], self.config.saturate, message,
+                                a.residual)
+            if a.sums is not None:
+                first, step = a.plan.samples[chunk][n]
+                sums = engine.table_stats(a.data, message, fmt, send, shifts, first, step, limits(fmt, shifts))
+                self._add_sums(a, send.segment, _arrays.to_numpy(sums))
         with a.lock:
-            a.bytes_sent += sum(splits) - splits[self.rank]
-        return message, splits
+            a.bytes_sent += sum(plan.splits) - plan.splits[self.rank]
+        return message, plan.splits
 
-    def _encode_piece(self, a: Agreement, lane: Lane, p, row, pos: int) -> None:
-        k = lane.index[p.segment]
-        seg, x = a.bucket.segments[k], a.data[lane.index[p.segment]]
-        piece = x[p.start - seg.start:p.start - seg.start + p.hi - p.lo]
-        shift = int(a.shifts[p.tensor])
-        self._encode(piece, row, pos, shift, lane.fmt, a.seeds.get(p.tensor), p.start)
-        if self.config.error_feedback:
-            residual = self.state.next_residual((a.bucket.keys[p.tensor], SEND, seg.start), seg.size, _xp(x))
-            keep_residual(residual[p.start - seg.start:p.start - seg.start + piece.size], piece, row, pos, shift,
-                          lane.fmt)
-        self._record(a, k, piece, row, pos, shift, lane.fmt, p.start - seg.start)
-
-    def _leave_out(self, a: Agreement) -> None:
-        """The fallback's segments: stats say NaN/Inf, their residuals restart from zero."""
-        for k in a.fallback:
-            seg = a.bucket.segments[k]
-            if self.config.error_feedback:
-                self.state.next_residual((a.bucket.keys[seg.tensor], SEND, seg.start), seg.size, _xp(a.outs[k])).fill(0)
-            self._record(a, k, a.data[k], None, 0, 0, self.fmts[0])
+    @staticmethod
+    def _add_sums(a: Agreement, segment: np.ndarray, sums: np.ndarray) -> None:
+        per_segment = np.stack([np.bincount(segment, weights=sums[:, j], minlength=len(a.sums))
+                                for j in range(sums.shape[1])], axis=1)
+        with a.lock:
+            a.sums += per_segment
 
     # 4. reduce: sum and re-encode this rank's range ---------------------------------------------
     def reduce(self, a: Agreement, chunk: int, received) -> object:
         """The N packed copies of this rank's range of a chunk -> its reduced, re-encoded range
         (bytes to allgather, padded to every owner's longest message alike)."""
-        xp = _arrays.array_module(received)
-        sizes = [codec.packed_size(hi - lo, lane.fmt) for lane in a.lanes for lo, hi in [lane.chunks[chunk][self.rank]]]
-        received = received.reshape(self.world, sum(sizes))
-        lens = self._message_lens(a, chunk, self.rank)
-        message = self.state.buffers.get((a.bucket.name, "reduced", chunk), sum(lens), np.uint8, xp)
-        at = 0
-        for n, (lane, size, start) in enumerate(zip(a.lanes, sizes, np.cumsum([0] + lens[:-1]))):
-            self._reduce_lane(a, chunk, lane, n, received[:, at:at + size], message[start:start + lens[n]], xp)
-            at += size
+        plan = a.plan.chunks[chunk]
+        xp = _xp(received)
+        rows = received.reshape(self.world, plan.row_bytes)
+        message = self.state.buffers.get((a.bucket.name, "reduced", chunk), plan.reduced_bytes, np.uint8, xp)
+        if plan.clear_reduced.size:  # unused high bits of the last code byte, and the padding
+            message[plan.clear_reduced] = 0
+        engine = codec.engine_for(received)
+        for n, (lc, fmt) in enumerate(zip(plan.lanes, a.plan.fmts)):
+            lo, hi = lc.range
+            if hi == lo:
+                continue
+            total = self.state.buffers.get((a.bucket.name, "sum", n, chunk), hi - lo, np.float32, xp)
+            peaks = engine.table_sum(rows, fmt, lc.reduce, a.shifts[lc.reduce.tensor], total)
+            residual = self._owner_residual(a, n, lo, hi)
+            if residual is not None:  # the owner's re-encode loses bits too
+                total += residual[0]
+                peaks = engine.table_amax(total, lc.reduce)
+            peaks = _arrays.to_numpy(peaks)
+            shifts = (scaling.shifts_for(peaks, 1, fmt) if self.config.scaling == "aps"
+                      else np.zeros(peaks.size, np.int64))
+            engine.table_encode(total, fmt, lc.reencode, shifts, self.config.rounding,
+                                None if a.owner_seeds is None else a.owner_seeds[lc.reencode.tensor],
+                                self.config.saturate, message, None if residual is None else residual[1])
+            exponents = shifts.astype(_SHIFT).view(np.uint8)
+            message[lc.exponent_start:lc.exponent_start + exponents.size] = xp.asarray(exponents)
         with a.lock:
             a.bytes_sent += int(message.size) * (self.world - 1)
         return message
 
-    def _reduce_lane(self, a, chunk, lane, n, rows, segment, xp) -> None:
-        """One lane: each piece summed straight from the received bytes, every block re-encoded at
-        its own exponent straight into the segment, the exponents after the codes, then padding."""
-        lo, hi = lane.chunks[chunk][self.rank]
-        size = codec.packed_size(hi - lo, lane.fmt)
-        total = self.state.buffers.get((a.bucket.name, "sum", n, chunk), hi - lo, np.float32, xp)
-        codes, fresh = _fresh_row(segment[:size], hi - lo, lane.fmt), []
-        for p in lane.layout.pieces(lo, hi):
-            part = total[p.lo - lo:p.hi - lo]
-            _, peaks = codec.decode_sum_rows(rows, lane.fmt, p.lo - lo, p.hi - lo, int(a.shifts[p.tensor]), out=part,
-                                             block=BLOCK)
-            residual = self._owner_residual(a, lane, p, xp)
-            if residual is not None:  # the owner's re-encode loses bits too
-                part += residual[0]
-                peaks = codec.amax_blocks(part, BLOCK)
-            shifts = (scaling.shifts_for(peaks, 1, lane.fmt) if self.config.scaling == "aps"
-                      else np.zeros(peaks.size, np.int64))
-            seed = self.state.seed_for(-1, a.bucket.keys[p.tensor], OWNER) if self.config.rounding == "stochastic" else None
-            self._encode(part, codes, p.lo - lo, shifts, lane.fmt, seed, p.start, block=BLOCK)
-            if residual is not None:
-                keep_residual(residual[1], part, codes, p.lo - lo, shifts, lane.fmt, block=BLOCK)
-            fresh.append(shifts)
-        end = size + _SHIFT.itemsize * lane.layout.blocks_in(lo, hi)
-        if fresh:
-            segment[size:end] = xp.asarray(np.concatenate(fresh).astype(_SHIFT).view(np.uint8))
-        segment[end:] = 0  # the padding
-
-    def _owner_residual(self, a, lane, p, xp):
-        """Error feedback: (committed, next) residual of this rank's share of piece p's tensor, cut
-        to the piece; None without feedback."""
-        if not self.config.error_feedback:
+    def _owner_residual(self, a: Agreement, lane: int, lo: int, hi: int):
+        """Error feedback: (committed, next) owner residual of flat range lo..hi of `lane`; None
+        without feedback."""
+        if not a.owner_residuals:
             return None
-        start, size = lane.owned[p.segment]
-        key = (a.bucket.keys[p.tensor], OWNER, start)
-        at = slice(p.start - start, p.start - start + p.hi - p.lo)
-        return self.state.residual(key, size, xp)[at], self.state.next_residual(key, size, xp)[at]
-
-    def _message_lens(self, a: Agreement, chunk: int, owner: int) -> list:
-        """Per lane: the bytes of `owner`'s reduced message (packed codes and an exponent per
-        block), or where the allgather needs equal sizes (torch.distributed's all_gather) the
-        longest owner's, every message padded to it."""
-        def length(lane, bounds):
-            lo, hi = bounds
-            return codec.packed_size(hi - lo, lane.fmt) + _SHIFT.itemsize * lane.layout.blocks_in(lo, hi)
-        if a.padded:
-            return [max(length(lane, bounds) for bounds in lane.chunks[chunk]) for lane in a.lanes]
-        return [length(lane, lane.chunks[chunk][owner]) for lane in a.lanes]
+        with a.lock:  # read once the residuals of shares that changed owner have moved here (exchange.run)
+            if a.committed is None:
+                xp = _xp(a.owner_residuals[0])
+                a.committed = [self.state.residuals((a.bucket.name, OWNER, n), keys, [size for _, _, size in owned], xp)
+                               for n, (keys, owned) in enumerate(zip(a.plan.owner_keys, a.plan.owned))]
+        start = a.plan.shards[lane][0]
+        return a.committed[lane][lo - start:hi - start], a.owner_residuals[lane][lo - start:hi - start]
 
     # 5. finish: decode every owner's range --------------------------------------------------------
     def finish(self, a: Agreement, chunk: int, gathered) -> None:
-        """Every owner's reduced range of a chunk -> its slices of the results."""
-        at = 0
-        for r in range(self.world):
-            lens = self._message_lens(a, chunk, r)
-            for lane, start in zip(a.lanes, np.cumsum([0] + lens[:-1])):
-                self._finish_range(a, lane, gathered[at + start:at + sum(lens)], lane.chunks[chunk][r])
-            at += sum(lens)
+        """Every owner's reduced range of a chunk -> its place in the results."""
+        engine = codec.engine_for(gathered)
+        for lc, fmt in zip(a.plan.chunks[chunk].lanes, a.plan.fmts):
+            if lc.finish.count:
+                exponents = _arrays.to_numpy(gathered[lc.exponents]).view(_SHIFT)
+                engine.table_decode(gathered, fmt, lc.finish, exponents, a.out, np.float32(a.divisor), a.stream)
 
-    def _finish_range(self, a, lane, row, bounds) -> None:
-        lo, hi = bounds
-        size, blocks = codec.packed_size(hi - lo, lane.fmt), lane.layout.blocks_in(lo, hi)
-        exponents = _arrays.to_numpy(row[size:size + _SHIFT.itemsize * blocks]).view(_SHIFT)
-        first = 0
-        for p in lane.layout.pieces(lo, hi):
-            k = lane.index[p.segment]
-            seg = a.bucket.segments[k]
-            out = a.outs[k][p.start - seg.start:p.start - seg.start + p.hi - p.lo]
-            codec.decode_row(row[:size], lane.fmt, p.lo - lo, p.hi - lo, exponents[first:first + p.blocks], out=out,
-                             divisor=a.divisor, stream=a.stream, block=BLOCK)
-            first += p.blocks
-
-    def done(self, a: Agreement) -> list:
-        """After the last chunk: the results (one per segment), the bytes counted, the tensors'
-        exchange noted for the step's commit."""
+    def done(self, a: Agreement):
+        """After the last chunk: the results (the flat `out`), the stats and bytes recorded, the
+        tensors' exchange noted for the step's commit."""
+        if a.sums is not None:
+            self._record(a)
         self.stats.record_sent(a.bytes_sent)
         self.state.exchanged(a.bucket.keys)
-        return a.outs
+        return a.out
+
+    def _record(self, a: Agreement) -> None:
+        """The bucket's stats, one row per held segment: the sample scaled up by its stride."""
+        bucket, held = a.bucket, a.bucket.held()
+        sizes = np.diff(held.offsets)
+        lanes = np.asarray(a.lanes_of)[held.tensor]
+        finite = lanes >= 0
+        steps = np.array([_arrays.sample_stride(int(n), self.stats.sample) for n in sizes], np.float64)
+        fmts = [str(a.plan.fmts[lane]) if lane >= 0 else str(self.fmts[0]) for lane in lanes.tolist()]
+        stats = BucketStats.of_sums([bucket.labels[t] for t in held.tensor.tolist()], fmts,
+                                    np.where(finite, a.shifts[held.tensor], 0), sizes, steps, a.sums,
+                                    np.where(finite, a.plan.carried, 0), finite)
+        self.stats.record_bucket(bucket.name, stats)
 
     # helpers --------------------------------------------------------------------------------------
-    def _encode(self, x, row, pos, shift, fmt, seed, index, block=None) -> None:
-        cfg = self.config
-        codec.encode_into(x, fmt, row, pos, cfg.rounding, seed, cfg.saturate, shift, index, block)
-
-    def _record(self, a: Agreement, k: int, x, row, pos: int, shift: int, fmt, at: int = 0) -> None:
-        """Stats of segment k's piece x (elements at.. of the segment; its codes at pos.. of packed
-        `row`; None: it went out as NaN), recorded once the whole segment is in."""
-        stats = self.stats.of_codes(x, row, pos, shift, fmt, a.bucket.segments[k].size, at)
-        with a.lock:
-            a.encoded[k] += x.size
-            if stats is not None:
-                a.stats[k] = a.stats[k] + stats if k in a.stats else stats
-            if a.encoded[k] >= a.bucket.segments[k].size and k in a.stats:
-                self.stats.record(a.bucket.labels[a.bucket.segments[k].tensor], a.stats.pop(k))
-
     def _sampled_error(self, x, amax: float) -> float:
         """Hybrid precision's estimate over a strided sample of x (about HYBRID_SAMPLE elements)."""
         return hybrid_error(self.config, x, amax, self.world, _arrays.sample_stride(x.size, HYBRID_SAMPLE))
 
-    def _corrected(self, bucket: Bucket, data: list) -> list:
-        """Error feedback: each segment plus its committed residual; the data as given otherwise."""
+    def _corrected(self, bucket: Bucket, data):
+        """Error feedback: the data plus its committed residuals; the data as given otherwise."""
         if not self.config.error_feedback:
             return data
-        return [corrected(self.state, (bucket.name, "corrected", k), (bucket.keys[seg.tensor], SEND, seg.start),
-                          x.ravel()) for k, (seg, x) in enumerate(zip(bucket.segments, data))]
+        keys, sizes = self._send_keys(bucket)
+        xp = _xp(data)
+        total = self.state.buffers.get((bucket.name, "corrected"), data.size, np.float32, xp)
+        xp.add(data, self.state.residuals((bucket.name, SEND), keys, sizes, xp), out=total)
+        return total
 
 
 def _xp(x):
     return _arrays.array_module(x)
-
-
-def _fresh_row(row, count: int, fmt):
-    """`row`, about to take `count` packed codes, with the unused high bits of its last byte
-    cleared (a reused buffer would send last step's bits there)."""
-    if count * fmt.bits % 8:
-        row[-1] = 0
-    return row
 
 
 def corrected(state, buffer_key: tuple, residual_key: tuple, x):
@@ -376,10 +458,3 @@ def corrected(state, buffer_key: tuple, residual_key: tuple, x):
     total = state.buffers.get(buffer_key, x.size, np.float32, xp)
     xp.add(x, state.residual(residual_key, x.size, xp), out=total)
     return total
-
-
-def keep_residual(residual, x, row, pos: int, shift, fmt, block=None) -> None:
-    """Error feedback: what the codes at pos.. of packed `row` lost of x (x - their values), into
-    `residual`, for the next exchange."""
-    codec.decode_row(row, fmt, pos, pos + x.size, shift, out=residual, block=block)
-    _xp(x).subtract(x, residual, out=residual)

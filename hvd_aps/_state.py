@@ -70,6 +70,7 @@ class ExchangeState:
         self._residuals, self._spare, self._pending = {}, {}, set()
         self._steps, self._stepped = {}, set()
         self._layouts, self._laid_out = {}, {}
+        self._groups, self._written = {}, {}  # residual groups: their flats, by group name (residuals())
         self.world = 0          # the ranks of this state's exchanges (0: none yet)
         self.resumed_world = 0  # the ranks of the exchanges a loaded state_dict came from (0: none loaded)
         self.buffers = BufferPool()
@@ -96,6 +97,44 @@ class ExchangeState:
                 spare = self._spare[key] = xp.empty(n, xp.float32)
             self._pending.add(key)
             return spare
+
+    def residuals(self, group, keys: tuple, sizes, xp):
+        """The committed residuals under `keys` (of `sizes`) end to end in one flat array (read
+        only): a bucket's stage reads them in one pass. Where the last step committed this group's
+        keys from one flat (next_residuals), that flat; else (a checkpoint loaded, residuals moved
+        between layouts) one assembled from the keys' residuals, zeros where there are none."""
+        with self._lock:
+            kept = self._groups.get(group)
+            if kept is not None and kept[1] is keys and all(self._residuals.get(k) is v for k, v in zip(keys, kept[2])):
+                flat = kept[0]
+                if _arrays.array_module(flat) is xp:
+                    return flat
+            flat = xp.zeros(int(sum(sizes)), xp.float32)
+            at = 0
+            for key, n in zip(keys, sizes):
+                part = self._residuals.get(key)
+                if part is not None and part.size == n:
+                    flat[at:at + n] = xp.asarray(part)
+                at += n
+            return flat
+
+    def next_residuals(self, group, keys: tuple, sizes, xp):
+        """Where this step writes the residuals under `keys`, end to end in one flat array: each
+        key's residual a view of it, current once the step commits."""
+        total = int(sum(sizes))
+        with self._lock:
+            committed, written = self._groups.get(group), self._written.get(group)
+            spares = ([written[0]] if written else []) + ([committed[3]] if committed and committed[3] is not None
+                                                          else [])
+            flat = next((f for f in spares if f.size == total and _arrays.array_module(f) is xp), None)
+            if flat is None:
+                flat = xp.empty(total, xp.float32)
+            views = tuple(flat[a:b] for a, b in zip(_offsets(sizes)[:-1], _offsets(sizes)[1:]))
+            for key, view in zip(keys, views):
+                self._spare[key] = view
+            self._pending.update(keys)
+            self._written[group] = (flat, keys, views, committed[0] if committed else None)
+            return flat
 
     # layouts: where each tensor's residuals lie among the ranks ------------------------------------
     def moved(self, keys, side: str, signature: str) -> bool:
@@ -150,6 +189,9 @@ class ExchangeState:
             for tensor_key in self._stepped:
                 self._steps[tensor_key] = self._steps.get(tensor_key, 0) + 1
             self._layouts.update(self._laid_out)
+            for group, (flat, keys, views, before) in self._written.items():
+                self._groups[group] = (flat, keys, views, before)  # before: next step's flat to write
+            self._written.clear()
             self._pending.clear()
             self._stepped.clear()
             self._laid_out.clear()
@@ -158,6 +200,7 @@ class ExchangeState:
     def rollback(self) -> None:
         """The step raised: forget what it wrote."""
         with self._lock:
+            self._written.clear()
             self._pending.clear()
             self._stepped.clear()
             self._laid_out.clear()
@@ -191,6 +234,7 @@ class ExchangeState:
                 for key in [k for k in store if k[1] == OWNER]:
                     del store[key]
             self.world = self.resumed_world = 0
+            self._groups.clear()
             self._layouts.clear()
             self._laid_out.clear()
             self.buffers.clear()
@@ -210,6 +254,7 @@ class ExchangeState:
         residuals = {_key(name): np.array(r, np.float32) for name, r in state["residuals"].items()}
         with self._lock:
             self._residuals, self._spare, self._pending = residuals, {}, set()
+            self._groups, self._written = {}, {}
             self._steps, self._stepped = {k: int(v) for k, v in state["steps"].items()}, set()
             self._layouts = {tuple(name.rsplit("|", 1)): signature
                              for name, signature in state.get("layouts", {}).items()}
@@ -245,6 +290,13 @@ class ExchangeState:
         if workers is not None:
             workers.shutdown(wait=True)
         self.buffers.clear()
+
+
+def _offsets(sizes) -> list:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + int(n))
+    return out
 
 
 def _name(key: tuple) -> str:

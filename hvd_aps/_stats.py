@@ -64,6 +64,52 @@ class TensorStats:
                 f"{self.relative_error:.4e}", self.bytes_in, self.bytes_carried]
 
 
+@dataclasses.dataclass
+class BucketStats:
+    """The TensorStats of a bucket's tensors as columns, one row per label: what an exchange
+    records, so a step costs one record per bucket, not one object per tensor (rows are made
+    when someone reads them)."""
+    labels: list
+    fmts: list
+    shift: np.ndarray
+    elements: np.ndarray
+    nonzero: np.ndarray
+    flushed_count: np.ndarray
+    saturated: np.ndarray
+    bytes_carried: np.ndarray
+    finite: np.ndarray
+    error_sq: np.ndarray
+    norm_sq: np.ndarray
+    measured: np.ndarray
+
+    @classmethod
+    def of_sums(cls, labels, fmts, shift, elements, scale, sums, bytes_carried, finite) -> "BucketStats":
+        """From per-row sample sums (columns as _host_engine.STATS_COLUMNS: samples, nonzero,
+        nonzero sent, saturated, error^2, input^2), scaled up by each row's sample stride."""
+        nonzero = np.round(sums[:, 1] * scale).astype(np.int64)
+        keep = np.asarray(finite, bool)
+        return cls(list(labels), list(fmts), np.asarray(shift, np.int64), np.asarray(elements, np.int64),
+                   np.where(keep, nonzero, 0), np.where(keep, np.round((sums[:, 1] - sums[:, 2]) * scale), 0).astype(
+                       np.int64), np.where(keep, np.round(sums[:, 3] * scale), 0).astype(np.int64),
+                   np.asarray(bytes_carried, np.int64), keep, np.where(keep, sums[:, 4] * scale, 0.0),
+                   np.where(keep, sums[:, 5] * scale, 0.0), sums[:, 0].astype(np.int64))
+
+    def row(self, i: int) -> TensorStats:
+        return TensorStats(int(self.shift[i]), int(self.elements[i]), int(self.nonzero[i]),
+                           int(self.flushed_count[i]), int(self.saturated[i]), 4 * int(self.elements[i]),
+                           int(self.bytes_carried[i]), bool(self.finite[i]), float(self.error_sq[i]),
+                           float(self.norm_sq[i]), int(self.measured[i]), self.fmts[i])
+
+    def total(self) -> TensorStats:
+        """The rows summed as TensorStats.__add__ sums them (shift and format: the last row's)."""
+        if not self.labels:
+            return TensorStats()
+        return TensorStats(int(self.shift[-1]), int(self.elements.sum()), int(self.nonzero.sum()),
+                           int(self.flushed_count.sum()), int(self.saturated.sum()), 4 * int(self.elements.sum()),
+                           int(self.bytes_carried.sum()), bool(self.finite.all()), float(self.error_sq.sum()),
+                           float(self.norm_sq.sum()), int(self.measured.sum()), self.fmts[-1])
+
+
 class StatsRecorder:
     """The last TensorStats per tensor label, their sum since reset(), and the code bytes this
     rank sent. Thread-safe: exchanges record from several threads."""
@@ -77,14 +123,45 @@ class StatsRecorder:
 
     def reset(self) -> None:
         with self._lock:
-            self.last, self.total, self.bytes_sent = {}, TensorStats(), 0
+            self._last, self._buckets, self.total, self.bytes_sent = {}, {}, TensorStats(), 0
+
+    @property
+    def last(self) -> dict:
+        """label -> the last TensorStats recorded for it (buckets' rows made now)."""
+        with self._lock:
+            for bucket in self._buckets.values():
+                self._rows_of(bucket)
+            self._buckets.clear()
+            return dict(self._last)
 
     def record(self, label: str, stats: "TensorStats | None") -> None:
         if not self.enabled or stats is None:
             return
         with self._lock:
-            self.last[label] = stats
+            for name in [n for n, b in self._buckets.items() if label in b.labels]:  # theirs came first
+                self._rows_of(self._buckets.pop(name))
+            self._last[label] = stats
             self.total = self.total + stats
+
+    def record_bucket(self, name: str, stats: BucketStats) -> None:
+        """A bucket's exchange, as one BucketStats under the bucket's `name` (its rows replace the
+        last step's of that name; rows are made when `last` is read)."""
+        if not self.enabled:
+            return
+        total = stats.total()
+        with self._lock:
+            earlier = self._buckets.pop(name, None)
+            if earlier is None or earlier.labels != stats.labels:
+                if earlier is not None:
+                    self._rows_of(earlier)
+                self._last.update((label, None) for label in stats.labels if label not in self._last)  # places
+            self._buckets[name] = stats
+            if stats.labels:
+                self.total = self.total + total
+
+    def _rows_of(self, bucket: BucketStats) -> None:
+        for i, label in enumerate(bucket.labels):
+            self._last[label] = bucket.row(i)
 
     def record_sent(self, nbytes: int) -> None:
         with self._lock:
@@ -98,8 +175,7 @@ class StatsRecorder:
 
     def table(self, csv: bool = False) -> str:
         """The last stats of every tensor label as an aligned table, or CSV with a header."""
-        with self._lock:
-            rows = [stats.row(label) for label, stats in self.last.items()]
+        rows = [stats.row(label) for label, stats in self.last.items()]
         cells = [STATS_COLUMNS] + [[str(c) for c in row] for row in rows]
         if csv:
             return "\n".join(",".join(row) for row in cells) + "\n"

@@ -76,6 +76,9 @@ class Adapter(Protocol):
     def flatten(self, tensor):
         """The gradient as a float32 flat array (a graph tensor in a graph)."""
 
+    def join(self, flats):
+        """flatten()'s arrays end to end in one flat array: a batch's bucket."""
+
     def token(self, tensor):
         """What Horovod allreduces in place of a gradient sent as codes (token_values)."""
 
@@ -146,6 +149,8 @@ class _Batch:
     nbytes: int = 0      # float32 bytes of the gradients in it
     closed: bool = False  # no more gradients join it: launched, or (native) counted
     future: object = None  # the exchange's Future (exchanger.bucket), once launched
+    bucket: object = None  # its Bucket (hvd_aps._stages), once launched
+    parts: Optional[list] = None  # the exchange's results per gradient, once split
     reduction: Reduction = dataclasses.field(default_factory=Reduction)  # averaged? what its tokens said
 
 
@@ -223,7 +228,7 @@ class Batches:
             if isinstance(context, Passed):
                 out = context.adapter.native_result(reduced, context.like)
             else:
-                total = self._ex.result(context.batch.future)[context.index]
+                total = self._parts(context.batch)[context.index]
                 out = context.adapter.finish(total, reduced, context.like, context.batch.reduction)
         except BaseException:
             self.abort()
@@ -234,9 +239,16 @@ class Batches:
                 out = self._end_step(context, out)
         return out
 
+    def _parts(self, batch: _Batch) -> list:
+        """The batch's results per gradient: its flat result split once (every thread that asks
+        splits alike, so a race only repeats the split)."""
+        if batch.parts is None:
+            batch.parts = batch.bucket.split(self._ex.result(batch.future))
+        return batch.parts
+
     def _end_step(self, context: Context, out):
         """End the step (after every exchange of it, in a graph too) and restart the naming."""
-        results = [t for batch in self._launched for t in self._ex.result(batch.future)]
+        results = [self._ex.result(batch.future) for batch in self._launched]
         self._averaged = {batch.name for batch in self._launched if batch.reduction.all_average()}
         self._open, self._count, self._launched = None, 0, []
         return context.adapter.at_step_end(out, self._ex.end_step, results)
@@ -272,14 +284,21 @@ class Batches:
                                   zip(batch.labels, batch.sizes), batch.native,
                                   exchange.ring_bytes(NATIVE_BYTES[batch.native] * sum(batch.sizes), adapter.world()))
         else:
-            bucket = Bucket.whole(batch.name, [f"{batch.name}[{i}]" for i in range(len(batch.sizes))], batch.labels,
-                                  batch.sizes)
-            batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical), adapter.rank(), bucket,
-                                           batch.flats, adapter.threaded, average=batch.reduction.averaged)
+            batch.bucket = Bucket.whole(batch.name, _keys(batch.name, len(batch.sizes)), batch.labels, batch.sizes)
+            batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical), adapter.rank(), batch.bucket,
+                                           adapter.join(batch.flats), adapter.threaded,
+                                           average=batch.reduction.averaged)
+            batch.flats = []  # joined: the copies of the gradients can go
             self._launched.append(batch)
         batch.closed = True
         if self._open is batch:
             self._open = None
+
+
+@functools.lru_cache(maxsize=None)
+def _keys(name: str, count: int) -> tuple:
+    """A batch's gradients' keys (made once per batch name and size)."""
+    return tuple(f"{name}[{i}]" for i in range(count))
 
 
 def check_fallback(config, adapter: Adapter, tensor) -> None:

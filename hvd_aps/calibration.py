@@ -104,15 +104,15 @@ def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: in
     stages = comp.exchanger.stages(world, 0)
     sizes = [elements // tensors] * tensors
     rng = np.random.default_rng(0)
-    flats = [xp.asarray(rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)) for n in sizes]
-    outs = [xp.empty(n, np.float32) for n in sizes]
+    flat = xp.asarray(rng.standard_normal(sum(sizes)).astype(np.float32) * np.float32(1e-3))
+    out = xp.empty(flat.size, np.float32)
     keys = [f"t{i}" for i in range(tensors)]
     bucket = Bucket.whole("calibration", keys, keys, sizes)
     levels = exchange.Levels.flat(Mirror(world))
     times = []
     for _ in range(repeats + 1):
         started = time.perf_counter()
-        exchange.run(stages, bucket, flats, levels, outs=outs, average=True)
+        exchange.run(stages, bucket, flat, levels, out=out, average=True)
         comp.state.commit()
         wait()
         times.append(time.perf_counter() - started)

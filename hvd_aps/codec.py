@@ -45,7 +45,10 @@ _INPUT_KINDS = "fiub"  # float, signed, unsigned, bool: numbers NumPy converts e
 beside_compute, awaited = _host_engine.beside_compute, _host_engine.awaited
 
 
-def _engine_for(a):
+def engine_for(a):
+    """The engine for arrays like `a`: the CuPy engine on a CUDA device, else the CPU's. The
+    exchange's stages call its table functions directly, their arguments checked once per
+    bucket layout (hvd_aps._tables) rather than per call."""
     if array_module(a) is not np:
         from . import _cupy_engine
         return _cupy_engine
@@ -132,7 +135,7 @@ def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, out=N
     seed = _check_seed(rounding, seed)
     x, shift = _as_float32(x), _check_shift(shift)
     out = _check_out(out, x.shape, fmt.code_dtype, x)
-    return _engine_for(x).encode(x, fmt, shift, rounding, seed, saturate, out).astype(fmt.code_dtype, copy=False)
+    return engine_for(x).encode(x, fmt, shift, rounding, seed, saturate, out).astype(fmt.code_dtype, copy=False)
 
 
 def _check_dtype(dtype, fmt):
@@ -156,7 +159,7 @@ def decode(codes, fmt, shift=0, dtype=np.float32, out=None):
         raise ValueError(f"codes hold values >= 2**{fmt.bits}, which {fmt} cannot have produced")
     dtype = _check_dtype(dtype, fmt)
     out = _check_out(out, codes.shape, dtype, codes)
-    return _engine_for(codes).decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift), dtype, out)
+    return engine_for(codes).decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift), dtype, out)
 
 
 def decode_sum(codes, fmt, shift=0, out=None):
@@ -168,7 +171,7 @@ def decode_sum(codes, fmt, shift=0, out=None):
     if codes.ndim < 1 or codes.dtype != np.dtype(fmt.code_dtype):
         raise TypeError(f"codes must be a {fmt.code_dtype} array of shape (ranks, ...), got {codes.dtype}{codes.shape}")
     out = _check_out(out, codes.shape[1:], np.float32, codes)
-    return _engine_for(codes).decode_accumulate(codes, fmt, _check_shift(shift), out)
+    return engine_for(codes).decode_accumulate(codes, fmt, _check_shift(shift), out)
 
 
 def _check_blocks(shift, block, n):
@@ -212,7 +215,7 @@ def encode_into(x, fmt, row, start, rounding="nearest", seed=None, saturate=Fals
     if array_module(row) is not array_module(x):
         raise ValueError("x and row must be on the same device")
     if x.size:
-        _engine_for(x).encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, int(start), int(index))
+        engine_for(x).encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, int(start), int(index))
     return row
 
 
@@ -226,7 +229,7 @@ def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None, block=None):
     fmt, rows = _check_rows(rows, fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
     size = max(1, stop - start) if block is None else _check_block(block)
-    sums, peaks = _engine_for(rows).sum_rows(rows, fmt, start, stop, _check_shift(shift), size, out)
+    sums, peaks = engine_for(rows).sum_rows(rows, fmt, start, stop, _check_shift(shift), size, out)
     if block is None:
         return sums, float(peaks[0]) if stop > start else 0.0
     return sums, peaks
@@ -241,7 +244,7 @@ def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1, stream=False
     fmt, rows = _check_rows(as_array(row).reshape(1, -1), fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
     shifts, block = _check_blocks(shift, block, stop - start)
-    return _engine_for(rows).decode_row(rows[0], fmt, start, stop, shifts, block, out, np.float32(divisor),
+    return engine_for(rows).decode_row(rows[0], fmt, start, stop, shifts, block, out, np.float32(divisor),
                                         bool(stream))
 
 
@@ -276,7 +279,7 @@ def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, uns
     fmt = FloatFormat.parse(fmt)
     seed = _check_seed(rounding, seed)
     x, shift, dtype = _as_float32(x), _check_shift(shift), _check_dtype(dtype, fmt)
-    engine = _engine_for(x)
+    engine = engine_for(x)
     codes = engine.encode(x, fmt, shift, rounding, seed, saturate)
     return engine.decode(codes, fmt, shift if unscale else 0, dtype)
 
@@ -284,14 +287,14 @@ def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, uns
 def amax(x):
     """max |x| as a Python float, or +inf when x holds any NaN or Inf."""
     x = _as_float32(x).ravel()
-    return _engine_for(x).amax(x)
+    return engine_for(x).amax(x)
 
 
 def amax_blocks(x, block):
     """amax() of every block of `block` elements of x (the last may be shorter), as a float32
     NumPy array."""
     x = _as_float32(x).ravel()
-    return np.asarray(_engine_for(x).amax_blocks(x, _check_block(block)), np.float32)
+    return np.asarray(engine_for(x).amax_blocks(x, _check_block(block)), np.float32)
 
 
 def packed_size(n, fmt):
@@ -308,7 +311,7 @@ def pack(codes, fmt):
     codes = array_module(codes).ascontiguousarray(codes, dtype=fmt.code_dtype).ravel()
     if fmt.bits == 8:  # already dense: no copy
         return codes
-    return _engine_for(codes).pack(codes, fmt.bits)
+    return engine_for(codes).pack(codes, fmt.bits)
 
 
 def unpack(packed, fmt, n):
@@ -320,4 +323,4 @@ def unpack(packed, fmt, n):
         raise ValueError(f"{n} codes of {fmt} need {packed_size(n, fmt)} bytes, got {packed.size}")
     if fmt.bits == 8:
         return packed[:n]
-    return _engine_for(packed).unpack(packed, fmt.bits, n, np.dtype(fmt.code_dtype))
+    return engine_for(packed).unpack(packed, fmt.bits, n, np.dtype(fmt.code_dtype))

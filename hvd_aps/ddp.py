@@ -12,6 +12,7 @@ CUDA tensors) and codes only between hosts. Gloo on the CPU; NCCL with CUDA tens
 CuPy engine. Importing this module does not import Horovod.
 """
 import concurrent.futures
+import functools
 import os
 import socket
 import threading
@@ -243,15 +244,14 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
 
     def run():
         stages = exchanger.stages(levels.cross.world, levels.cross.rank, dist.get_rank())
-        flats = [_arrays.as_array(g.detach().to(torch.float32).reshape(-1)) for g in grads]
-        # float32 buckets take the results in place (the flats are read before the results are
-        # written); the buffer is the bucket's gradients end to end
-        outs = ([_arrays.as_array(part) for part in buffer.view(-1).split([g.numel() for g in grads])]
-                if buffer.dtype == torch.float32 else None)
-        spec = Bucket.whole(name, keys, [f"{name}[{i}]" for i in range(len(grads))], [g.numel() for g in grads])
-        means = exchange.run(stages, spec, flats, levels, outs=outs, average=True)
-        if outs is None:
-            buffer.copy_(torch.cat([torch.from_dlpack(mean) for mean in means]))
+        # the bucket's buffer is its gradients end to end: a float32 one is read and decoded into
+        # in place (each element read before its result is written), others through a float32 copy
+        in_place = buffer.dtype == torch.float32
+        array = _arrays.as_array(buffer.view(-1) if in_place else buffer.view(-1).to(torch.float32))
+        spec = Bucket.whole(name, keys, _labels(name, len(grads)), [g.numel() for g in grads])
+        mean = exchange.run(stages, spec, array, levels, out=array, average=True)
+        if not in_place:
+            buffer.view(-1).copy_(torch.from_dlpack(mean))
         state.counted()
         return buffer
 
@@ -264,6 +264,12 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     exchanger.submit(run, executor=thread).add_done_callback(settle)  # after the step has counted it done
     state.handed_over(bucket.is_last())
     return future
+
+
+@functools.lru_cache(maxsize=None)
+def _labels(name: str, count: int) -> tuple:
+    """A bucket's gradients' names in the stats (made once per bucket)."""
+    return tuple(f"{name}[{i}]" for i in range(count))
 
 
 _NATIVE_HOOKS = {"float32": default_hooks.allreduce_hook, "float16": default_hooks.fp16_compress_hook,

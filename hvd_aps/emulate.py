@@ -89,16 +89,17 @@ def codes_allreduce(compressors, grads, name="emulated", ranks_per_host=1):
     keys = [f"{name}[{i}]" for i in range(len(flats[0]))]
     bucket = Bucket.whole(name, keys, keys, [f.size for f in flats[0]])
     xp = _arrays.array_module(flats[0][0]) if flats[0] else np  # NumPy, or CuPy for arrays on a GPU
-    results = [xp.empty(f.size, xp.float32) for f in flats[0]]
+    buckets = [xp.concatenate(worker) if worker else xp.zeros(0, xp.float32) for worker in flats]
+    result = xp.empty(sum(bucket.sizes), xp.float32)
 
     def worker(w):  # one step of worker w's exchanger, as an entry point runs it
         exchanger = compressors[w].exchanger
-        exchanger.bucket(levels[w], w, bucket, flats[w], threaded=False, outs=results if w == 0 else None,
+        exchanger.bucket(levels[w], w, bucket, buckets[w], threaded=False, out=result if w == 0 else None,
                          average=True)
         exchanger.end_step()
 
     _inprocess.run_ranks(worker, world)
-    return results
+    return [part.copy() for part in bucket.split(result)]
 
 
 def relative_error(result, arrays):

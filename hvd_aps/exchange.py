@@ -201,14 +201,17 @@ class Levels:
         return cls(coll, coll, None)
 
 
-def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list] = None, average: bool = False,
-        divisor: Optional[int] = None) -> list:
-    """One bucket's exchange -> the float32 sums across ranks (average=True: divided by N), one
-    flat per tensor (NaN-filled where a rank held NaN/Inf). `stages`: a CodesExchange for the codes
-    group; bucket.name: stable from step to step and equal on every rank (collective names, buffer
-    keys, the schedule); `outs`: eager callers may pass the arrays to write the results into.
-    divisor: what the sums are divided by, where it is not the group's size (FSDP's two levels:
-    every rank's count, the hosts' sums having come from a reduce-scatter inside each host)."""
+def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = False,
+        divisor: Optional[int] = None):
+    """One bucket's exchange -> the float32 sums across ranks (average=True: divided by N) as one
+    flat array, the tensors end to end (NaN-filled where a rank held NaN/Inf). `flat`: this
+    rank's gradients end to end (bucket.sizes), one float32 array (a graph tensor in TF graphs);
+    `stages`: a CodesExchange for the codes group; bucket.name: stable from step to step and
+    equal on every rank (collective names, buffer keys, the schedule); `out`: eager callers may
+    pass the flat array to write the results into (`flat` itself: in place; each element is
+    read before its result is written). divisor: what the sums are divided by, where it is not
+    the group's size (FSDP's two levels: every rank's count, the hosts' sums having come from a
+    reduce-scatter inside each host)."""
     schedule, coll = stages.state.schedule, levels.cross
     handed = time.perf_counter()  # the bucket's hand-over to the driver: where its place in the step starts
     if not coll.eager and stages.config.policy == Policy.AUTO:
@@ -217,16 +220,15 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
     candidate = schedule.candidate(bucket.name) if coll.eager else graph_chunk_bytes
     divisor = divisor or (levels.world.world if average else 1)
     if candidate == NATIVE:  # policy="auto" chose, or is timing, the framework's own allreduce
-        return _native(stages, bucket, flats, levels.world, outs, divisor, schedule.native_dtype())
+        return _native(stages, bucket, flat, levels.world, out, divisor, schedule.native_dtype())
     if levels.local is not None:
-        slices = _layout.slices(bucket.sizes, levels.local.world)
-        held_bucket, data, slice_outs, slice_message = _scatter(bucket, slices, flats, levels.local,
-                                                                stages.state.buffers)
+        cuts, slices = _layout.slices(bucket.sizes, levels.local.world)
+        held_bucket = bucket.part(slices[levels.local.rank])
+        data, slice_out, slice_message = _scatter(bucket, cuts, flat, levels.local, stages.state.buffers)
         # every cross group cuts as many chunks (Subgroups of one whole group call its collectives together)
-        chunked = max(sum(s.size for s in segs) for segs in slices)
+        chunked = max(b - a for a, b in zip(cuts[:-1], cuts[1:]))
     else:
-        held_bucket, data, slice_outs, slice_message = bucket, flats, outs, None
-        chunked = None
+        held_bucket, data, slice_out, slice_message, chunked = bucket, flat, out, None, None
     parts = 1 if levels.local is None else levels.local.world
     follow = stages.config.error_feedback and coll.eager
     if follow and levels.local is not None:  # a host sum's residuals lie with its slice's local rank
@@ -234,16 +236,16 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
                        [(s.tensor, s.start, s.size) for s in held_bucket.segments])
     held = {}  # what one stage hands the next: plain Python, so graph stages share it too
 
-    def metadata(*arrays):
-        vector, held["data"] = stages.metadata(held_bucket, list(arrays))
+    def metadata(array):
+        vector, held["data"] = stages.metadata(held_bucket, array)
         return (vector,)
 
-    vector, = levels.world.stage(metadata, data, [np.float64])
+    vector, = levels.world.stage(metadata, [data], [np.float64])
     agreed = levels.world.max_allreduce(vector, f"{bucket.name}.meta")
 
     def agree(agreed):
-        xp = _arrays.array_module(data[0]) if data else np  # NumPy for graph tensors: their stages see NumPy
-        held["a"] = stages.agree(held_bucket, agreed, held.pop("data"), slice_outs, divisor, xp, candidate,
+        xp = _arrays.array_module(held["data"])  # NumPy for graph tensors: their stages see NumPy
+        held["a"] = stages.agree(held_bucket, agreed, held.pop("data"), slice_out, divisor, xp, candidate,
                                  coll.equal_allgather, chunked)
         return (_TOKEN,)
 
@@ -254,9 +256,9 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
                        stages.owned(a))
     chunks = held["a"].count if coll.eager else _graph_chunks(chunked or sum(s.size for s in held_bucket.segments),
                                                                graph_chunk_bytes)
-    results = _pipeline(stages, held, token, data, coll, bucket.name, chunks, len(held_bucket.segments))
+    result = _pipeline(stages, held, token, data, coll, bucket.name, chunks)
     if levels.local is not None:
-        results = _gather(bucket, slices, results, levels.local, outs, slice_message, stages.state.buffers)
+        result = _gather(bucket, cuts, result, levels.local, out, slice_message, stages.state.buffers)
     if coll.eager:
         schedule.ran(bucket.name, candidate)
         if schedule.predicting:  # policy="auto" will predict the framework's step from the model
@@ -264,7 +266,7 @@ def run(stages, bucket: Bucket, flats: list, levels: Levels, outs: Optional[list
             per_host = 1 if levels.local is None else levels.local.world
             schedule.estimate_native(bucket.name, sum(bucket.sizes), levels.world.world // per_host, per_host)
             schedule.placed(bucket.name, handed, ended)
-    return results
+    return result
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,9 +278,11 @@ def _warn_graph_policy() -> None:
 
 def _signature(bucket: Bucket, *layout) -> str:
     """A name for where a bucket's elements lie among the ranks: equal on every rank and in every
-    process that lays the same tensors out alike."""
-    text = repr((bucket.keys, bucket.sizes, layout)).encode()
-    return hashlib.blake2b(text, digest_size=8).hexdigest()
+    process that lays the same tensors out alike (kept in the bucket per layout)."""
+    def name():
+        text = repr((bucket.keys, bucket.sizes, layout)).encode()
+        return hashlib.blake2b(text, digest_size=8).hexdigest()
+    return bucket.kept(("signature", layout), name)
 
 
 def _follow_layout(state, bucket: Bucket, side: str, signature: str, group: Collectives, holdings: list) -> None:
@@ -313,11 +317,12 @@ def reduce_scatter(stages, name: str, rows, coll: Collectives, out, divisor: flo
     return stages.reduce(agreement, received, out)
 
 
-def _pipeline(stages, held, token, data, coll, name, chunks, segments) -> list:
-    """Steps 3-5 for every chunk, chunk k encoded while k-1 travels and k-2 is decoded."""
+def _pipeline(stages, held, token, data, coll, name, chunks):
+    """Steps 3-5 for every chunk, chunk k encoded while k-1 travels and k-2 is decoded -> the
+    held segments' results, one flat array."""
 
     def begin(c):
-        def stage(token, *arrays):
+        def stage(token, array):
             send, splits = stages.begin(held["a"], c)
             return send, np.asarray(splits, np.int32)
         return stage
@@ -331,7 +336,7 @@ def _pipeline(stages, held, token, data, coll, name, chunks, segments) -> list:
     codes, shards, finished = {}, {}, []
     for c in range(chunks + 2):
         if c < chunks:
-            send, splits = coll.stage(begin(c), [token, *data], [np.uint8, np.int32])
+            send, splits = coll.stage(begin(c), [token, data], [np.uint8, np.int32])
             codes[c] = coll.alltoall_start(send, splits, f"{name}.codes{c}")
         if 0 <= c - 1 < chunks:
             message, = coll.stage(lambda received, k=c - 1: (stages.reduce(held["a"], k, received),),
@@ -339,7 +344,8 @@ def _pipeline(stages, held, token, data, coll, name, chunks, segments) -> list:
             shards[c - 1] = coll.allgather_start(message, f"{name}.shards{c - 1}")
         if c - 2 >= 0:
             finished += coll.stage(finish(c - 2), [coll.wait(shards.pop(c - 2))], [np.uint8])
-    return list(coll.stage(lambda *done: tuple(stages.done(held.pop("a"))), finished, [np.float32] * segments))
+    result, = coll.stage(lambda *done: (stages.done(held.pop("a")),), finished, [np.float32])
+    return result
 
 
 def _graph_chunks(elements: int, chunk_bytes: int) -> int:
@@ -348,19 +354,12 @@ def _graph_chunks(elements: int, chunk_bytes: int) -> int:
     return max(1, -(-elements // (chunk_bytes // 4))) if chunk_bytes > 0 else 1
 
 
-def _scatter(bucket: Bucket, slices: list, flats: list, local: Collectives, buffers) -> tuple:
-    """Two levels, step 0, `slices` the bucket's per local rank (_layout.slices): (this local
-    rank's Bucket of slice segments, their host sums, where the results of its slice go, and
+def _scatter(bucket: Bucket, cuts: list, flat, local: Collectives, buffers) -> tuple:
+    """Two levels, step 0: the flat bucket cut at `cuts` (one slice per local rank, contiguous) ->
+    (the host's sum of this local rank's slice, in local-rank order, where its results go and
     (eagerly) the one padded buffer they lie in, which the host's allgather then sends as it is)."""
-    mine = Bucket(bucket.name, bucket.keys, bucket.labels, bucket.sizes, slices[local.rank])
-    lens = [sum(s.size for s in segs) for segs in slices]
-    offsets = np.cumsum([0] + [s.size for s in mine.segments])
-
-    def parts(*arrays):  # every local rank's slice, in local-rank order: the message
-        return [arrays[s.tensor][s.start:s.stop] for segs in slices for s in segs] or [arrays[0][:0]]
-
-    def pack(*arrays):
-        return (_arrays.concatenated(parts(*arrays)),)
+    lens = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+    mine = lens[local.rank]
 
     def add_row(total, writer, row):  # the host's sum in local-rank order: the same bits every run
         if writer == 0:
@@ -369,100 +368,89 @@ def _scatter(bucket: Bucket, slices: list, flats: list, local: Collectives, buff
             total += row
 
     def host_sum(xp):
-        return buffers.get((bucket.name, "host sum"), lens[local.rank], np.float32, xp)
-
-    def by_segment(flat):  # this rank's slice -> one view per segment of it
-        return [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        return buffers.get((bucket.name, "host sum"), mine, np.float32, xp)
 
     def add(received):
         total = host_sum(_arrays.array_module(received))
-        for writer, row in enumerate(received.reshape(local.world, lens[local.rank])):
+        for writer, row in enumerate(received.reshape(local.world, mine)):
             add_row(total, writer, row)
-        return tuple(by_segment(total))
+        return (total,)
 
     splits, name = np.asarray(lens, np.int32), f"{bucket.name}.host_scatter"
-    if flats and all(_arrays.is_array(f) for f in flats):  # written from the tensors, summed from where it arrived
-        total = host_sum(_arrays.array_module(flats[0]))
-        local.alltoall_each(parts(*flats), splits, name, lambda writer, row: add_row(total, writer, row))
-        data = by_segment(total)
-    else:  # TensorFlow's tensors
-        send, = local.stage(pack, flats, [np.float32])
-        data = list(local.stage(add, [local.alltoall(send, splits, name)], [np.float32] * len(mine.segments)))
+    if _arrays.is_array(flat):  # written from the bucket, summed from where it arrived
+        total = host_sum(_arrays.array_module(flat))
+        parts = [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+        local.alltoall_each(parts, splits, name, lambda writer, row: add_row(total, writer, row))
+    else:  # TensorFlow's tensors: the bucket is the message already, its slices in local-rank order
+        total, = local.stage(add, [local.alltoall(flat, splits, name)], [np.float32])
     if not local.eager:
-        return mine, data, None, None
-    xp = _arrays.array_module(flats[0]) if flats else np
+        return total, None, None
+    xp = _arrays.array_module(flat)
     message = buffers.get((bucket.name, "host slice"), max(lens), np.float32, xp)
-    message[lens[local.rank]:] = 0  # equal sizes, as torch.distributed's all_gather needs
-    return mine, data, by_segment(message), message
+    message[mine:] = 0  # equal sizes, as torch.distributed's all_gather needs
+    return total, message[:mine], message
 
 
-def _gather(bucket: Bucket, slices: list, results: list, local: Collectives, outs, message, buffers) -> list:
-    """Two levels, step 6: every local rank's result slice, into one flat per tensor (`outs`, else
-    the result arrays `buffers` keeps). `message`: the padded buffer the results lie in (eager),
-    else they are packed into one here."""
-    lens = [sum(s.size for s in segs) for segs in slices]
+def _gather(bucket: Bucket, cuts: list, result, local: Collectives, out, message, buffers):
+    """Two levels, step 6: every local rank's result slice into one flat (`out`, else the result
+    array `buffers` keeps). `message`: the padded buffer the results lie in (eager), else they
+    are padded into one here."""
+    lens = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+    longest = max(lens)
 
-    def pack(*results):
+    def pack(result):
         if message is not None:
             return (message,)
-        xp = _arrays.array_module(results[0]) if results else np
-        packed = xp.zeros(max(lens), xp.float32)  # equal sizes, as torch.distributed's all_gather needs
-        if results:
-            packed[:lens[local.rank]] = xp.concatenate(results)
+        xp = _arrays.array_module(result)
+        packed = xp.zeros(longest, xp.float32)  # equal sizes, as torch.distributed's all_gather needs
+        packed[:result.size] = result
         return (packed,)
 
-    def place(out, j, row):
-        at = 0
-        for s in slices[j]:
-            out[s.tensor][s.start:s.stop] = row[at:at + s.size]
-            at += s.size
-
     def fresh(xp):
-        if outs is not None:
-            return outs
-        return [buffers.result((bucket.name, k), n, xp) for k, n in enumerate(bucket.sizes)]
+        return out if out is not None else buffers.result((bucket.name, "gathered"), cuts[-1], xp)
+
+    def place(whole, j, row):
+        whole[cuts[j]:cuts[j + 1]] = row[:lens[j]]
 
     def unpack(gathered):
-        out = fresh(_arrays.array_module(gathered))
-        for j, row in enumerate(gathered.reshape(local.world, max(lens))):
-            place(out, j, row)
-        return tuple(out)
+        whole = fresh(_arrays.array_module(gathered))
+        for j, row in enumerate(gathered.reshape(local.world, longest)):
+            place(whole, j, row)
+        return (whole,)
 
-    sent, = local.stage(pack, results, [np.float32])
+    sent, = local.stage(pack, [result], [np.float32])
     name = f"{bucket.name}.host_gather"
     if not _arrays.is_array(sent):  # TensorFlow's tensors
-        return list(local.stage(unpack, [local.allgather(sent, name)], [np.float32] * len(bucket.sizes)))
-    out = fresh(_arrays.array_module(sent))  # each slice copied once, from where it arrived
-    local.allgather_each(sent, name, lambda j, row: place(out, j, row))
-    return out
+        whole, = local.stage(unpack, [local.allgather(sent, name)], [np.float32])
+        return whole
+    whole = fresh(_arrays.array_module(sent))  # each slice copied once, from where it arrived
+    local.allgather_each(sent, name, lambda j, row: place(whole, j, row))
+    return whole
 
 
-def _native(stages, bucket: Bucket, flats: list, world: Collectives, outs, divisor: int, dtype: str) -> list:
+def _native(stages, bucket: Bucket, flat, world: Collectives, out, divisor: int, dtype: str):
     """policy="auto" where codes do not pay: the framework's own allreduce of the bucket in
     `dtype`, counted in the stats and the bytes. The casts run as stages, so the arrays are
     NumPy or CuPy there even where the framework's are tensors (TensorFlow)."""
     dtype = np.dtype(dtype)
 
-    def cast(*arrays):
-        return (_arrays.array_module(arrays[0]).concatenate([a.astype(dtype) for a in arrays]),)
+    def cast(array):
+        return (array.astype(dtype),)
 
-    def split(total):
+    def back(total):
         xp = _arrays.array_module(total)
-        results = outs if outs is not None else [xp.empty(n, xp.float32) for n in bucket.sizes]
-        at = 0
-        for out, n in zip(results, bucket.sizes):
-            out[...] = total[at:at + n].astype(np.float32)
-            if divisor != 1:
-                out /= np.float32(divisor)
-            at += n
-        return tuple(results)
+        result = out if out is not None else xp.empty(total.size, xp.float32)
+        result[...] = total.astype(np.float32)
+        if divisor != 1:
+            result /= np.float32(divisor)
+        return (result,)
 
-    flat, = world.stage(cast, flats, [dtype])
-    total = world.allreduce(flat, f"{bucket.name}.native")
-    results = list(world.stage(split, [total], [np.float32] * len(bucket.sizes)))
+    wire, = world.stage(cast, [flat], [dtype])
+    total = world.allreduce(wire, f"{bucket.name}.native")
+    result, = world.stage(back, [total], [np.float32])
     count_native(stages.stats, stages.state, bucket.keys, zip(bucket.labels, bucket.sizes), dtype.name,
                  ring_bytes(dtype.itemsize * sum(bucket.sizes), world.world))
-    return results
+    return result
 
 
 def ring_bytes(nbytes: float, world: int) -> float:

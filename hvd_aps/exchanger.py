@@ -79,19 +79,20 @@ class Exchanger:
         future.add_done_callback(lambda done: self._ended(done.exception()))
         return future
 
-    def bucket(self, levels: exchange.Levels, global_rank: int, bucket: Bucket, flats: list,
-               threaded: bool = True, **options) -> "concurrent.futures.Future | Done":
-        """One bucket through the driver (hvd_aps.exchange.run, `options` its keywords) -> a
-        Future of its results: on the threads where `threaded` (eager torch, so backward goes
-        on), else in the caller's thread (TF's ops, which TF itself runs in parallel)."""
+    def bucket(self, levels: exchange.Levels, global_rank: int, bucket: Bucket, flat, threaded: bool = True,
+               **options) -> "concurrent.futures.Future | Done":
+        """One bucket (its gradients end to end in `flat`) through the driver (hvd_aps.exchange.run,
+        `options` its keywords) -> a Future of its flat results: on the threads where `threaded`
+        (eager torch, so backward goes on), else in the caller's thread (TF's ops, which TF itself
+        runs in parallel)."""
         stages = self.stages(levels.cross.world, levels.cross.rank, global_rank)
         if threaded:
-            return self.submit(exchange.run, stages, bucket, flats, levels, **options)
+            return self.submit(exchange.run, stages, bucket, flat, levels, **options)
         with self.exchange():
-            return Done(exchange.run(stages, bucket, flats, levels, **options))
+            return Done(exchange.run(stages, bucket, flat, levels, **options))
 
     @staticmethod
-    def result(future: "concurrent.futures.Future | Done") -> list:
+    def result(future: "concurrent.futures.Future | Done"):
         """An exchange's results, waited for: while the caller waits, the codec takes every core."""
         with codec.awaited():
             return future.result()
@@ -166,10 +167,10 @@ class Done:
     Plain Python: TensorFlow's autograph, tracing the caller, converts its result() where it
     warns that it cannot convert concurrent.futures.Future's."""
 
-    def __init__(self, results: list):
+    def __init__(self, results):
         self._results = results
 
-    def result(self) -> list:
+    def result(self):
         return self._results
 
 

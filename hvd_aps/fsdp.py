@@ -118,8 +118,8 @@ class CrossHostHook:
         values = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
         bucket = Bucket.whole(self.name, [self.name], [self.name], [values.numel()])
         with _backward_step(self.compressor):
-            exchange.run(stages, bucket, [_arrays.as_array(values)], exchange.Levels.flat(coll),
-                         outs=[_arrays.as_array(values)], divisor=self.world)
+            array = _arrays.as_array(values)
+            exchange.run(stages, bucket, array, exchange.Levels.flat(coll), out=array, divisor=self.world)
         if values is not flat:
             flat.copy_(values)
 

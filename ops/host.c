@@ -310,3 +310,121 @@ void hvd_amax_blocks(const float *x, int64_t n, int64_t block, float *peaks) {
 void hvd_store_release(int64_t *counter, int64_t value) { __atomic_store_n(counter, value, __ATOMIC_RELEASE); }
 
 int64_t hvd_load_acquire(const int64_t *counter) { return __atomic_load_n(counter, __ATOMIC_ACQUIRE); }
+
+/*
+ * Block tables: one engine call per stage of a bucket's exchange. Row b of `table` (HVD_COLUMNS
+ * int64 each) is one block of at most a re-encode block's codes:
+ *   SRC   its first element in the float32 array read or written (x, out, residual),
+ *   COUNT its elements,
+ *   BASE  the byte where its packed stream starts (a destination's part of a message),
+ *   POS   the code position of its first element in that stream,
+ *   INDEX stochastic rounding's hash index of its first element (its place in its tensor).
+ * hvd_aps/_tables.py makes the tables once per bucket layout. A call covers blocks b0 .. b1, the
+ * first from its element o0 on, the last up to (not including) its element o1: a thread's share,
+ * cut where no byte of a packed stream is shared with another thread's share. Per block: its
+ * exponent (shifts[b]), its seed (seeds[b]) and its decode table (tables + (which[b] << bits)).
+ */
+#define HVD_SRC 0
+#define HVD_COUNT 1
+#define HVD_BASE 2
+#define HVD_POS 3
+#define HVD_INDEX 4
+#define HVD_COLUMNS 5
+
+/* Elements [*lo, *hi) of block b within the share (b0, o0) .. (b1, o1). */
+static inline void share_of(const int64_t *row, int64_t b, int64_t b0, int64_t o0, int64_t b1, int64_t o1, int64_t *lo,
+                            int64_t *hi) {
+  *lo = b == b0 ? o0 : 0;
+  *hi = b == b1 ? o1 : row[HVD_COUNT];
+}
+
+/* peaks[b] = max |x| over block b (whole blocks b0 .. b1 - 1), +Inf where it holds a NaN or Inf. */
+void hvd_table_amax(const float *x, const int64_t *table, int64_t b0, int64_t b1, float *peaks) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t *row = table + b * HVD_COLUMNS;
+    peaks[b] = hvd_amax(x + row[HVD_SRC], row[HVD_COUNT]);
+  }
+}
+
+/* Code j of a packed stream of `bits`-bit codes. */
+static inline hvd_u32 stream_code(const uint8_t *stream, int64_t j, int32_t bits) {
+  return bits == 8 ? stream[j] : bits == 4 ? (stream[j >> 1] >> ((j & 1) * 4)) & 15u : hvd_unpack_code(stream, j, bits);
+}
+
+/* Every block's elements encoded at its exponent into its stream (hvd_encode_row); with `res`,
+ * what the codes lost (x minus their value, table `which[b]`) into res at the same offsets. */
+void hvd_table_encode(const float *x, const int64_t *table, int64_t b0, int64_t o0, int64_t b1, int64_t o1,
+                      uint8_t *message, hvd_fmt_t f, const int32_t *shifts, int32_t stochastic, const uint64_t *seeds,
+                      float *res, const float *tables, const int32_t *which) {
+  const int32_t bits = 1 + f.exp_bits + f.man_bits;
+  for (int64_t b = b0; b <= b1; ++b) {
+    const int64_t *row = table + b * HVD_COLUMNS;
+    int64_t lo, hi;
+    if (b == b1 && o1 == 0) break;
+    share_of(row, b, b0, o0, b1, o1, &lo, &hi);
+    if (lo >= hi) continue;
+    const float *xb = x + row[HVD_SRC];
+    uint8_t *stream = message + row[HVD_BASE];
+    hvd_encode_row(xb + lo, hi - lo, row[HVD_INDEX] + lo, stream, row[HVD_POS] + lo, f, shifts[b], stochastic,
+                   stochastic ? seeds[b] : 0u);
+    if (res) {
+      const float *t = tables + ((int64_t)which[b] << bits);
+      float *rb = res + row[HVD_SRC];
+      for (int64_t i = lo; i < hi; ++i) rb[i] = xb[i] - t[stream_code(stream, row[HVD_POS] + i, bits)];
+    }
+  }
+}
+
+/* The ranks' codes of every block (whole blocks b0 .. b1 - 1) summed in rank order into out at
+ * SRC (hvd_sum_rows: rows `stride` bytes apart, each block's stream at BASE of every row), its
+ * max |sum| into peaks[b]. */
+void hvd_table_sum(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, const int64_t *table, int64_t b0,
+                   int64_t b1, float *out, const float *tables, const int32_t *which, float *peaks) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t *row = table + b * HVD_COLUMNS;
+    peaks[b] = hvd_sum_rows(rows + row[HVD_BASE], stride, ranks, bits, row[HVD_POS], row[HVD_POS] + row[HVD_COUNT],
+                            out + row[HVD_SRC], tables + ((int64_t)which[b] << bits));
+  }
+}
+
+/* Every block's codes (its stream at BASE, from POS) decoded through table `which[b]` into out at SRC. */
+void hvd_table_decode(const uint8_t *message, int32_t bits, const int64_t *table, int64_t b0, int64_t b1, float *out,
+                      const float *tables, const int32_t *which, int32_t stream) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t *row = table + b * HVD_COLUMNS;
+    hvd_decode_row(message + row[HVD_BASE], bits, row[HVD_POS], row[HVD_POS] + row[HVD_COUNT], out + row[HVD_SRC],
+                   tables + ((int64_t)which[b] << bits), stream);
+  }
+}
+
+/*
+ * The stats' sample of every block (whole blocks b0 .. b1 - 1): elements first[b], first[b] +
+ * step[b], ... of the block, against the value their codes (BASE, POS) carry (table which[b])
+ * and the largest magnitude the format takes at the block's exponent (limits[b]). Into
+ * sums[HVD_STATS * b ...]: samples, nonzero inputs, nonzero values sent, inputs beyond the
+ * limit, sum of (sent - input)^2 and of input^2 (doubles, as the Python stats take them).
+ */
+#define HVD_STATS 6
+
+void hvd_table_stats(const float *x, const uint8_t *message, int32_t bits, const int64_t *table, int64_t b0, int64_t b1,
+                     const int64_t *first, const int64_t *step, const float *tables, const int32_t *which,
+                     const float *limits, double *sums) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t *row = table + b * HVD_COLUMNS;
+    const float *xb = x + row[HVD_SRC], *t = tables + ((int64_t)which[b] << bits), limit = limits[b];
+    const uint8_t *stream = message + row[HVD_BASE];
+    double count = 0, nonzero = 0, sent_nonzero = 0, saturated = 0, error = 0, norm = 0;
+    for (int64_t i = first[b]; i < row[HVD_COUNT]; i += step[b]) {
+      const float v = xb[i], sent = t[stream_code(stream, row[HVD_POS] + i, bits)];
+      const double d = (double)sent - (double)v;
+      count += 1;
+      nonzero += v != 0.0f;
+      sent_nonzero += sent != 0.0f;
+      saturated += v > limit || v < -limit;
+      error += d * d;
+      norm += (double)v * (double)v;
+    }
+    double *s = sums + HVD_STATS * b;
+    s[0] = count, s[1] = nonzero, s[2] = sent_nonzero, s[3] = saturated, s[4] = error, s[5] = norm;
+  }
+}

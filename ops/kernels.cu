@@ -265,3 +265,138 @@ extern "C" __global__ void hvd_amax_blocks(const float *x, long long n, long lon
     hvd_warp_block_max(active ? hvd_f32_bits(x[i]) & 0x7FFFFFFFu : 0u, active ? i / block : 0, active, peaks);
   }
 }
+
+/*
+ * Block tables (host.c's hvd_table_*, hvd_aps/_tables.py): one launch per stage of a bucket,
+ * one thread block per table row. Row b (HVD_COLUMNS long longs): SRC, its first element in the
+ * float32 array; COUNT; BASE, the byte its packed stream starts at; POS, its first code's place
+ * in that stream; INDEX, stochastic rounding's hash index of its first element. Per row: its
+ * exponent shifts[b] (and seed seeds[b]).
+ */
+#define HVD_SRC 0
+#define HVD_COUNT 1
+#define HVD_BASE 2
+#define HVD_POS 3
+#define HVD_INDEX 4
+#define HVD_COLUMNS 5
+
+/* peaks[b] = max(itself, the bits of max |x| over row b's elements); peaks start at 0. */
+extern "C" __global__ void hvd_table_amax(const float *x, const long long *table, unsigned int *peaks) {
+  const long long *row = table + (long long)blockIdx.x * HVD_COLUMNS;
+  const float *xb = x + row[HVD_SRC];
+  unsigned int m = 0u;
+  for (long long i = threadIdx.x; i < row[HVD_COUNT]; i += blockDim.x) m = max(m, hvd_f32_bits(xb[i]) & 0x7FFFFFFFu);
+  hvd_block_max(m, peaks + blockIdx.x);
+}
+
+/* Byte j of a stream: `mask` the bits this row's codes own, `byte` their values. A byte the row
+ * owns whole is stored; one it shares with a neighbouring row of the same stream has only its
+ * own bits replaced, atomically on the aligned word, while the neighbour replaces its own. */
+__device__ __forceinline__ void hvd_store_bits(unsigned char *stream, long long j, unsigned int mask, unsigned int byte) {
+  if (mask == 0xFFu) {
+    stream[j] = (unsigned char)byte;
+    return;
+  }
+  unsigned char *at = stream + j;
+  unsigned int *word = reinterpret_cast<unsigned int *>(reinterpret_cast<size_t>(at) & ~(size_t)3);
+  const unsigned int shift = 8u * (unsigned int)(reinterpret_cast<size_t>(at) & 3);
+  atomicAnd(word, ~(mask << shift));
+  atomicOr(word, (byte & mask) << shift);
+}
+
+/* Every row's codes at its exponent into its stream, one thread per byte of it (a code that
+ * straddles two bytes is encoded by both threads alike); with `res`, what each code lost (x
+ * minus its value) into res at SRC, written by the thread holding the code's first bit. */
+extern "C" __global__ void hvd_table_encode(const float *x, const long long *table, unsigned char *message, int e,
+                                            int m, int policy, int saturate, const int *shifts, int stochastic,
+                                            const unsigned long long *seeds, float *res) {
+  const long long *row = table + (long long)blockIdx.x * HVD_COLUMNS;
+  const hvd_fmt_t f = hvd_make_fmt(e, m, policy, saturate);
+  const hvd_encoder_t p = hvd_encoder(f);
+  const int bits = 1 + e + m, shift = shifts[blockIdx.x];
+  const long long pos = row[HVD_POS], n = row[HVD_COUNT];
+  const float *xb = x + row[HVD_SRC];
+  unsigned char *stream = message + row[HVD_BASE];
+  const unsigned long long seed = stochastic ? seeds[blockIdx.x] : 0ull;
+  const long long end = ((pos + n) * bits + 7) / 8;
+  for (long long j = pos * bits / 8 + threadIdx.x; j < end; j += blockDim.x) {
+    unsigned int byte = 0u, mask = 0u;
+    const long long first = max(hvd_pack_first(j, bits), pos), last = hvd_pack_last(j, bits, pos + n);
+    for (long long i = first; i <= last; ++i) {
+      const unsigned int r = stochastic ? hvd_random32(seed, (unsigned long long)(row[HVD_INDEX] + i - pos)) : 0u;
+      const unsigned int code = hvd_encode_one(xb[i - pos], p, shift, stochastic, r);
+      byte |= hvd_pack_piece(code, i, bits, j);
+      mask |= hvd_pack_piece((1u << bits) - 1u, i, bits, j);
+      if (res && i * bits / 8 == j) res[row[HVD_SRC] + i - pos] = xb[i - pos] - hvd_decode_one(code, f, shift);
+    }
+    hvd_store_bits(stream, j, mask, byte);
+  }
+}
+
+/* out[SRC + i] = the sum over `ranks` packed rows (`stride` bytes apart, the row's stream at
+ * BASE of each) of its code POS + i decoded at shifts[b], in rank order from +0.0; peaks[b] the
+ * bits of the row's max |sum| (peaks start at 0). */
+extern "C" __global__ void hvd_table_sum(const unsigned char *rows, long long stride, int ranks,
+                                         const long long *table, float *out, int e, int m, int policy,
+                                         const int *shifts, unsigned int *peaks) {
+  __shared__ float values[256];
+  const long long *row = table + (long long)blockIdx.x * HVD_COLUMNS;
+  const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
+  const int bits = 1 + e + m, small = bits <= 8, shift = shifts[blockIdx.x];
+  if (small) hvd_fill_table(values, 1 << bits, f, shift, 1.0f);
+  unsigned int top = 0u;
+  for (long long i = threadIdx.x; i < row[HVD_COUNT]; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int r = 0; r < ranks; ++r)
+      acc += hvd_value(values, small, hvd_unpack_code(rows + r * stride + row[HVD_BASE], row[HVD_POS] + i, bits), f,
+                       shift);
+    out[row[HVD_SRC] + i] = acc;
+    top = max(top, hvd_f32_bits(acc) & 0x7FFFFFFFu);
+  }
+  hvd_block_max(top, peaks + blockIdx.x);
+}
+
+/* out[SRC + i] = code POS + i of the row's stream (at BASE) decoded at shifts[b], divided by
+ * `divisor` in float32 (the average's N). */
+extern "C" __global__ void hvd_table_decode(const unsigned char *message, const long long *table, float *out, int e,
+                                            int m, int policy, const int *shifts, float divisor) {
+  const long long *row = table + (long long)blockIdx.x * HVD_COLUMNS;
+  const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
+  const int bits = 1 + e + m, shift = shifts[blockIdx.x];
+  const unsigned char *stream = message + row[HVD_BASE];
+  for (long long i = threadIdx.x; i < row[HVD_COUNT]; i += blockDim.x)
+    out[row[HVD_SRC] + i] = hvd_divided(hvd_decode_one(hvd_unpack_code(stream, row[HVD_POS] + i, bits), f, shift),
+                                        divisor);
+}
+
+#define HVD_STATS 6 /* samples, nonzero inputs, nonzero values sent, inputs beyond the limit, error^2, input^2 */
+
+/* host.c's hvd_table_stats: row b's sample (elements first[b], + step[b], ...) against the values
+ * its codes carry, summed per row into sums[HVD_STATS * b ...] (doubles; a tree's order). */
+extern "C" __global__ void hvd_table_stats(const float *x, const unsigned char *message, const long long *table,
+                                           const long long *first, const long long *step, int e, int m, int policy,
+                                           const int *shifts, const float *limits, double *sums) {
+  __shared__ double partial[HVD_STATS][256];
+  const long long *row = table + (long long)blockIdx.x * HVD_COLUMNS;
+  const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
+  const int bits = 1 + e + m, shift = shifts[blockIdx.x];
+  const float limit = limits[blockIdx.x];
+  const unsigned char *stream = message + row[HVD_BASE];
+  double s[HVD_STATS] = {0, 0, 0, 0, 0, 0};
+  for (long long i = first[blockIdx.x] + threadIdx.x * step[blockIdx.x]; i < row[HVD_COUNT];
+       i += (long long)blockDim.x * step[blockIdx.x]) {
+    const float v = x[row[HVD_SRC] + i];
+    const float sent = hvd_decode_one(hvd_unpack_code(stream, row[HVD_POS] + i, bits), f, shift);
+    const double d = (double)sent - (double)v;
+    s[0] += 1.0, s[1] += v != 0.0f, s[2] += sent != 0.0f, s[3] += v > limit || v < -limit;
+    s[4] += d * d, s[5] += (double)v * (double)v;
+  }
+  for (int k = 0; k < HVD_STATS; ++k) partial[k][threadIdx.x] = s[k];
+  __syncthreads();
+  for (int width = blockDim.x / 2; width > 0; width >>= 1) {
+    if ((int)threadIdx.x < width)
+      for (int k = 0; k < HVD_STATS; ++k) partial[k][threadIdx.x] += partial[k][threadIdx.x + width];
+    __syncthreads();
+  }
+  if (threadIdx.x < HVD_STATS) sums[HVD_STATS * (long long)blockIdx.x + threadIdx.x] = partial[threadIdx.x][0];
+}

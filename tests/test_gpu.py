@@ -204,14 +204,58 @@ def test_calibration_times_the_gpu_engine_on_mirrored_ranks():
     grads = [rng.standard_normal(5000).astype(np.float32), rng.standard_normal(700).astype(np.float32) * 1e-3]
     bucket = Bucket.whole("mirrored", ["a", "b"], ["a", "b"], [g.size for g in grads])
 
-    def rank0(arrays):
+    def rank0(flat):
         comp = hvd_aps.APSCompressor("e4m3", chunk_bytes=0)
-        got = exchange.run(comp.exchanger.stages(4, 0), bucket, arrays, exchange.Levels.flat(calibration.Mirror(4)),
+        got = exchange.run(comp.exchanger.stages(4, 0), bucket, flat, exchange.Levels.flat(calibration.Mirror(4)),
                            average=True)
-        return np.concatenate([cupy.asnumpy(g) for g in got])
+        return cupy.asnumpy(got)
 
     share = int(_layout.Layout(bucket.segments, 4).shards[1])
-    want, got = cpu(rank0, [g.copy() for g in grads]), rank0([cupy.asarray(g) for g in grads])
+    want, got = cpu(rank0, np.concatenate(grads)), rank0(cupy.asarray(np.concatenate(grads)))
     assert (got[:share].view(np.uint32) == want[:share].view(np.uint32)).all()
     saved = calibration.calibrate(["e4m3"], 8, ((1 << 14, 1), (1 << 20, 1), (1 << 20, 8)), repeats=1, device="cuda")
     assert saved["engine"] == "cupy" and saved["device"] != "cpu" and saved["codecs"]["e4m3"]["device"]
+
+
+@pytest.mark.parametrize("name", ["e2m1fn", "e4m3", "e3m2", "e5m10"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_table_stages_match_the_host_engine(name, rounding):
+    """The CuPy engine's table functions (one launch a stage, neighbouring blocks sharing the
+    bytes of a packed stream) give the host engine's bytes and bits on a real layout's tables."""
+    from hvd_aps import _cupy_engine, _host_engine
+    from test_tables import data, plan
+    fmt = hvd_aps.FloatFormat.parse(name)
+    held, chunks = plan(fmt)
+    x = data(held.blocks.elements)
+    rng = np.random.default_rng(5)
+    for chunk in chunks:
+        lane = chunk.lanes[0]
+        shifts = rng.integers(-3, 8, lane.send.count).astype(np.int32)
+        seeds = rng.integers(0, 2 ** 63, lane.send.count).astype(np.uint64)
+        stale = rng.integers(0, 256, chunk.send_bytes).astype(np.uint8)
+        stale[chunk.clear_send] = 0
+        want, got = stale.copy(), cupy.asarray(stale)
+        want_res, got_res = np.zeros_like(x), cupy.zeros(x.size, cupy.float32)
+        _host_engine.table_encode(x, fmt, lane.send, shifts, rounding, seeds, False, want, want_res)
+        _cupy_engine.table_encode(cupy.asarray(x), fmt, lane.send, shifts, rounding, seeds, False, got, got_res)
+        assert (cupy.asnumpy(got) == want).all() and (cupy.asnumpy(got_res).view(np.uint32) == want_res.view(np.uint32)).all()
+        first, step = rng.integers(0, 4, lane.send.count), rng.integers(1, 5, lane.send.count)
+        limits = np.ldexp(np.float64(fmt.max), -shifts.astype(np.int64)).astype(np.float32)
+        host = _host_engine.table_stats(x, want, fmt, lane.send, shifts, first, step, limits)
+        device = cupy.asnumpy(_cupy_engine.table_stats(cupy.asarray(x), got, fmt, lane.send, shifts, first, step, limits))
+        assert (device[:, :4] == host[:, :4]).all() and np.allclose(device[:, 4:], host[:, 4:], rtol=1e-12)
+        rows = rng.integers(0, 256, (3, chunk.row_bytes)).astype(np.uint8)
+        dec = rng.integers(-4, 6, lane.reduce.count).astype(np.int32)
+        want_sum, got_sum = np.zeros(lane.range[1] - lane.range[0], np.float32), cupy.zeros(lane.range[1] - lane.range[0], cupy.float32)
+        want_peaks = _host_engine.table_sum(rows, fmt, lane.reduce, dec, want_sum)
+        got_peaks = _cupy_engine.table_sum(cupy.asarray(rows), fmt, lane.reduce, dec, got_sum)
+        assert (cupy.asnumpy(got_sum).view(np.uint32) == want_sum.view(np.uint32)).all()
+        assert got_peaks.tobytes() == want_peaks.tobytes()
+        gathered = rng.integers(0, 256, sum(chunk.owner_bytes)).astype(np.uint8)
+        exps = rng.integers(-6, 6, lane.finish.count).astype(np.int32)
+        want_out, got_out = np.zeros_like(x), cupy.zeros(x.size, cupy.float32)
+        _host_engine.table_decode(gathered, fmt, lane.finish, exps, want_out, np.float32(3))
+        _cupy_engine.table_decode(cupy.asarray(gathered), fmt, lane.finish, exps, got_out, np.float32(3))
+        assert (cupy.asnumpy(got_out).view(np.uint32) == want_out.view(np.uint32)).all()
+    peaks = _cupy_engine.table_amax(cupy.asarray(x), held.blocks)
+    assert peaks.tobytes() == _host_engine.table_amax(x, held.blocks).tobytes()

@@ -27,10 +27,10 @@ def simulate(grads, compressors, levels=None, average=True, name="bucket", keys=
         stages = compressors[r].exchanger.stages(lv.cross.world, lv.cross.rank, r)
         bucket = Bucket.whole(name, keys or [f"{name}[{i}]" for i in range(len(sizes))],
                               [f"{name}[{i}]" for i in range(len(sizes))], sizes)
-        out = exchange.run(stages, bucket, grads[r], lv, average=average)
+        out = exchange.run(stages, bucket, np.concatenate(grads[r]), lv, average=average)
         if commit:
             compressors[r].state.commit()
-        return [o.copy() for o in out]
+        return [o.copy() for o in bucket.split(out)]
 
     return run_ranks(rank_run, world), [c.bytes_sent for c in compressors]
 
@@ -297,7 +297,7 @@ def test_hybrid_error_estimate_is_the_sampled_relative_error():
     sample = x[::(x.size // HYBRID_SAMPLE) | 1]
     s = hvd_aps.scaling.shift_for(float(np.abs(x).max()), 2, "e2m1fn", model.F32_MAX)
     want = np.mean(np.abs(model.rounded(sample, "e2m1fn", s) - sample) / np.abs(sample))
-    vector, _ = stages.metadata(Bucket.whole("b", ["b[0]"], ["b[0]"], [x.size]), [x])
+    vector, _ = stages.metadata(Bucket.whole("b", ["b[0]"], ["b[0]"], [x.size]), x)
     assert vector[3] == pytest.approx(want, rel=1e-6) and 0.5 < want < 0.6  # [amax, size, -size, error, ...]
 
 

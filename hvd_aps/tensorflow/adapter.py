@@ -94,6 +94,10 @@ def flatten(tensor):
     return tf.reshape(tf.cast(tensor, tf.float32), [-1])
 
 
+def join(flats):
+    return tf.concat(flats, 0)
+
+
 def token(tensor):
     return tf.constant(_tokens.token_values(hvd.rank()))
 

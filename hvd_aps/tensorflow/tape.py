@@ -43,10 +43,10 @@ def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
         bucket = Bucket.whole(f"{name}.bucket{b}", keys, [label(tensors[i]) for i in members],
                               [sizes[i] for i in members])
         # a bucket that raises gives the step up (Exchanger.exchange): the state as before the call
-        results = exchanger.bucket(lv, hvd.rank(), bucket, [flatten(tensors[i]) for i in members], threaded=False,
-                                   average=op == hvd.Average).result()
-        exchanged.extend(results)
-        for i, result in zip(members, results):
+        result = exchanger.bucket(lv, hvd.rank(), bucket, tf.concat([flatten(tensors[i]) for i in members], 0),
+                                  threaded=False, average=op == hvd.Average).result()
+        exchanged.append(result)
+        for i, result in zip(members, bucket.split(result)):
             out[i] = tf.cast(tf.reshape(result, tf.shape(tensors[i])), tensors[i].dtype)
     done = ended(exchanger.end_step, exchanged) if buckets else None
     if done is None:

@@ -120,6 +120,11 @@ def flatten(tensor):
     return flat.numpy() if flat.device.type == "cpu" else _arrays.as_array(flat)
 
 
+def join(flats):
+    """One copy of the batch's gradients end to end."""
+    return _arrays.concatenated(flats)
+
+
 def token(tensor):
     return torch.from_numpy(_tokens.token_values(hvd.rank())).to(tensor.device)
 

@@ -14,6 +14,7 @@ import warnings
 
 import horovod.torch as hvd
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from .. import _arrays, _layout
 from .._stages import Bucket
@@ -79,16 +80,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self._buckets[b]]
-        # float32 gradients take the result in place, others a float32 copy converted back in synchronize()
-        targets = [g.view(-1) if g.dtype == torch.float32 and g.is_contiguous()
-                   else torch.empty(g.numel(), dtype=torch.float32, device=g.device) for g in grads]
+        # one float32 copy of the bucket's gradients end to end, exchanged in place; synchronize()
+        # copies the results back into the gradients
+        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads])
         bucket = Bucket.whole(f"hvd_aps.bucket{b}", [self._names[p] for p in self._buckets[b]],
                               [label(g) for g in grads], [g.numel() for g in grads])
         lv = levels(self._compression.config.hierarchical)  # anew after an elastic reset
-        self._futures[b] = self._compression.exchanger.bucket(
-            lv, hvd.rank(), bucket, [flatten(g) for g in grads], outs=[_arrays.as_array(t) for t in targets],
-            average=self._op == hvd.Average)
-        self._targets[b] = targets
+        array = _arrays.as_array(flat)
+        self._futures[b] = self._compression.exchanger.bucket(lv, hvd.rank(), bucket, array, out=array,
+                                                              average=self._op == hvd.Average)
+        self._targets[b] = flat
 
     def synchronize(self):
         """Finish every exchange of this step and write the results into the gradients. If one
@@ -117,10 +118,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._compression.exchanger.abort_step()  # after its exchanges: nothing writes once forgotten
             self._reset()
             raise
-        for b, targets in self._targets.items():
-            for p, result in zip(self._buckets[b], targets):
-                if result.data_ptr() != p.grad.data_ptr():
-                    p.grad.copy_(result.reshape(p.shape))
+        for b, flat in self._targets.items():
+            grads = [p.grad for p in self._buckets[b]]
+            torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
         for p, (_, wire) in self._handles.items():
             if wire is not p.grad:
                 p.grad.copy_(wire)

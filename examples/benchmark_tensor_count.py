@@ -1,0 +1,130 @@
+"""The exchange's host cost against the number of tensors: the same elements in 1 to 1000 tensors,
+on every entry point.
+
+    python examples/benchmark_tensor_count.py [--elements 4194304] [--counts 1,10,100,300,1000]
+                                              [--entry-points driver,horovod,codes,ddp,fsdp,tensorflow]
+
+driver: the exchange driver alone (hvd_aps.exchange.run), as rank 0 of 2 ranks that hold the same
+gradients (hvd_aps.calibration.Mirror): nothing waits for a wire, so its time is the exchange's own
+host work, stats on as users run it. The entry points run 2 ranks on loopback (horovodrun --gloo,
+torchrun with Gloo) on a model of T vectors (synthetic_models' `tensors` profile: each gradient a
+fixed vector, so the step is mostly the exchange), timed after the run-time schedule settled, beside
+the framework's own float32 allreduce of the same model (in the same job, timed steps alternated,
+where the benchmark script takes several compressions: Horovod's torch benchmark; else in jobs back
+to back): horovod is the one-line compressor in horovod.torch.DistributedOptimizer, codes
+hvd_aps.torch.DistributedOptimizer, ddp the DDP hook, fsdp FSDP2's reduce-scatter (one flat buffer a
+module whatever its tensors), tensorflow the one-line compressor in Horovod's TF tape. For each,
+the median step in ms at every tensor count and the cost per tensor: the step's growth from the
+fewest tensors to the most, divided by the tensors added.
+"""
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).parent
+BIN = pathlib.Path(sys.executable).parent
+RANKS = 2
+LAUNCH_TIMEOUT_S = 900
+# entry point -> (launcher, script, the compressions it times: the framework's own first)
+ENTRY_POINTS = {
+    "horovod": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,aps-e4m3"]),
+    "codes": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,codes-e4m3"]),
+    "ddp": ("torchrun", "pytorch_ddp_synthetic_benchmark.py", ["none", "aps-e4m3"]),
+    "fsdp": ("torchrun", "pytorch_fsdp_synthetic_benchmark.py", ["none", "aps-e4m3"]),
+    "tensorflow": ("horovodrun", "tensorflow2_synthetic_benchmark.py", ["none", "aps-e4m3"]),
+}
+
+
+def driver_ms(elements: int, tensors: int, repeats: int = 9) -> float:
+    """Median ms of one exchange of `elements` in `tensors` equal tensors, rank 0 of RANKS mirrored."""
+    import hvd_aps
+    from hvd_aps import calibration, exchange
+    from hvd_aps._stages import Bucket
+    comp = hvd_aps.APSCompressor("e4m3", chunk_bytes=0)
+    stages = comp.exchanger.stages(RANKS, 0)
+    sizes = [elements // tensors] * tensors
+    flat = (np.random.default_rng(0).standard_normal(sum(sizes)) * 1e-3).astype(np.float32)
+    out = np.empty_like(flat)
+    keys = [f"t{i}" for i in range(tensors)]
+    bucket = Bucket.whole(f"count{tensors}", keys, keys, sizes)
+    levels = exchange.Levels.flat(calibration.Mirror(RANKS))
+    times = []
+    for _ in range(repeats + 2):  # the first two make the tables and buffers
+        start = time.perf_counter()
+        exchange.run(stages, bucket, flat, levels, out=out, average=True)
+        comp.state.commit()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[2:])
+
+
+def launch(entry: str, compression: str, tensors: int, elements: int, args) -> dict:
+    """compression name -> median step ms of one job of `entry` on `tensors` vectors."""
+    launcher, script, _ = ENTRY_POINTS[entry]
+    prefix = ([str(BIN / "horovodrun"), "-np", str(RANKS), "-H", f"localhost:{RANKS}", "--gloo"]
+              if launcher == "horovodrun" else [str(BIN / "torchrun"), "--nproc-per-node", str(RANKS)])
+    command = prefix + [sys.executable, str(HERE / script), "--profile", "tensors", "--tensors", str(tensors),
+                        "--tensor-elements", str(elements // tensors), "--batch-size", "1", "--compression",
+                        compression, "--num-warmup-batches", str(args.warmup), "--num-iters", str(args.iters)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=HERE)
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode != 0 or not rows:
+        raise RuntimeError(f"{' '.join(command)} failed ({run.returncode}):\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
+    return {row["compression"]: 1e3 * row["step_median"] for row in rows}
+
+
+def per_tensor_us(ms: dict) -> float:
+    """The step's growth from the fewest tensors to the most, per tensor added, in microseconds."""
+    low, high = min(ms), max(ms)
+    return 1e3 * (ms[high] - ms[low]) / (high - low) if high > low else float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--elements", type=int, default=1 << 22, help="elements in every model (4M: 16 MiB)")
+    parser.add_argument("--counts", default="1,10,100,300,1000", help="tensor counts")
+    parser.add_argument("--entry-points", default="driver," + ",".join(ENTRY_POINTS))
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the schedule settles")
+    parser.add_argument("--iters", type=int, default=10, help="timed steps")
+    parser.add_argument("--json", help="write the table's rows here")
+    args = parser.parse_args()
+    counts = [int(c) for c in args.counts.split(",")]
+    rows = []
+    for entry in args.entry_points.split(","):
+        if entry == "driver":
+            ms = {t: driver_ms(args.elements, t) for t in counts}
+            rows.append({"entry": "driver", "codes_ms": ms})
+        else:
+            codes, native = {}, {}
+            for t in counts:
+                steps = {}
+                for names in ENTRY_POINTS[entry][2]:
+                    steps.update(launch(entry, names, t, args.elements, args))
+                native[t] = steps.pop("none")
+                codes[t] = next(iter(steps.values()))
+                print(f"[{entry}] {t} tensors: codes {codes[t]:.1f} ms, float32 {native[t]:.1f} ms", flush=True)
+            rows.append({"entry": entry, "codes_ms": codes, "float32_ms": native})
+        row = rows[-1]
+        row["codes_us_per_tensor"] = per_tensor_us(row["codes_ms"])
+        if "float32_ms" in row:
+            row["float32_us_per_tensor"] = per_tensor_us(row["float32_ms"])
+    header = f"{'entry point':>12} " + " ".join(f"{f'{t} tensors':>12}" for t in counts) + \
+        f" {'us/tensor':>10} {'fp32 us/tensor':>15}"
+    print(f"{args.elements} float32 elements in 1..{max(counts)} tensors, {RANKS} ranks; codes step ms "
+          f"(float32's in brackets)\n{header}")
+    for row in rows:
+        cells = " ".join(f"{row['codes_ms'][t]:5.1f}" + (f" ({row['float32_ms'][t]:4.1f})" if "float32_ms" in row
+                                                          else " " * 7) for t in counts)
+        native = f"{row['float32_us_per_tensor']:15.1f}" if "float32_ms" in row else " " * 15
+        print(f"{row['entry']:>12} {cells} {row['codes_us_per_tensor']:10.1f} {native}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

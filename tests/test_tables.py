@@ -1,0 +1,106 @@
+"""The block tables (hvd_aps._tables) and the engines' table functions: the compiled host engine,
+cut into many threads' shares, gives the NumPy engine's bytes and bits on tables of a real layout
+(segments of every size, sub-byte formats whose blocks start mid-byte, stochastic rounding,
+residuals, the stats' sample)."""
+import numpy as np
+import pytest
+
+from hvd_aps import _host_engine, _layout, _numpy_engine, _tables
+from hvd_aps._layout import Segment
+from hvd_aps.formats import FloatFormat
+
+pytestmark = pytest.mark.skipif(not _host_engine.available, reason="the compiled host engine is not built")
+SIZES = [5, 3000, 1, 9001, 2048, 4097, 700, 33]  # tensors that start anywhere in a packed stream
+
+
+@pytest.fixture
+def many_threads(monkeypatch):
+    """The host engine cutting every table into seven shares, however small."""
+    monkeypatch.setattr(_host_engine, "_MIN_CHUNK", 8)
+    monkeypatch.setattr(_host_engine, "_width", lambda: 7)
+
+
+def plan(fmt, world=3, rank=1, count=2):
+    segments = tuple(Segment(t, 0, n) for t, n in enumerate(SIZES))
+    held = _tables.held(segments)
+    layout = _layout.layout(segments, world)
+    lane = tuple(range(len(segments)))
+    return held, _tables.chunk_plans([lane], [fmt], [layout], [layout.chunk(count)], segments, held.offsets, world,
+                                     rank, padded=True)
+
+
+def data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n) * np.exp2(rng.integers(-20, 5, n))).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["e2m1fn", "e4m3", "e3m2", "e2m0", "e5m10"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_host_tables_give_the_numpy_engines_bytes(name, rounding, many_threads):
+    fmt = FloatFormat.parse(name)
+    held, chunks = plan(fmt)
+    x = data(held.blocks.elements)
+    rng = np.random.default_rng(1)
+    for chunk in chunks:
+        send = chunk.lanes[0].send
+        shifts = rng.integers(-3, 8, send.count).astype(np.int32)
+        seeds = rng.integers(0, 2 ** 63, send.count).astype(np.uint64)
+        messages, residuals = [], []
+        for engine in (_host_engine, _numpy_engine):
+            message = rng.integers(0, 256, chunk.send_bytes).astype(np.uint8)  # last step's bytes
+            message[chunk.clear_send] = 0
+            residual = np.full(x.size, np.nan, np.float32)
+            engine.table_encode(x, fmt, send, shifts, rounding, seeds, False, message, residual)
+            messages.append(message)
+            residuals.append(residual)
+        assert messages[0].tobytes() == messages[1].tobytes()
+        assert residuals[0].tobytes() == residuals[1].tobytes()
+        first = rng.integers(0, 5, send.count)
+        step = rng.integers(1, 6, send.count)
+        limits = np.ldexp(np.float64(fmt.max), -shifts.astype(np.int64)).astype(np.float32)
+        stats = [e.table_stats(x, messages[0], fmt, send, shifts, first, step, limits)
+                 for e in (_host_engine, _numpy_engine)]
+        np.testing.assert_array_equal(stats[0][:, :4], stats[1][:, :4])  # counts
+        np.testing.assert_allclose(stats[0][:, 4:], stats[1][:, 4:], rtol=1e-12)  # sums of squares
+
+
+@pytest.mark.parametrize("name", ["e2m1fn", "e4m3", "e3m2"])
+def test_host_sum_decode_and_amax_tables_match_numpys(name, many_threads):
+    fmt = FloatFormat.parse(name)
+    world = 3
+    held, chunks = plan(fmt, world)
+    rng = np.random.default_rng(2)
+    for chunk in chunks:
+        lane = chunk.lanes[0]
+        rows = rng.integers(0, 256, (world, chunk.row_bytes)).astype(np.uint8)
+        shifts = rng.integers(-4, 6, lane.reduce.count).astype(np.int32)
+        sums = [np.full(lane.range[1] - lane.range[0], np.nan, np.float32) for _ in range(2)]
+        peaks = [e.table_sum(rows, fmt, lane.reduce, shifts, out) for e, out in zip((_host_engine, _numpy_engine), sums)]
+        assert sums[0].tobytes() == sums[1].tobytes() and peaks[0].tobytes() == peaks[1].tobytes()
+        gathered = rng.integers(0, 256, sum(chunk.owner_bytes)).astype(np.uint8)
+        exponents = rng.integers(-6, 6, lane.finish.count).astype(np.int32)
+        outs = [np.full(held.blocks.elements, np.nan, np.float32) for _ in range(2)]
+        for engine, out in zip((_host_engine, _numpy_engine), outs):
+            engine.table_decode(gathered, fmt, lane.finish, exponents, out, np.float32(3))
+        assert outs[0].tobytes() == outs[1].tobytes()
+    x = data(held.blocks.elements, seed=3)
+    x[[7, 5000]] = [np.inf, np.nan]
+    got, want = (e.table_amax(x, held.blocks) for e in (_host_engine, _numpy_engine))
+    assert got.tobytes() == want.tobytes() and np.isinf(got).sum() == 2
+
+
+@pytest.mark.parametrize("bits", [3, 4, 6, 8, 12])
+def test_thread_shares_cover_every_element_once_and_start_on_a_byte(bits):
+    exp_bits = min(5, bits - 2)
+    fmt = FloatFormat(exp_bits, bits - 1 - exp_bits)
+    _, chunks = plan(fmt)
+    send = chunks[0].lanes[0].send
+    period = 8 // np.gcd(8, fmt.bits)
+    for parts in (1, 2, 5, 64):
+        shares = send.cuts(parts, period)
+        covered = 0
+        for (b0, o0), (b1, o1) in shares:
+            assert (send.rows[b0, _tables.POS] + o0) % period == 0 or o0 == 0 and send.rows[b0, _tables.POS] == 0
+            covered += int(send.starts[b1] + o1 - send.starts[b0] - o0) if b1 < send.count else \
+                int(send.elements - send.starts[b0] - o0)
+        assert covered == send.elements and shares[0][0] == (0, 0)
