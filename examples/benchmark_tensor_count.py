@@ -15,7 +15,8 @@ to back): horovod is the one-line compressor in horovod.torch.DistributedOptimiz
 hvd_aps.torch.DistributedOptimizer, ddp the DDP hook, fsdp FSDP2's reduce-scatter (one flat buffer a
 module whatever its tensors), tensorflow the one-line compressor in Horovod's TF tape. For each,
 the median step in ms at every tensor count and the cost per tensor: the step's growth from the
-fewest tensors to the most, divided by the tensors added.
+fewest tensors to the most, divided by the tensors added, for codes, for float32, and the
+difference (what the compression itself adds per tensor). Stats on, as users run it.
 """
 import argparse
 import json
@@ -66,14 +67,19 @@ def driver_ms(elements: int, tensors: int, repeats: int = 9) -> float:
 def launch(entry: str, compression: str, tensors: int, elements: int, args) -> dict:
     """compression name -> median step ms of one job of `entry` on `tensors` vectors."""
     launcher, script, _ = ENTRY_POINTS[entry]
-    prefix = ([str(BIN / "horovodrun"), "-np", str(RANKS), "-H", f"localhost:{RANKS}", "--gloo"]
+    prefix = ([str(BIN / "horovodrun"), "-np", str(RANKS), "-H", f"localhost:{RANKS}", "--gloo", sys.executable]
               if launcher == "horovodrun" else [str(BIN / "torchrun"), "--nproc-per-node", str(RANKS)])
-    command = prefix + [sys.executable, str(HERE / script), "--profile", "tensors", "--tensors", str(tensors),
+    command = prefix + [str(HERE / script), "--profile", "tensors", "--tensors", str(tensors),
                         "--tensor-elements", str(elements // tensors), "--batch-size", "1", "--compression",
-                        compression, "--num-warmup-batches", str(args.warmup), "--num-iters", str(args.iters)]
+                        compression, "--num-warmup-batches", str(args.warmup), "--num-iters", str(args.iters),
+                        "--stats"]  # as users run it
     run = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=HERE)
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    if run.returncode != 0 or not rows:
+    # horovodrun prefixes each rank's lines with "[rank]<stdout>:"
+    rows = [json.loads(line[line.index("{"):]) for line in run.stdout.splitlines()
+            if line.startswith("{") or "<stdout>:{" in line]
+    if run.returncode != 0 and rows:  # Gloo's teardown can abort a rank after the timed steps printed
+        print(f"[{entry}] {compression}: exit {run.returncode} after its rows were printed", file=sys.stderr)
+    if not rows:
         raise RuntimeError(f"{' '.join(command)} failed ({run.returncode}):\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
     return {row["compression"]: 1e3 * row["step_median"] for row in rows}
 
@@ -89,8 +95,8 @@ def main():
     parser.add_argument("--elements", type=int, default=1 << 22, help="elements in every model (4M: 16 MiB)")
     parser.add_argument("--counts", default="1,10,100,300,1000", help="tensor counts")
     parser.add_argument("--entry-points", default="driver," + ",".join(ENTRY_POINTS))
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the schedule settles")
-    parser.add_argument("--iters", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before the schedule settles")
+    parser.add_argument("--iters", type=int, default=20, help="timed steps")
     parser.add_argument("--json", help="write the table's rows here")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
@@ -113,14 +119,16 @@ def main():
         row["codes_us_per_tensor"] = per_tensor_us(row["codes_ms"])
         if "float32_ms" in row:
             row["float32_us_per_tensor"] = per_tensor_us(row["float32_ms"])
+            row["extra_us_per_tensor"] = row["codes_us_per_tensor"] - row["float32_us_per_tensor"]
     header = f"{'entry point':>12} " + " ".join(f"{f'{t} tensors':>12}" for t in counts) + \
-        f" {'us/tensor':>10} {'fp32 us/tensor':>15}"
+        f" {'us/tensor':>10} {'fp32 us/tensor':>15} {'codes - fp32':>13}"
     print(f"{args.elements} float32 elements in 1..{max(counts)} tensors, {RANKS} ranks; codes step ms "
           f"(float32's in brackets)\n{header}")
     for row in rows:
         cells = " ".join(f"{row['codes_ms'][t]:5.1f}" + (f" ({row['float32_ms'][t]:4.1f})" if "float32_ms" in row
                                                           else " " * 7) for t in counts)
-        native = f"{row['float32_us_per_tensor']:15.1f}" if "float32_ms" in row else " " * 15
+        native = (f"{row['float32_us_per_tensor']:15.1f} {row['extra_us_per_tensor']:13.1f}" if "float32_ms" in row
+                  else " " * 29)
         print(f"{row['entry']:>12} {cells} {row['codes_us_per_tensor']:10.1f} {native}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

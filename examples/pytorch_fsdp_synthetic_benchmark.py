@@ -33,13 +33,14 @@ def allgather_object(obj):
 
 
 def shard(model, reshard, mesh=None, reduce_dtype=None):
-    """fully_shard every block (its children that hold parameters: transformer blocks, the
-    MLP's layers), then the root, on `mesh` (None: every rank), reducing in `reduce_dtype`
-    (None: the parameters' float32)."""
+    """fully_shard every block (its children that hold parameters and run a forward of their own:
+    transformer blocks, the MLP's layers; not a ParameterList, whose parameters its parent uses),
+    then the root, on `mesh` (None: every rank), reducing in `reduce_dtype` (None: the parameters'
+    float32)."""
     options = dict(reshard_after_forward=reshard, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
     blocks = getattr(model, "blocks", model)
     for child in blocks.children():
-        if any(True for _ in child.parameters()):
+        if any(True for _ in child.parameters()) and not isinstance(child, torch.nn.ParameterList):
             fully_shard(child, **options)
     return fully_shard(model, **options)
 

@@ -40,7 +40,8 @@ def tensors(args):
     shape = [args.tensor_elements]
     variables = [tf.Variable(tf.random.normal(shape, stddev=0.01)) for _ in range(args.tensors)]
     fixed = [tf.random.normal(shape) for _ in range(args.tensors)]
-    return variables, lambda: tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, fixed)])
+    scale = (args.tensors * args.tensor_elements) ** -0.5  # as synthetic_models.Shaped: stable under SGD
+    return variables, lambda: scale * tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, fixed)])
 
 
 PROFILES = {"mlp": mlp, "tensors": tensors}
@@ -56,7 +57,9 @@ def step_fn(variables, loss_of, compression, lr=1e-6):
         elif compression[0] == "codes":
             grads = hvd_aps.tensorflow.DistributedGradientTape(tape, compression[1]).gradient(loss, variables)
         else:
-            grads = hvd.DistributedGradientTape(tape, compression=compression[1]).gradient(loss, variables)
+            # num_groups=1: Horovod compresses every gradient before it reduces any (else one at a time)
+            tape = hvd.DistributedGradientTape(tape, compression=compression[1], num_groups=1)
+            grads = tape.gradient(loss, variables)
         for v, g in zip(variables, grads):
             v.assign_sub(lr * g)
 

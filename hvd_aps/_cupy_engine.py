@@ -8,6 +8,7 @@ import importlib.resources
 import cupy
 import numpy as np
 
+from ._tables import SAMPLE_SUMS
 from .codec import packed_size
 
 _THREADS = 256
@@ -166,7 +167,7 @@ def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), strea
 
 
 def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
-    sums = cupy.zeros((blocks.count, 6), cupy.float64)
+    sums = cupy.zeros((blocks.count, SAMPLE_SUMS), cupy.float64)
     if blocks.count:
         _launch_rows("hvd_table_stats", blocks, x, message, _rows(blocks), cupy.asarray(first, cupy.int64),
                      cupy.asarray(step, cupy.int64), *_fmt_args(fmt), cupy.asarray(shifts, cupy.int32),

@@ -14,6 +14,8 @@ import threading
 
 import numpy as np
 
+from ._tables import SAMPLE_SUMS
+
 _MIN_CHUNK = 1 << 18  # below this, thread hand-off costs more than it saves
 _BYTE_GROUP = 8  # codes of any width: 8 of them fill whole bytes
 
@@ -331,11 +333,8 @@ def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), strea
     return out
 
 
-STATS_COLUMNS = 6  # ops/host.c's HVD_STATS: samples, nonzero, nonzero sent, saturated, error^2, input^2
-
-
 def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
-    sums = np.zeros((blocks.count, STATS_COLUMNS), np.float64)
+    sums = np.zeros((blocks.count, SAMPLE_SUMS), np.float64)
     if not blocks.count:
         return sums
     tables, which = _tables_for(fmt, np.asarray(shifts, np.int32))

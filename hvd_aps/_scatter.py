@@ -140,7 +140,7 @@ class ScatterExchange:
         if residual is not None:
             residual.fill(0)  # blocks left out (NaN/Inf) restart from zero
         flat, engine = a.rows.reshape(-1), codec.engine_for(a.rows)
-        sums = np.zeros((self.world, 6))
+        sums = np.zeros((self.world, _tables.SAMPLE_SUMS))
         step = _arrays.sample_stride(n, self.stats.sample)  # a row's sample: its elements 0, step, 2 step, ...
         for send, fmt in zip(a.send, self.fmts):
             if not send.count:

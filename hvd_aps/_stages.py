@@ -233,7 +233,7 @@ class CodesExchange:
         if self.config.error_feedback:
             self._feedback(a, xp)
         if self.stats.enabled:
-            a.sums = np.zeros((len(held.tensor), 6))
+            a.sums = np.zeros((len(held.tensor), _tables.SAMPLE_SUMS))
         return a
 
     def _seeds(self, bucket: Bucket, rank: int, side: str) -> np.ndarray:

@@ -5,13 +5,12 @@ so they can stay on: measured on a 4M-element tensor, every element costs 12x th
 (21 ms against 1.7 ms), the default sample half of it (0.8 ms).
 """
 import dataclasses
-import functools
 import math
 import threading
 
 import numpy as np
 
-from . import _arrays, _host_engine, codec
+from . import _arrays
 from ._schedule import NATIVE_BYTES
 
 STATS_SAMPLE = 1 << 12  # elements per tensor the stats look at by default
@@ -84,7 +83,7 @@ class BucketStats:
 
     @classmethod
     def of_sums(cls, labels, fmts, shift, elements, scale, sums, bytes_carried, finite) -> "BucketStats":
-        """From per-row sample sums (columns as _host_engine.STATS_COLUMNS: samples, nonzero,
+        """From per-row sample sums (_tables.SAMPLE_SUMS columns: samples, nonzero,
         nonzero sent, saturated, error^2, input^2), scaled up by each row's sample stride."""
         nonzero = np.round(sums[:, 1] * scale).astype(np.int64)
         keep = np.asarray(finite, bool)
@@ -182,23 +181,6 @@ class StatsRecorder:
         widths = [max(len(row[i]) for row in cells) for i in range(len(STATS_COLUMNS))]
         return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells) + "\n"
 
-    def of_codes(self, x, row, pos: int, shift: int, fmt, whole: int = 0, at: int = 0) -> "TensorStats | None":
-        """Stats of float32 values x encoded into codes pos .. pos + x.size of the packed stream
-        `row` in `fmt` at `shift` (row None: they held NaN/Inf); None when stats are off. x is
-        elements at .. at + x.size of a tensor of `whole` elements (0: x is all of it): the sample
-        stride comes from the whole tensor, so a tensor is sampled about `sample` times however the
-        exchange cut it into pieces. Only the sampled codes are read."""
-        if not self.enabled:
-            return None
-        xp = _arrays.array_module(x)
-        if row is None:
-            return TensorStats(elements=x.size, bytes_in=4 * x.size, finite=False, fmt=str(fmt))
-        step = _arrays.sample_stride(whole or x.size, self.sample)
-        first = -at % step  # the piece's first element on the tensor's sampling grid
-        sent = _values(fmt, shift, xp)[codec.codes_at(row, fmt, xp.arange(pos + first, pos + x.size, step))]
-        return measure(xp, x.ravel()[first::step], sent, np.float32(np.ldexp(fmt.max, -shift)), shift, x.size,
-                       codec.packed_size(x.size, fmt), str(fmt), scale=step)
-
     def of_values(self, x, sent, shift: int, fmt, limit, carried: int) -> "TensorStats | None":
         """Stats of x against the values `sent` for it (both sampled alike here), limit None where
         it held NaN/Inf."""
@@ -207,15 +189,6 @@ class StatsRecorder:
         xp = _arrays.array_module(x)
         step = _arrays.sample_stride(x.size, self.sample)
         return measure(xp, x.ravel()[::step], sent(step), limit, shift, x.size, carried, str(fmt))
-
-
-# a step's tensors take a few shifts each format: as many tables kept as the host engine keeps
-@functools.lru_cache(maxsize=_host_engine.TABLES_KEPT)
-def _values(fmt, shift: int, xp):
-    """Every code's value in `fmt` at `shift` (codec.decode of them all), so a tensor's sample is
-    looked up in one indexing instead of a decode of its own: a table per format and shift, as
-    the codec's engines decode with."""
-    return codec.decode(xp.arange(1 << fmt.bits, dtype=fmt.code_dtype), fmt, shift)
 
 
 def measure(xp, x, sent, limit, shift: int, elements: int, bytes_carried: int, fmt: str,

@@ -15,11 +15,13 @@ import dataclasses
 
 import numpy as np
 
-from . import codec
 from ._layout import Layout
 
 SRC, COUNT, BASE, POS, INDEX = range(5)
 COLUMNS = 5
+# what table_stats sums per block (ops/host.c's HVD_STATS): samples, nonzero inputs, nonzero values
+# sent, inputs beyond the format's limit, (sent - input)^2 and input^2
+SAMPLE_SUMS = 6
 _EXPONENT = np.dtype("<i2")  # re-encode exponents on the wire
 
 
@@ -154,7 +156,7 @@ class ChunkPlan:
 
 def _part_sizes(lanes, fmts, chunk_ranges) -> np.ndarray:
     """(world, lanes) packed bytes of each destination's part of each lane."""
-    return np.array([[codec.packed_size(hi - lo, fmt) for (lo, hi), fmt in zip(ranges, fmts)]
+    return np.array([[fmt.packed_size(hi - lo) for (lo, hi), fmt in zip(ranges, fmts)]
                      for ranges in zip(*chunk_ranges)], np.int64).reshape(len(chunk_ranges[0]), len(lanes))
 
 
@@ -191,7 +193,7 @@ def chunk_plans(lanes: list, fmts: list, layouts: list, chunks: list, segments: 
         ranges = [chunks[n][c] for n in range(len(lanes))]  # per lane, per owner
         parts = _part_sizes(lanes, fmts, ranges)  # (world, lanes)
         at = np.concatenate([[0], np.cumsum(parts.ravel())])
-        reduced = [[codec.packed_size(hi - lo, fmt) + _EXPONENT.itemsize * layouts[n].blocks_in(lo, hi)
+        reduced = [[fmt.packed_size(hi - lo) + _EXPONENT.itemsize * layouts[n].blocks_in(lo, hi)
                     for n, (fmt, (lo, hi)) in enumerate(zip(fmts, (ranges[m][r] for m in range(len(lanes)))))]
                    for r in range(world)]
         lens = [max(reduced[r][n] for r in range(world)) for n in range(len(lanes))] if padded else None
@@ -225,7 +227,7 @@ def _lane_chunk(lane, fmt, layout, ranges, data_offsets, rank, n, lane_count, pa
     row_at = int(parts[rank, :n].sum())  # this lane's part in each rank's received row
     reduce = Blocks.of(starts - lo, counts, row_at, starts - lo, index, tensor, seg)
     start = int(sum(owner_lens[rank][:n]))
-    codes_bytes = codec.packed_size(hi - lo, fmt)
+    codes_bytes = fmt.packed_size(hi - lo)
     reencode = reduce.with_base(start)
     end = start + owner_lens[rank][n]
     clear_reduced.append(np.arange(start + codes_bytes - (1 if sub_byte and codes_bytes else 0), end))
@@ -234,7 +236,7 @@ def _lane_chunk(lane, fmt, layout, ranges, data_offsets, rank, n, lane_count, pa
         starts, counts, src, tensor, index, seg = _lane_blocks(lane, layout, olo, ohi, data_offsets)
         base = int(owner_at[r]) + int(sum(owner_lens[r][:n]))
         finish.append((src, counts, np.full(len(starts), base), starts - olo, index, tensor, seg))
-        first = base + codec.packed_size(ohi - olo, fmt) + _EXPONENT.itemsize * np.arange(len(starts))
+        first = base + fmt.packed_size(ohi - olo) + _EXPONENT.itemsize * np.arange(len(starts))
         exponents.append(np.stack([first, first + 1], axis=1).ravel())
     finish = Blocks.of(*(np.concatenate(col) for col in zip(*finish)))
     return LaneChunk(send, reduce, reencode, finish, np.concatenate(exponents).astype(np.int64), (lo, hi), codes_bytes,

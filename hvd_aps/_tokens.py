@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import warnings
 from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
@@ -52,7 +53,9 @@ from ._stages import Bucket
 from .config import Fallback, Policy
 
 # The token's reduced value is 1 or N up to a few float32 roundings of the scale factors.
-_TOKEN_TOLERANCE = 1e-4
+TOKEN_TOLERANCE = 1e-4
+NOT_A_SUM = ("APSCompressor's codes need an allreduce that sums (op Average or Sum, with any pre/postscale); this "
+             "reduction is not one (Adasum, Min, Max or Product?): use APSCompressor(..., wire='values') for it")
 ADAPTERS = {"torch": "hvd_aps.torch.adapter", "tensorflow": "hvd_aps.tensorflow.adapter"}
 
 
@@ -185,6 +188,8 @@ class Batches:
     def __init__(self, exchanger):
         self._ex, self._lock = exchanger, threading.Lock()
         self._open, self._count, self._outstanding, self._generation, self._launched = None, 0, 0, 0, []
+        # the last step's one gradient, where its step was that one gradient alone (see _end_step)
+        self._lone = None
         self._averaged = set()  # names of the batches whose every token said Average last step
 
     def add(self, adapter: Adapter, tensor) -> tuple:
@@ -194,6 +199,8 @@ class Batches:
             if self._open is not None and self._open.adapter is not adapter:
                 self._close(self._open)
             if self._open is None:
+                if self._count == 0 and self._lone not in (None, adapter.label(tensor)):
+                    _warn_one_by_one()
                 check_fallback(config, adapter, tensor)
                 name = f"hvd_aps.{self._count}"
                 self._open = _Batch(name, adapter, self._ex.state.schedule.native_dtype(),
@@ -250,6 +257,9 @@ class Batches:
         """End the step (after every exchange of it, in a graph too) and restart the naming."""
         results = [self._ex.result(batch.future) for batch in self._launched]
         self._averaged = {batch.name for batch in self._launched if batch.reduction.all_average()}
+        # a step of one gradient, then one of another: Horovod hands them over one at a time
+        alone = len(self._launched) == 1 and len(self._launched[0].sizes) == 1
+        self._lone = self._launched[0].labels[0] if alone else None
         self._open, self._count, self._launched = None, 0, []
         return context.adapter.at_step_end(out, self._ex.end_step, results)
 
@@ -261,7 +271,7 @@ class Batches:
         self._ex.abort_step()
 
     def _forget(self) -> None:
-        self._open, self._count, self._outstanding, self._launched = None, 0, 0, []
+        self._open, self._count, self._outstanding, self._launched, self._lone = None, 0, 0, [], None
         self._averaged = set()  # the next step's exchanges divide nothing until tokens say Average again
         self._generation += 1
 
@@ -293,6 +303,16 @@ class Batches:
         batch.closed = True
         if self._open is batch:
             self._open = None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_one_by_one() -> None:
+    """Once per process: Horovod hands the gradients over one at a time, each exchanged alone."""
+    warnings.warn("hvd_aps: Horovod hands APSCompressor one gradient at a time (each one compressed, reduced and "
+                  "decompressed before the next is compressed), so every gradient is exchanged on its own and pays "
+                  "an exchange's fixed cost (its collectives) alone: let Horovod compress them all first, with "
+                  "num_groups=1 in TensorFlow's hvd.DistributedGradientTape / hvd.DistributedOptimizer, or "
+                  "hvd.grouped_allreduce for a list of tensors", RuntimeWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -336,12 +356,10 @@ def apply_op(total, token, world: int, reduction: Optional[Reduction] = None):
     left it, from the reduced token: average (divided by N in float32, as every codes path
     divides), sum, or sum times the factor Horovod applied. With `reduction`, what the token says
     is recorded there, and sums its exchange already averaged come back as they are."""
-    scale, ranks = (float(v) for v in np.asarray(token, np.float64).reshape(-1)[:2])
-    if abs(ranks - scale * (world - 1) / 2) > _TOKEN_TOLERANCE * max(1.0, abs(scale) * world * world):
-        raise ValueError("APSCompressor's codes need an allreduce that sums (op Average or Sum, with any "
-                         "pre/postscale); this reduction is not one (Adasum, Min, Max or Product?): use "
-                         "APSCompressor(..., wire='values') for it")
-    average = abs(scale - 1.0) <= _TOKEN_TOLERANCE
+    scale, ranks = (float(v) for v in np.ravel(token)[:2])
+    if abs(ranks - scale * (world - 1) / 2) > TOKEN_TOLERANCE * max(1.0, abs(scale) * world * world):
+        raise ValueError(NOT_A_SUM)
+    average = abs(scale - 1.0) <= TOKEN_TOLERANCE
     if reduction is not None:
         reduction.said_average.append(average)
         if reduction.averaged:
@@ -353,6 +371,6 @@ def apply_op(total, token, world: int, reduction: Optional[Reduction] = None):
             return total
     if average:
         total /= np.float32(world)
-    elif abs(scale - world) > _TOKEN_TOLERANCE * world:
+    elif abs(scale - world) > TOKEN_TOLERANCE * world:
         total *= np.float32(scale / world)
     return total

@@ -31,7 +31,8 @@ from .perf import Codec
 
 # (elements, tensors) of the timed buckets: the fit separates a cost per exchange, per tensor
 # and per element, so sizes and tensor counts both vary
-BUCKETS = ((1 << 14, 1), (1 << 18, 1), (1 << 22, 1), (1 << 14, 16), (1 << 18, 16), (1 << 22, 16))
+BUCKETS = ((1 << 14, 1), (1 << 18, 1), (1 << 22, 1), (1 << 14, 16), (1 << 18, 16), (1 << 22, 16), (1 << 18, 256),
+           (1 << 22, 256))  # up to the hundreds of tensors a ResNet-50 or a BERT bucket holds
 # a GPU's kernels pass 4M elements in tens of microseconds: its fit also takes 256 MiB buckets, as
 # a large model's are, so the cost per element is measured where it is not hidden by launches
 DEVICE_BUCKETS = BUCKETS + ((1 << 26, 1), (1 << 26, 16))

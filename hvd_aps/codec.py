@@ -26,6 +26,14 @@ data, unlike the public functions' keyword order):
     sum_rows(rows, fmt, start, stop, shift, block, out) -> (sums, float32 max |sums| per block)
     decode_row(row, fmt, start, stop, shifts, block, out, divisor, stream) -> values
     pack(codes, bits), unpack(packed, bits, n, dtype), amax(x), amax_blocks(x, block) -> float32 maxima
+and, for the codes exchange, one call per stage of a bucket over a table of its blocks
+(hvd_aps._tables.Blocks: each block's place in the float32 array, in a packed stream, and its
+stochastic index), with one exponent (and seed) per block, checked once per bucket layout:
+    table_amax(x, blocks) -> max |x| per block (+inf where non-finite)
+    table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual) -> message
+    table_sum(rows, fmt, blocks, shifts, out) -> max |sum| per block (rows: (ranks, bytes))
+    table_decode(message, fmt, blocks, shifts, out, divisor, stream) -> out
+    table_stats(x, message, fmt, blocks, shifts, first, step, limits) -> (blocks, 6) float64 sums
 """
 import functools
 import os
@@ -299,7 +307,7 @@ def amax_blocks(x, block):
 
 def packed_size(n, fmt):
     """Bytes that `n` codes of `fmt` take when packed."""
-    return -(-n * FloatFormat.parse(fmt).bits // 8)
+    return FloatFormat.parse(fmt).packed_size(n)
 
 
 def pack(codes, fmt):

@@ -144,7 +144,7 @@ class APSState:
         self.compressor, self.process_group = compressor, process_group
         self.buckets_exchanged = 0
         self._lock = threading.Lock()
-        self._seen, self._levels, self._keys = set(), {}, {}
+        self._seen, self._levels, self._keys, self._buckets = set(), {}, {}, {}
         self._lanes = [(group_levels(process_group, compressor.config.hierarchical),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hvd_aps_ddp{lane}"))
                        for lane in range(self.LANES)]
@@ -160,13 +160,23 @@ class APSState:
             self._levels[key] = levels_on(groups, device)
         return self._levels[key], thread
 
-    def keys(self, parameters) -> list:
-        """Names of these parameters for residuals and stochastic rounding: their order of first
-        appearance in the buckets, which is DDP's first step's bucket order in every process that
-        builds the same model (DDP rebuilds its buckets after that step, so a bucket's index and
-        place do not name a parameter from one step, or one process, to the next)."""
+    def bucket(self, bucket: dist.GradBucket) -> Bucket:
+        """The exchange's Bucket for DDP's: its parameters' names and sizes, made once per bucket
+        index and set of parameters (DDP rebuilds its buckets after the first step). Names, for
+        residuals and stochastic rounding: the parameters' order of first appearance in the
+        buckets, which is DDP's first step's bucket order in every process that builds the same
+        model (a bucket's index and place do not name a parameter from one step, or one process,
+        to the next)."""
+        parameters, index = bucket.parameters(), bucket.index()
+        ids = tuple(map(id, parameters))
         with self._lock:
-            return [self._keys.setdefault(id(p), f"ddp.param{len(self._keys)}") for p in parameters]
+            made = self._buckets.get(index)
+            if made is None or made[0] != ids:
+                keys = [self._keys.setdefault(i, f"ddp.param{len(self._keys)}") for i in ids]
+                name = f"ddp.bucket{index}"
+                made = self._buckets[index] = ids, Bucket.whole(name, keys, _labels(name, len(ids)),
+                                                                 [p.numel() for p in parameters])
+            return made[1]
 
     def opened(self, index: int) -> None:
         """Bucket `index` starts. Seen before in this step: the step never handed over its last
@@ -230,13 +240,12 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         state = hvd_aps.ddp.APSState(hvd_aps.APSCompressor(hvd_aps.e4m3))
         ddp_model.register_comm_hook(state, hvd_aps.ddp.aps_hook)
     """
-    buffer, grads, index = bucket.buffer(), bucket.gradients(), bucket.index()
-    name, exchanger = f"ddp.bucket{index}", state.compressor.exchanger
+    buffer, index, exchanger = bucket.buffer(), bucket.index(), state.compressor.exchanger
     state.opened(index)
-    keys = state.keys(bucket.parameters())
+    spec = state.bucket(bucket)
     native = exchanger.state.schedule.native_dtype()
     if native is not None:
-        future = _native(state, bucket, name, keys, native)
+        future = _native(state, bucket, spec, native)
         state.handed_over(bucket.is_last())
         return future
     future = torch.futures.Future()
@@ -248,7 +257,6 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         # in place (each element read before its result is written), others through a float32 copy
         in_place = buffer.dtype == torch.float32
         array = _arrays.as_array(buffer.view(-1) if in_place else buffer.view(-1).to(torch.float32))
-        spec = Bucket.whole(name, keys, _labels(name, len(grads)), [g.numel() for g in grads])
         mean = exchange.run(stages, spec, array, levels, out=array, average=True)
         if not in_place:
             buffer.view(-1).copy_(torch.from_dlpack(mean))
@@ -276,19 +284,18 @@ _NATIVE_HOOKS = {"float32": default_hooks.allreduce_hook, "float16": default_hoo
                  "bfloat16": default_hooks.bf16_compress_hook}
 
 
-def _native(state: APSState, bucket: dist.GradBucket, name: str, keys: list,
+def _native(state: APSState, bucket: dist.GradBucket, spec: Bucket,
             fallback: str) -> torch.futures.Future[torch.Tensor]:
     """policy="auto" sends this bucket through the framework's own allreduce in `fallback`:
     torch's own hook for that dtype (in place, no copies), in flight in the step and counted as
     every native exchange is."""
     exchanger = state.compressor.exchanger
-    sizes = [g.numel() for g in bucket.gradients()]
 
     def settle(done):
         value = done.value()
         world = dist.get_world_size(state.process_group)
-        exchanger.count_native(keys, [(f"{name}[{i}]", n) for i, n in enumerate(sizes)], fallback,
-                               exchange.ring_bytes(getattr(torch, fallback).itemsize * sum(sizes), world))
+        exchanger.count_native(spec.keys, zip(spec.labels, spec.sizes), fallback,
+                               exchange.ring_bytes(getattr(torch, fallback).itemsize * sum(spec.sizes), world))
         state.counted()
         return value
 

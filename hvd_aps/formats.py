@@ -66,6 +66,10 @@ class FloatFormat:
     def bits(self):
         return 1 + self.exp_bits + self.man_bits
 
+    def packed_size(self, n: int) -> int:
+        """Bytes that `n` codes take packed end to end (codec.pack)."""
+        return -(-n * self.bits // 8)
+
     @property
     def code_dtype(self):
         """NumPy dtype name of one code: uint8 up to 8 bits, uint16 above."""

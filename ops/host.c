@@ -406,25 +406,37 @@ void hvd_table_decode(const uint8_t *message, int32_t bits, const int64_t *table
  */
 #define HVD_STATS 6
 
+/* One block's sample sums, for codes of BITS bits (0: `bits` at run time, read bit by bit). */
+#define STATS_BLOCK(NAME, BITS)                                                               \
+  static void NAME(const float *xb, const uint8_t *stream, int32_t bits, int64_t pos, int64_t n, int64_t first, \
+                   int64_t step, const float *t, float limit, double *s) {                   \
+    int64_t count = 0, nonzero = 0, sent_nonzero = 0, saturated = 0;                          \
+    double error = 0, norm = 0;                                                               \
+    for (int64_t i = first; i < n; i += step) {                                               \
+      const float v = xb[i], sent = t[ROW_CODE(stream, pos + i, BITS)];                       \
+      const double d = (double)sent - (double)v;                                              \
+      count += 1;                                                                             \
+      nonzero += v != 0.0f;                                                                   \
+      sent_nonzero += sent != 0.0f;                                                           \
+      saturated += v > limit || v < -limit;                                                   \
+      error += d * d;                                                                         \
+      norm += (double)v * (double)v;                                                          \
+    }                                                                                         \
+    s[0] = (double)count, s[1] = (double)nonzero, s[2] = (double)sent_nonzero, s[3] = (double)saturated; \
+    s[4] = error, s[5] = norm;                                                                \
+  }
+HVD_CLONES STATS_BLOCK(stats_block4, 4)
+HVD_CLONES STATS_BLOCK(stats_block8, 8)
+HVD_CLONES STATS_BLOCK(stats_block16, 16)
+STATS_BLOCK(stats_block_any, 0)
+
 void hvd_table_stats(const float *x, const uint8_t *message, int32_t bits, const int64_t *table, int64_t b0, int64_t b1,
                      const int64_t *first, const int64_t *step, const float *tables, const int32_t *which,
                      const float *limits, double *sums) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t *row = table + b * HVD_COLUMNS;
-    const float *xb = x + row[HVD_SRC], *t = tables + ((int64_t)which[b] << bits), limit = limits[b];
-    const uint8_t *stream = message + row[HVD_BASE];
-    double count = 0, nonzero = 0, sent_nonzero = 0, saturated = 0, error = 0, norm = 0;
-    for (int64_t i = first[b]; i < row[HVD_COUNT]; i += step[b]) {
-      const float v = xb[i], sent = t[stream_code(stream, row[HVD_POS] + i, bits)];
-      const double d = (double)sent - (double)v;
-      count += 1;
-      nonzero += v != 0.0f;
-      sent_nonzero += sent != 0.0f;
-      saturated += v > limit || v < -limit;
-      error += d * d;
-      norm += (double)v * (double)v;
-    }
-    double *s = sums + HVD_STATS * b;
-    s[0] = count, s[1] = nonzero, s[2] = sent_nonzero, s[3] = saturated, s[4] = error, s[5] = norm;
+    (bits == 4 ? stats_block4 : bits == 8 ? stats_block8 : bits == 16 ? stats_block16 : stats_block_any)(
+        x + row[HVD_SRC], message + row[HVD_BASE], bits, row[HVD_POS], row[HVD_COUNT], first[b], step[b],
+        tables + ((int64_t)which[b] << bits), limits[b], sums + HVD_STATS * b);
   }
 }

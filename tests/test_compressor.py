@@ -135,40 +135,60 @@ def test_missing_host_engine_warns_once(monkeypatch):
         hvd_aps.codec.engine_name()  # said once per process
 
 
+def exchanged(comp, tensors, name="b"):
+    """The codes exchange of `tensors` (one bucket, each tensor labelled by its key), as rank 0
+    of 2 ranks that hold the same gradients: what the exchange records of this rank's encode."""
+    from hvd_aps import calibration, exchange
+    from hvd_aps._stages import Bucket
+    keys = list(tensors)
+    bucket = Bucket.whole(name, keys, keys, [tensors[k].size for k in keys])
+    flat = np.concatenate([tensors[k].ravel() for k in keys])
+    exchange.run(comp.exchanger.stages(2, 0), bucket, flat, exchange.Levels.flat(calibration.Mirror(2)),
+                 average=True)
+    comp.state.commit()
+
+
+def relative_error(x, fmt, shift, **options):
+    sent = hvd_aps.quantize(x, fmt, shift=shift, **options).astype(np.float64)
+    return np.linalg.norm(sent - x) / np.linalg.norm(x.astype(np.float64))
+
+
 def test_stats_measure_the_encode_error_on_both_wires():
     """relative_error = ||q(g) - g|| / ||g||, against quantize() computed here, for the values
     wire and for the codes wire (the exchange's record of what each rank encoded)."""
     x = np.random.default_rng(3).normal(0, 1e-3, (40, 50)).astype(np.float32)
     comp = hvd_aps.APSCompressor("e3m0", wire="values")
     _, shift = to_wire(comp, x, float(np.abs(x).max()), label="w")
-    sent = hvd_aps.quantize(x, "e3m0", shift=shift).astype(np.float64)
-    want = np.linalg.norm(sent - x) / np.linalg.norm(x.astype(np.float64))
+    want = relative_error(x, "e3m0", shift)
     assert comp.stats["w"].relative_error == pytest.approx(want, rel=1e-9) and want > 0.05
 
-    codes_comp = hvd_aps.APSCompressor("e3m0")
-    row = np.zeros(codec.packed_size(x.size + 3, "e3m0"), np.uint8)  # the codes start mid-byte
-    codec.encode_into(x.ravel(), "e3m0", row, 3, shift=shift)
-    codes_comp.recorder.record("c", codes_comp.recorder.of_codes(x.ravel(), row, 3, shift, codes_comp.fmt))
-    assert codes_comp.stats["c"].relative_error == pytest.approx(want, rel=1e-9)
+    codes_comp = hvd_aps.APSCompressor("e3m0", chunk_bytes=0)
+    exchanged(codes_comp, {"c": np.linspace(-1, 1, 3, dtype=np.float32), "d": x})  # "d" starts mid-byte
+    d = codes_comp.stats["d"]
+    assert d.shift == hvd_aps.scaling.shift_for(float(np.abs(x).max()), 2, "e3m0", float(np.finfo(np.float32).max))
+    want_d = relative_error(x, "e3m0", d.shift)
+    assert d.relative_error == pytest.approx(want_d, rel=1e-9) and d.measured == d.elements == x.size
     total = codes_comp.totals() + comp.totals()
-    assert total.relative_error == pytest.approx(want, rel=1e-9)  # sums of squares add up
+    squares = [(s.error_sq, s.norm_sq) for s in (codes_comp.stats["c"], d, comp.stats["w"])]
+    assert total.relative_error == pytest.approx(np.sqrt(sum(e for e, _ in squares) / sum(n for _, n in squares)))
     table, csv = codes_comp.stats_table(), codes_comp.stats_table(csv=True)
     assert csv.splitlines()[0] == ("tensor,format,elements,measured,shift,flushed,saturated,relative_error,"
                                    "bytes_in,bytes_carried")
-    assert csv.splitlines()[1].startswith(f"c,e3m0,2000,2000,{shift},") and f"{want:.4e}" in csv
+    assert csv.splitlines()[2].startswith(f"d,e3m0,2000,2000,{d.shift},") and f"{want_d:.4e}" in csv
     assert table.split()[:2] == ["tensor", "format"] and "relative encode error" in str(total)
 
 
 def test_sampled_stats_estimate_the_whole_tensor():
     """Stats of a 4M-element tensor from a strided sample of 65536: within a few per cent of
     every element's figures (a heavy-tailed tensor, so flushed and saturated counts are not 0)."""
-    x = np.random.default_rng(4).laplace(0, 1e-3, 1 << 22).astype(np.float32)
-    fmt, shift = hvd_aps.FloatFormat.parse("e3m0"), 11  # e3m0's max 16 at 2**11: |x| > 0.0078 saturates
-    row = hvd_aps.pack(hvd_aps.encode(x, fmt, shift=shift, saturate=True), fmt)
-    exact, sampled = hvd_aps.APSCompressor(fmt, stats_sample=0), hvd_aps.APSCompressor(fmt, stats_sample=1 << 16)
+    x = np.random.default_rng(4).laplace(0, 2.0, 1 << 22).astype(np.float32)  # e3m0's max 16: |x| > 16 saturates
+    options = dict(scaling="none", saturate=True, chunk_bytes=0)
+    exact = hvd_aps.APSCompressor("e3m0", stats_sample=0, **options)
+    sampled = hvd_aps.APSCompressor("e3m0", stats_sample=1 << 16, **options)
     for comp in (exact, sampled):
-        comp.recorder.record("x", comp.recorder.of_codes(x, row, 0, shift, fmt))
+        exchanged(comp, {"x": x})
     e, s = exact.stats["x"], sampled.stats["x"]
+    assert e.relative_error == pytest.approx(relative_error(x, "e3m0", 0, saturate=True), rel=1e-9)
     assert e.measured == x.size and 0.9 * 65536 <= s.measured <= 65536 and s.elements == x.size
     assert s.relative_error == pytest.approx(e.relative_error, rel=0.05) and e.relative_error > 0.1
     assert s.flushed == pytest.approx(e.flushed, rel=0.05) and e.flushed > 0.01
@@ -179,17 +199,17 @@ def test_sampled_stats_estimate_the_whole_tensor():
 def test_a_tensor_cut_into_pieces_is_sampled_as_often_as_whole():
     """The exchange encodes a tensor in pieces (chunks, destination ranks): each piece's stats
     sample the tensor's own grid, so the default sample costs the same however many pieces there
-    are, and the pieces' sum estimates the whole tensor's figures."""
+    are, and the pieces' sum is the whole tensor's figures."""
     x = np.random.default_rng(5).laplace(0, 1e-3, 1 << 20).astype(np.float32)
-    fmt, shift = hvd_aps.FloatFormat.parse("e4m3"), 13
-    row = hvd_aps.pack(hvd_aps.encode(x, fmt, shift=shift, saturate=True), fmt)
-    rec = hvd_aps.APSCompressor(fmt).recorder
-    whole = rec.of_codes(x, row, 0, shift, fmt)
-    pieces = [rec.of_codes(x[lo:lo + 40_000], row, lo, shift, fmt, x.size, lo) for lo in range(0, x.size, 40_000)]
-    total = sum(pieces[1:], pieces[0])
-    assert total.measured == whole.measured <= STATS_SAMPLE + 1 and total.elements == x.size
-    assert total.relative_error == pytest.approx(whole.relative_error, rel=1e-6)
-    assert total.nonzero == pytest.approx(whole.nonzero, rel=1e-3)
+    whole, pieces = (hvd_aps.APSCompressor("e4m3", chunk_bytes=c) for c in (0, 4 * 40_000))
+    exchanged(whole, {"x": x})
+    exchanged(pieces, {"x": x})
+    assert pieces.schedule_report()[0]["chosen"] == "codes in 156 KiB chunks"
+    w, p = whole.stats["x"], pieces.stats["x"]
+    assert p.measured == w.measured <= STATS_SAMPLE + 1 and p.elements == x.size
+    assert (p.nonzero, p.flushed_count, p.saturated, p.bytes_carried) == (w.nonzero, w.flushed_count, w.saturated,
+                                                                          w.bytes_carried)
+    assert p.relative_error == pytest.approx(w.relative_error, rel=1e-9)
 
 
 def test_hybrid_configuration_is_checked_and_signed():

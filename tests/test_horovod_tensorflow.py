@@ -55,6 +55,7 @@ def test_naive_zeros_nan_dtype_and_a_single_variable(ranks):
         assert np.isnan(r["nan"]).all()
         assert bool(r["f16_dtype_ok"])
         assert (r["single_variable"] == 1.5).all()
+        assert r["one_by_one_warned"].tolist() == [False, True]  # Horovod's tape without num_groups=1
 
 
 def test_policy_auto_sends_the_tapes_buckets_through_horovods_allreduce(ranks):

@@ -107,11 +107,19 @@ def rank():
 
 
 def finish(total, token_out, like, reduction):
-    """`reduction` is not used: a graph fixes its exchanges when traced, so none is averaged."""
-    size = hvd.size()
-    # a copy: numpy_function's inputs may share TF's (read-only) memory
-    reduced = tf.numpy_function(lambda t, o: _tokens.apply_op(t.copy(), o, size), [total, token_out], tf.float32,
-                                stateful=False)
+    """_tokens.apply_op's arithmetic as graph ops (a numpy_function a gradient cost ~0.1 ms each):
+    the same divisions and products in float32, the same refusal of a reduction that is no sum.
+    `reduction` is not used: a graph fixes its exchanges when traced, so none is averaged."""
+    size, tolerance = hvd.size(), _tokens.TOKEN_TOLERANCE
+    token = tf.cast(tf.reshape(token_out, [-1]), tf.float64)
+    scale, ranks = token[0], token[1]
+    summed = tf.abs(ranks - scale * (size - 1) / 2) <= tolerance * tf.maximum(tf.constant(1.0, tf.float64), tf.abs(scale) * size * size)
+    average, scaled = tf.abs(scale - 1) <= tolerance, tf.abs(scale - size) > tolerance * size
+    # x / 1 and x * 1 are x, bit for bit: one division (an average's) and one product (a factor's)
+    divisor = tf.where(average, np.float32(size), np.float32(1))
+    factor = tf.where(scaled & ~average, tf.cast(scale / size, tf.float32), np.float32(1))
+    with tf.control_dependencies([tf.debugging.Assert(summed, [_tokens.NOT_A_SUM])]):
+        reduced = total / divisor * factor
     return tf.cast(tf.reshape(reduced, tf.shape(like)), like.dtype)
 
 

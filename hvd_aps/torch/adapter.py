@@ -6,6 +6,7 @@ import functools
 import time
 
 import horovod.torch as hvd
+import numpy as np
 import torch
 
 from .. import _arrays, _metadata, _tokens, _values, codec, exchange
@@ -121,8 +122,8 @@ def flatten(tensor):
 
 
 def join(flats):
-    """One copy of the batch's gradients end to end."""
-    return _arrays.concatenated(flats)
+    """One copy of the batch's gradients end to end (Horovod's gradients lie apart)."""
+    return _arrays.array_module(flats[0]).concatenate(flats)
 
 
 def token(tensor):
@@ -134,8 +135,9 @@ def rank():
 
 
 def finish(total, token_out, like, reduction):
-    reduced = _tokens.apply_op(total, token_out.cpu().numpy(), hvd.size(), reduction)
-    return torch.from_dlpack(reduced).reshape(like.shape).to(like.dtype)
+    reduced = _tokens.apply_op(total, token_out.tolist(), hvd.size(), reduction)
+    out = torch.from_numpy(reduced) if isinstance(reduced, np.ndarray) else torch.from_dlpack(reduced)
+    return _as_dtype(out.view(like.shape), like.dtype)
 
 
 def at_step_end(out, end_step, results):

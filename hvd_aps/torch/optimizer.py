@@ -14,7 +14,7 @@ import warnings
 
 import horovod.torch as hvd
 import torch
-from torch._utils import _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import _arrays, _layout
 from .._stages import Bucket
@@ -82,7 +82,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grads = [p.grad for p in self._buckets[b]]
         # one float32 copy of the bucket's gradients end to end, exchanged in place; synchronize()
         # copies the results back into the gradients
-        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads])
+        flat = _flatten_dense_tensors([g.detach() if g.dtype == torch.float32 else g.detach().to(torch.float32)
+                                       for g in grads])
         bucket = Bucket.whole(f"hvd_aps.bucket{b}", [self._names[p] for p in self._buckets[b]],
                               [label(g) for g in grads], [g.numel() for g in grads])
         lv = levels(self._compression.config.hierarchical)  # anew after an elastic reset

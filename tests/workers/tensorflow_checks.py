@@ -1,6 +1,7 @@
 """Run under `horovodrun -np 2 --gloo`: APSCompressor through horovod.tensorflow and the Keras 3
 wrapper; each rank saves what it got to OUTDIR/tf_rank<r>.npz for tests/test_horovod_tensorflow.py."""
 import sys
+import warnings
 
 import horovod.tensorflow as hvd
 import keras
@@ -38,6 +39,27 @@ for i, g in enumerate(grouped([tf.constant(g) for g in codes_grads(rank)])):
 out["zeros"] = reduce(np.zeros(100, np.float32), e4m3)
 out["nan"] = reduce(poisoned(rank, np.nan), e4m3)
 out["f16_dtype_ok"] = np.array(hvd.allreduce(tf.constant(rank_data(rank), tf.float16), compression=e4m3).dtype == tf.float16)
+
+
+def one_by_one_warned(groups):
+    """Whether Horovod's tape over three gradients warns that they are exchanged one at a time."""
+    weights = [tf.Variable(tf.ones([5000]) * k) for k in range(3)]  # above min_elements: batched
+    comp = hvd_aps.APSCompressor(hvd_aps.e4m3)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(w * w) for w in weights])
+        return hvd.DistributedGradientTape(tape, compression=comp, num_groups=groups).gradient(loss, weights)
+
+    hvd_aps._tokens._warn_one_by_one.cache_clear()  # once a process: the allreduce calls above warned already
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+    return any("num_groups=1" in str(w.message) for w in caught)
+
+
+out["one_by_one_warned"] = np.array([one_by_one_warned(1), one_by_one_warned(0)])
 
 
 def tape_training(use_function, codes=False):
