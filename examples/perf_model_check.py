@@ -4,7 +4,10 @@
 fp16, e4m3, e3m0).
 
 Protocol: the codes exchange's own time and the host's float32 copy rate come from `python -m
-hvd_aps calibrate` on this machine (--calibration, or calibrated now); each row's compute (forward,
+hvd_aps calibrate` on this machine (--calibration, or calibrated now), for the rows whose tree
+had the exchange's block tables (their `tree` descends from TABLES_COMMIT); the rows recorded
+before it, whose exchange cost hundreds of microseconds a tensor, take the calibration made then
+(--calibration-pieces); each row's compute (forward,
 backward, optimizer) is the one its benchmark measured; each link class (a rate) gets one effective
 bandwidth and latency, fitted on the Horovod and DDP fp32 rows of that rate (the frameworks' own
 allreduce: what a link delivers to Gloo over TCP through tc is not its nominal rate), and the
@@ -31,11 +34,13 @@ workers of one simulated host took the cores of another, which no cluster of sep
         [--json docs/perf_model.json] [--plot docs/perf_model.png]
 """
 import argparse
+import functools
 import glob
 import itertools
 import json
 import pathlib
 import statistics
+import subprocess
 
 import torch
 
@@ -63,6 +68,8 @@ HOST_LEVELS = {**dict.fromkeys(("hosts2x2_mlp", "hosts2x4_mlp4m", "levels2x2_bef
                                 "passive_mlp4m_2x4"), {"host_copies": 6}),
                **dict.fromkeys((f"copies_large_2x{k}" for k in ("2_1", "2_2", "2_3", "4_1", "4_2")),
                                {"host_copies": 4})}
+# the commit whose exchange runs one engine call a stage over block tables (per bucket, not per tensor)
+TABLES_COMMIT = "b9aa8d4"
 LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
 TIMELINES = {}  # (profile, parameters) -> its gradients' timeline (gradient_timelines)
 PROCESSOR_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per element: the processor fits' grid
@@ -180,13 +187,25 @@ def cluster(r, link, copy, inside):
                         **{"copy": copy, **HOST_LEVELS.get(r["file"], {})})
 
 
+@functools.lru_cache(maxsize=None)
+def era(tree) -> str:
+    """"tables" where the row's tree (a commit, '+' where the checkout differed) has the block
+    tables, else "pieces" (rows older than their trees' record too)."""
+    if not tree:
+        return "pieces"
+    known = subprocess.run(["git", "merge-base", "--is-ancestor", TABLES_COMMIT, tree.rstrip("+")],
+                           cwd=DOCS.parent, capture_output=True)
+    return "tables" if known.returncode == 0 else "pieces"
+
+
 def predict(r, link, calibrated, cost=(0.0, 0.0), inside=perf.Link(*perf.LOOPBACK)):
     """The row's predicted step; `cost`: its path's (processor cost, cost a collective) (processor_key);
     `inside`: the link among a host's ranks."""
     framework, name, bits, fmt = path_of(r["compression"])
-    codecs, copy = calibrated
-    c, hsdp = cluster(r, link, copy, inside), r.get("hsdp", False)
-    codec = None if fmt is None else codecs[(fmt, c.hosts if c.two_levels or hsdp else c.world)]
+    codecs, copies = calibrated
+    made = era(r.get("tree"))
+    c, hsdp = cluster(r, link, copies[made], inside), r.get("hsdp", False)
+    codec = None if fmt is None else codecs[(made, fmt, c.hosts if c.two_levels or hsdp else c.world)]
     path = perf.Path(name, bits, codec, cost[0], pipelined=framework != "hvd", collective=cost[1])
     if framework == "fsdp":
         return perf.fsdp_step_time(workload(r), path, c, r.get("reshard", True), gloo=True, hsdp=hsdp)
@@ -226,6 +245,8 @@ def _least_error(candidates, rows, predict_with):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", help="python -m hvd_aps calibrate's file (default: calibrate now)")
+    parser.add_argument("--calibration-pieces", default=str(DOCS / "perf_model_calibration_pieces.json"),
+                        help="the calibration of the exchange before TABLES_COMMIT, for the rows recorded then")
     parser.add_argument("--plot", help="write the predicted-against-measured scatter here")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--timelines", default=str(DOCS / "perf_model_timelines.json"),
@@ -237,12 +258,14 @@ def main():
     worlds = sorted({w for r in rows for w in (r["hosts"], r["hosts"] * r["ranks_per_host"])} - {1})
     codecs = {}
     loaded = calibration.load(args.calibration) if args.calibration else None
+    pieces = calibration.load(args.calibration_pieces)
     for world in worlds:
         fitted_codecs = loaded.codecs if loaded else {f: calibration.fit_codec(f, world)[0] for f in FORMATS}
-        codecs.update({(f, world): fitted_codecs[f] for f in FORMATS})
+        codecs.update({("tables", f, world): fitted_codecs[f] for f in FORMATS})
+        codecs.update({("pieces", f, world): pieces.codecs[f] for f in FORMATS})
     copy = loaded.copy if loaded and loaded.copy else calibration.time_copy()
     print(f"float32 copies through host memory: {copy * 1e9:.3f} ns per element (every core at once)")
-    calibrated = codecs, copy
+    calibrated = codecs, {"tables": copy, "pieces": pieces.copy}
     links = fit_links(rows, calibrated)
     for rate, link in links.items():
         print(f"link {rate}: fitted on its fp32 rows {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
