@@ -52,17 +52,18 @@ class Shaped(torch.nn.Module):
     """Parameters of the given shapes; forward(x) = x[:, :1] * sum_i <p_i, c_i> / sqrt(n) for fixed
     c_i and n parameters, so backward gives every parameter a dense gradient, last ones first. The
     1 / sqrt(n) keeps SGD on it stable (without it a step moves the output by about n * lr, and
-    millions of parameters diverge to NaN within a few hundred steps)."""
+    millions of parameters diverge to NaN within a few hundred steps). The c_i are plain tensors,
+    not buffers: DDP would broadcast buffers from rank 0 before every forward, as many bytes as the
+    gradients again."""
 
     def __init__(self, shapes):
         super().__init__()
         self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s) * 0.01) for s in shapes])
-        for i, s in enumerate(shapes):
-            self.register_buffer(f"c{i}", torch.randn(s))
+        self.fixed = [torch.randn(s) for s in shapes]
         self.scale = sum(p.numel() for p in self.ps) ** -0.5
 
     def forward(self, x):
-        return x[:, :1] * (self.scale * sum((p * getattr(self, f"c{i}")).sum() for i, p in enumerate(self.ps)))
+        return x[:, :1] * (self.scale * sum((p * c).sum() for p, c in zip(self.ps, self.fixed)))
 
 
 class BasicBlock(torch.nn.Module):
