@@ -8,6 +8,7 @@ import time
 import horovod.torch as hvd
 import numpy as np
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from .. import _arrays, _metadata, _tokens, _values, codec, exchange
 from .._horovod import HorovodLevels
@@ -115,6 +116,11 @@ def _label(dtype, shape) -> str:
 
 
 def flatten(tensor):
+    """The gradient as join() takes it: the tensor itself (join flattens the batch in one call)."""
+    return tensor.detach()
+
+
+def _flat_array(tensor):
     """float32 NumPy/CuPy view of the gradient (a copy only where it is not float32 contiguous);
     a CPU tensor's straight from torch, without as_array's probe for a CUDA device."""
     flat = _as_dtype(tensor.detach(), torch.float32).reshape(-1)
@@ -122,12 +128,13 @@ def flatten(tensor):
 
 
 def join(flats):
-    """One copy of the batch's gradients end to end (Horovod's gradients lie apart)."""
-    return _arrays.array_module(flats[0]).concatenate(flats)
+    """One float32 copy of the batch's gradients end to end (Horovod's gradients lie apart), in
+    one call, as the codec's array."""
+    return _arrays.as_array(_flatten_dense_tensors([_as_dtype(t, torch.float32) for t in flats]))
 
 
 def token(tensor):
-    return torch.from_numpy(_tokens.token_values(hvd.rank())).to(tensor.device)
+    return torch.tensor(_tokens.token_values(hvd.rank()), device=tensor.device)
 
 
 def rank():
@@ -162,7 +169,7 @@ def _as_dtype(tensor, dtype):
 
 # wire="values" ------------------------------------------------------------------------------------
 def compress_values(tensor, exchanger):
-    config, x = exchanger.config, flatten(tensor)
+    config, x = exchanger.config, _flat_array(tensor)
     vector = _metadata.vector(config, [codec.amax(x)], [x.size])
     agreed = hvd.allreduce(torch.from_numpy(vector), op=hvd.Max, name=_METADATA)
     amax = float(_metadata.read(config, agreed.numpy(), [x.size], [label(tensor)])[0][0])
@@ -174,4 +181,4 @@ def compress_values(tensor, exchanger):
 def decompress_values(tensor, ctx, exchanger):
     shift, dtype, name = ctx
     exchanger.state.values_done(name)
-    return torch.from_dlpack(_values.from_wire(flatten(tensor), shift)).reshape(tensor.shape).to(dtype)
+    return torch.from_dlpack(_values.from_wire(_flat_array(tensor), shift)).reshape(tensor.shape).to(dtype)

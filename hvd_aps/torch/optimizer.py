@@ -19,7 +19,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .. import _arrays, _layout
 from .._stages import Bucket
 from ..compressor import APSCompressor
-from .adapter import flatten, label, levels, reducible, wait
+from .adapter import label, levels, reducible, wait
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
