@@ -55,7 +55,11 @@ FORMATS = {"e4m3": 8, "e3m0": 4}
 PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments that build it
     ("mlp", 16785408): dict(hidden=2048), ("mlp", 4198400): dict(hidden=1024), ("large", 16783360): {},
     ("resnet18", 11689512): dict(image_size=112), ("transformer", 18915328): dict(hidden=512, blocks=6),
-    ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384)}
+    ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384),
+    ("tensors300x20000", 6000000): dict(profile="tensors", tensors=300, tensor_elements=20000),
+    ("tensors2x3000000", 6000000): dict(profile="tensors", tensors=2, tensor_elements=3000000)}
+# the `tensors` profile's rows hold the same parameters in different tensors: its files' shapes, by name
+TENSOR_FILES = {"tensors300_1gbit": "tensors300x20000", "tensors2_1gbit": "tensors2x3000000"}
 # the host level of two levels as the tree that recorded a file ran it (by the commits that changed it;
 # every other file: the model's perf.HOST_COPIES, as the code now runs it), as the Cluster's keywords:
 # over TCP on loopback (process sets and Gloo subgroups, before d285d71 put it in shared memory: no
@@ -70,6 +74,7 @@ HOST_LEVELS = {**dict.fromkeys(("hosts2x2_mlp", "hosts2x4_mlp4m", "levels2x2_bef
                                {"host_copies": 4})}
 # the commit whose exchange runs one engine call a stage over block tables (per bucket, not per tensor)
 TABLES_COMMIT = "b9aa8d4"
+ERAS = ("pieces", "tables")  # era(): the rows before TABLES_COMMIT and after
 LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
 TIMELINES = {}  # (profile, parameters) -> its gradients' timeline (gradient_timelines)
 PROCESSOR_COSTS = [0.0] + [0.1e-9 * 1.1 ** k for k in range(60)]  # s per element: the processor fits' grid
@@ -86,7 +91,8 @@ def measured_rows():
     for path in sorted(glob.glob(str(DOCS / "cluster" / "*.json"))):
         for r in json.loads(pathlib.Path(path).read_text()):
             if isinstance(r, dict) and "compute" in r and path_of(r["compression"]) is not None:
-                rows.append(dict(r, file=pathlib.Path(path).stem))
+                stem = pathlib.Path(path).stem
+                rows.append(dict(r, file=stem, profile=TENSOR_FILES.get(stem, r["profile"])))
     return rows
 
 
@@ -112,7 +118,8 @@ def shapes(profile, params, cache={}):
     shards it, in backward's order, the root's own parameters last) of a profile."""
     key = (profile, params)
     if key not in cache:
-        model = build_model(profile, profile_args(profile, params))[0]
+        args = profile_args(profile, params)
+        model = build_model(args.profile, args)[0]
         assert sum(p.numel() for p in model.parameters()) == params, key
         blocks = getattr(model, "blocks", model)
         units = [sum(p.numel() for p in child.parameters()) for child in blocks.children()]
@@ -133,7 +140,7 @@ def gradient_timelines(rows, path):
         key = f"{profile}/{params}"
         if key not in saved:
             args = profile_args(profile, params)
-            model, shape_in, shape_out = build_model(profile, args)
+            model, shape_in, shape_out = build_model(args.profile, args)
             x, y = inputs(args, shape_in, shape_out)
             saved[key] = step_profile.to_json(step_profile.measure(model, lambda: loss_fn(x)(model(x), y)))
             path.write_text(json.dumps(saved, indent=1) + "\n")
@@ -154,7 +161,9 @@ def processor_key(r) -> tuple:
     framework, name, bits, fmt = path_of(r["compression"])
     if bits == 32:
         return None
-    return "hvd" if framework == "hvd" else "torch", "codes" if fmt else "16-bit"
+    # a codes path's cost in the job corrects its era's calibration: fitted per era
+    return ("hvd" if framework == "hvd" else "torch", "codes", era(r.get("tree"))) if fmt else \
+        ("hvd" if framework == "hvd" else "torch", "16-bit")
 
 
 def workload(r):
@@ -227,10 +236,11 @@ def fit_processor_costs(rows, links, calibrated):
     """Per processor_key: the (processor cost, cost a collective) that predicts its uncapped rows
     best ((0, 0) where it has none); a cost a collective on Horovod's codes paths only."""
     costs = {None: (0.0, 0.0)}
-    for key in itertools.product(("hvd", "torch"), ("16-bit", "codes")):
+    keys = [*itertools.product(("hvd", "torch"), ("16-bit",)), *itertools.product(("hvd", "torch"), ("codes",), ERAS)]
+    for key in keys:
         own = [r for r in rows if fitted(r) and processor_key(r) == key]
         grid = itertools.product(CODES_COSTS if key[1] == "codes" else PROCESSOR_COSTS,
-                                 COLLECTIVE_COSTS if key == ("hvd", "codes") else (0.0,))
+                                 COLLECTIVE_COSTS if key[:2] == ("hvd", "codes") else (0.0,))
         costs[key] = _least_error(list(grid), own, lambda r, cost: predict(r, links[r["rate"]], calibrated, cost)
                                   ) if own else (0.0, 0.0)
     return costs
@@ -271,8 +281,8 @@ def main():
         print(f"link {rate}: fitted on its fp32 rows {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
               f"latency {link.latency * 1e6:.0f} us")
     costs = fit_processor_costs(rows, links, calibrated)
-    for (framework, path), (cost, collective) in ((k, v) for k, v in costs.items() if k is not None):
-        print(f"{framework}'s {path}: fitted on its uncapped rows {cost * 1e9:.2f} ns of processor per element its "
+    for (framework, path, *made), (cost, collective) in ((k, v) for k, v in costs.items() if k is not None):
+        print(f"{framework}'s {path}{' (' + made[0] + ')' if made else ''}: fitted on its uncapped rows {cost * 1e9:.2f} ns of processor per element its "
               f"{'ring reduces' if path == '16-bit' else CODES_COST_MEANING}"
               + (f"; {collective * 1e3:g} ms a collective beyond the link's latency" if collective else ""))
     # a host's ranks reach each other over its namespace's loopback: Gloo over the kernel's TCP on the

@@ -228,4 +228,17 @@ HVD_HD hvd_u32 hvd_unpack_code(const unsigned char *packed, hvd_i64 i, hvd_i32 b
   return v & ((1u << bits) - 1u);
 }
 
+/*
+ * Block tables (hvd_aps/_tables.py): the columns of a table's rows, one int64 each, and the sums
+ * the stats' sample takes per block (samples, nonzero inputs, nonzero values sent, inputs beyond
+ * the limit, (sent - input)^2, input^2). Both engines' table functions read them.
+ */
+#define HVD_SRC 0
+#define HVD_COUNT 1
+#define HVD_BASE 2
+#define HVD_POS 3
+#define HVD_INDEX 4
+#define HVD_COLUMNS 5
+#define HVD_STATS 6
+
 #endif /* HVD_APS_FPCODEC_H_ */

@@ -324,12 +324,6 @@ int64_t hvd_load_acquire(const int64_t *counter) { return __atomic_load_n(counte
  * cut where no byte of a packed stream is shared with another thread's share. Per block: its
  * exponent (shifts[b]), its seed (seeds[b]) and its decode table (tables + (which[b] << bits)).
  */
-#define HVD_SRC 0
-#define HVD_COUNT 1
-#define HVD_BASE 2
-#define HVD_POS 3
-#define HVD_INDEX 4
-#define HVD_COLUMNS 5
 
 /* Elements [*lo, *hi) of block b within the share (b0, o0) .. (b1, o1). */
 static inline void share_of(const int64_t *row, int64_t b, int64_t b0, int64_t o0, int64_t b1, int64_t o1, int64_t *lo,
@@ -404,7 +398,6 @@ void hvd_table_decode(const uint8_t *message, int32_t bits, const int64_t *table
  * sums[HVD_STATS * b ...]: samples, nonzero inputs, nonzero values sent, inputs beyond the
  * limit, sum of (sent - input)^2 and of input^2 (doubles, as the Python stats take them).
  */
-#define HVD_STATS 6
 
 /* One block's sample sums, for codes of BITS bits (0: `bits` at run time, read bit by bit). */
 #define STATS_BLOCK(NAME, BITS)                                                               \

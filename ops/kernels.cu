@@ -273,12 +273,6 @@ extern "C" __global__ void hvd_amax_blocks(const float *x, long long n, long lon
  * in that stream; INDEX, stochastic rounding's hash index of its first element. Per row: its
  * exponent shifts[b] (and seed seeds[b]).
  */
-#define HVD_SRC 0
-#define HVD_COUNT 1
-#define HVD_BASE 2
-#define HVD_POS 3
-#define HVD_INDEX 4
-#define HVD_COLUMNS 5
 
 /* peaks[b] = max(itself, the bits of max |x| over row b's elements); peaks start at 0. */
 extern "C" __global__ void hvd_table_amax(const float *x, const long long *table, unsigned int *peaks) {
@@ -369,7 +363,6 @@ extern "C" __global__ void hvd_table_decode(const unsigned char *message, const 
                                         divisor);
 }
 
-#define HVD_STATS 6 /* samples, nonzero inputs, nonzero values sent, inputs beyond the limit, error^2, input^2 */
 
 /* host.c's hvd_table_stats: row b's sample (elements first[b], + step[b], ...) against the values
  * its codes carry, summed per row into sums[HVD_STATS * b ...] (doubles; a tree's order). */
