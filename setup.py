@@ -16,7 +16,7 @@ setup(
     packages=["hvd_aps", "hvd_aps.torch", "hvd_aps.tensorflow", "hvd_aps.ops"],
     package_dir={"hvd_aps.ops": "ops"},
     python_requires=">=3.10",
-    install_requires=["numpy>=1.24"],
+    install_requires=["numpy>=1.24", "tqdm>=4.60"],
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow>=2.16"],

@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import hvd_aps
 from hvd_aps import emulate
@@ -267,15 +268,16 @@ def plot(path, label, runs):
     plt.close(fig)
 
 
-def run_study(make_averager, task, settings, seeds, args, log):
-    runs = {}
-    for setting in settings:
-        runs[setting] = []
-        for seed in seeds:
-            start = time.time()
-            curve, params, nbytes = train(make_averager(setting), task, seed, args, log)
-            runs[setting].append({"seed": seed, "curve": curve, "bytes": nbytes, "params": params,
-                                  "seconds": time.time() - start})
+def run_study(make_averager, task, settings, seeds, args, log, shown=True):
+    """Every setting's runs, one a seed; a progress bar where `shown` (rank 0)."""
+    runs = {setting: [] for setting in settings}
+    progress = tqdm([(s, seed) for s in settings for seed in seeds], desc=task.name, unit="run", disable=not shown)
+    for setting, seed in progress:
+        progress.set_postfix_str(f"{setting} seed {seed}")
+        start = time.time()
+        curve, params, nbytes = train(make_averager(setting), task, seed, args, log)
+        runs[setting].append({"seed": seed, "curve": curve, "bytes": nbytes, "params": params,
+                              "seconds": time.time() - start})
     return runs
 
 
@@ -326,7 +328,8 @@ def main():
                          "(with one rank Horovod never compresses)")
     log = print if hvd.rank() == 0 else (lambda *_: None)
     log(f"{task.name}: {hvd.size()} Horovod ranks, settings {settings}, seeds {seeds}, {args.steps} steps")
-    runs = run_study(lambda s: HorovodAverager(s, task, options), task, settings, seeds, args, log)
+    runs = run_study(lambda s: HorovodAverager(s, task, options), task, settings, seeds, args, log,
+                     shown=hvd.rank() == 0)
     identical = all(bool(hvd.allreduce(r["params"], op=hvd.Max, name=f"id.{s}.{r['seed']}").eq(r["params"]).all())
                     and bool(hvd.allreduce(r["params"], op=hvd.Min, name=f"id2.{s}.{r['seed']}").eq(r["params"]).all())
                     for s, seeds_ in runs.items() for r in seeds_)
@@ -347,7 +350,7 @@ def ddp_main(task, settings, seeds, args, options, averager):
     if kind == "FSDP2":
         settings = [s for s in settings if s != "fp16"]  # FSDP has no 16-bit hook; a MixedPrecisionPolicy is its own study
     log(f"{task.name}: {size} {kind} ranks, settings {settings}, seeds {seeds}, {args.steps} steps")
-    runs = run_study(lambda s: averager(s, task, options), task, settings, seeds, args, log)
+    runs = run_study(lambda s: averager(s, task, options), task, settings, seeds, args, log, shown=rank == 0)
     identical = True
     for seeds_ in runs.values():
         for r in seeds_:

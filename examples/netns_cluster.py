@@ -25,6 +25,8 @@ import statistics
 import subprocess
 import sys
 
+from tqdm import tqdm
+
 import hvd_aps
 from hvd_aps import perf
 
@@ -177,15 +179,21 @@ def run_job(names, compressions, args) -> dict:
     return dict(zip(compressions, rows[-len(compressions):]))
 
 
-def repeated(names, compressions, args):
+def jobs(compressions, args) -> list:
+    """The jobs of one (hosts, rate): each a list of compressions, --repeats times in order."""
+    return ([compressions] if args.same_job else [[c] for c in compressions]) * args.repeats
+
+
+def repeated(names, compressions, args, progress):
     """Every compression --repeats times, in alternating order (a, b, c, a, b, c, ...), so slow
     drifts of a shared machine fall on all alike (--same-job: all in each job, their steps
     alternated there): per compression the runs' results, and the median step of them."""
     runs = {c: [] for c in compressions}
-    for _ in range(args.repeats):
-        for job in [compressions] if args.same_job else [[c] for c in compressions]:
-            for c, row in run_job(names, job, args).items():
-                runs[c].append(row)
+    for job in jobs(compressions, args):
+        progress.set_postfix_str(",".join(job))
+        for c, row in run_job(names, job, args).items():
+            runs[c].append(row)
+        progress.update()
     return {c: dict(rs[-1], step_median=statistics.median(r["step_median"] for r in rs),
                     step_runs=[r["step_median"] for r in rs],
                     tx_bytes_per_step=statistics.median(r["tx_bytes_per_step"] for r in rs)) for c, rs in runs.items()}
@@ -308,13 +316,15 @@ def main():
     if args.quick:
         args.hosts, args.rates, args.hidden, args.iters = "2", "1gbit", 512, 3
     rows = []
-    for hosts in (int(h) for h in args.hosts.split(",")):
-        for rate in (None if r == "none" else r for r in args.rates.split(",")):
-            with cluster(hosts, rate, args.queue) as names:
-                results = repeated(names, args.compressions.split(","), args)
-            rows += table(results, hosts, args.ranks_per_host, rate, args)
-            if args.json:  # after every table: a long run that stops early keeps what it measured
-                pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    shapes = [(int(h), None if r == "none" else r) for h in args.hosts.split(",") for r in args.rates.split(",")]
+    progress = tqdm(total=len(shapes) * len(jobs(args.compressions.split(","), args)), unit="job")
+    for hosts, rate in shapes:
+        progress.set_description(f"{hosts} hosts x {args.ranks_per_host}, {rate or 'uncapped'}")
+        with cluster(hosts, rate, args.queue) as names:
+            results = repeated(names, args.compressions.split(","), args, progress)
+        rows += table(results, hosts, args.ranks_per_host, rate, args)
+        if args.json:  # after every table: a long run that stops early keeps what it measured
+            pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from benchmark_common import tx_bytes
 from digits_torch import cnn, digits
@@ -316,14 +317,19 @@ def grid(args):
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = json.loads((out / "runs.json").read_text()) if (out / "runs.json").exists() else []
-    for task_name in args.tasks.split(","):
+    tasks, hosts_, rates, seeds, peers = (args.tasks.split(","), args.hosts.split(","), args.rates.split(","),
+                                          args.seeds.split(","), args.peers.split(","))
+    progress = tqdm(total=len(tasks) * len(hosts_) * len(rates) * len(seeds) * len(peers), unit="run")
+    for task_name in tasks:
         task = TASKS[task_name].task
-        for hosts in (int(h) for h in args.hosts.split(",")):
-            for rate in args.rates.split(","):
+        for hosts in (int(h) for h in hosts_):
+            for rate in rates:
                 label = f"{hosts}x{args.ranks_per_host} {rate}" + (f", {args.steps} steps" if args.steps else "")
                 with netns_cluster.cluster(hosts, None if rate == "uncapped" else rate) as names:
-                    for seed in (int(s) for s in args.seeds.split(",")):
-                        for peer in args.peers.split(","):
+                    for seed in (int(s) for s in seeds):
+                        for peer in peers:
+                            progress.set_description(f"{task_name} {label} seed {seed}")
+                            progress.set_postfix_str(peer)
                             argv = [pathlib.Path(__file__).name, "--peer", peer, "--task", task_name,
                                     "--seed", str(seed), "--iface", "hvd0"] + (
                                         ["--steps", str(args.steps)] if args.steps else [])
@@ -333,11 +339,12 @@ def grid(args):
                                                               label=peer)[-1]
                             except (RuntimeError, subprocess.TimeoutExpired) as failed:  # the others still run
                                 print(f"{label} seed {seed} {peer} failed: {str(failed)[-1500:]}", file=sys.stderr)
-                                continue
-                            runs.append(dict(result, label=label))
-                            print(f"{label} seed {seed} {peer}: {time.time() - started:.0f} s, time to target "
-                                  f"{time_to_target(task, result['log'])}", file=sys.stderr, flush=True)
-                            (out / "runs.json").write_text(json.dumps(runs))
+                            else:
+                                runs.append(dict(result, label=label))
+                                print(f"{label} seed {seed} {peer}: {time.time() - started:.0f} s, time to target "
+                                      f"{time_to_target(task, result['log'])}", file=sys.stderr, flush=True)
+                                (out / "runs.json").write_text(json.dumps(runs))
+                            progress.update()
     report(runs, out)
 
 

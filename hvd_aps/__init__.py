@@ -4,6 +4,8 @@ Horovod (PyTorch, TensorFlow, Keras 3), PyTorch DDP and FSDP2.
 Importing hvd_aps imports neither torch nor TensorFlow; the framework adapters load on first use
 (hvd_aps.torch, hvd_aps.tensorflow, hvd_aps.keras, hvd_aps.ddp, hvd_aps.fsdp).
 """
+import importlib
+
 from . import emulate, scaling
 from ._stats import TensorStats
 from .codec import amax, decode, decode_sum, encode, pack, packed_size, quantize, unpack
@@ -13,6 +15,16 @@ from .formats import (PRESETS, FloatFormat, bf16, e2m1fn, e2m3fn, e3m0, e3m2fn, 
                       e5m2, fp16)
 
 __version__ = "0.2.0"
+
+# the framework adapters, imported on first use: `import hvd_aps` then `hvd_aps.ddp.aps_hook`
+_ADAPTERS = ("torch", "tensorflow", "keras", "ddp", "fsdp")
+
+
+def __getattr__(name: str):
+    if name in _ADAPTERS:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["APSCompressor", "APSConfig", "Rounding", "Scaling", "Wire", "Policy", "Fallback", "RECIPES", "recipe",
            "TensorStats", "FloatFormat", "PRESETS", "encode", "decode", "decode_sum", "quantize", "amax", "pack",

@@ -22,6 +22,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from . import codec, exchange, perf
 from ._arrays import array_module
@@ -125,7 +126,8 @@ def fit_codec(fmt: str, world: int, buckets: Sequence = BUCKETS, repeats: int = 
     """(Codec, [(elements, tensors, seconds)]): least squares of the measured times, relative to
     each (the buckets span three orders of magnitude), on a cost per exchange, per tensor and per
     element (none below zero); a Codec of a GPU is a `device` one (perf.Codec.busy)."""
-    rows = [(n, t, time_exchange(fmt, world, n, t, repeats, device)) for n, t in buckets]
+    rows = [(n, t, time_exchange(fmt, world, n, t, repeats, device))
+            for n, t in tqdm(buckets, desc=f"calibrate {fmt} on {device}", unit="bucket", leave=False)]
     seconds = np.array([s for *_, s in rows])
     a = np.array([[1.0, t, n] for n, t, _ in rows]) / seconds[:, None]
     coef, *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)

@@ -18,7 +18,8 @@ exponent, so its numbers do not depend on how buckets are cut into chunks and sh
 The engine contract (_host_engine, _numpy_engine, _cupy_engine), on inputs this module has
 already checked (fmt a FloatFormat, shift and seed ints, shifts an int32 NumPy array of one
 exponent per block, `out` None or an array that fits; the format and scale come right after the
-data, unlike the public functions' keyword order):
+data, unlike the public functions' keyword order)::
+
     encode(x, fmt, shift, rounding, seed, saturate, out) -> codes
     encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, pos, index) -> row
     decode(codes, fmt, shift, dtype, out) -> values
@@ -26,9 +27,11 @@ data, unlike the public functions' keyword order):
     sum_rows(rows, fmt, start, stop, shift, block, out) -> (sums, float32 max |sums| per block)
     decode_row(row, fmt, start, stop, shifts, block, out, divisor, stream) -> values
     pack(codes, bits), unpack(packed, bits, n, dtype), amax(x), amax_blocks(x, block) -> float32 maxima
+
 and, for the codes exchange, one call per stage of a bucket over a table of its blocks
 (hvd_aps._tables.Blocks: each block's place in the float32 array, in a packed stream, and its
-stochastic index), with one exponent (and seed) per block, checked once per bucket layout:
+stochastic index), with one exponent (and seed) per block, checked once per bucket layout::
+
     table_amax(x, blocks) -> max |x| per block (+inf where non-finite)
     table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual) -> message
     table_sum(rows, fmt, blocks, shifts, out) -> max |sum| per block (rows: (ranks, bytes))
@@ -230,7 +233,7 @@ def encode_into(x, fmt, row, start, rounding="nearest", seed=None, saturate=Fals
 def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None, block=None):
     """Codes start..stop of every row of `rows` (a (ranks, bytes) uint8 array, each row a stream
     as pack() writes it; rows may lie apart, as slices of a larger buffer do) decoded, times
-    2**-shift, and summed over the rows in rank order from +0.0 in float32 -> (sums, max |sums|,
+    2**-shift, and summed over the rows in rank order from +0.0 in float32 -> (sums, max(abs(sums)),
     +inf where a sum is NaN/Inf; with `block`, a float32 array of the max of every block of
     that many sums). One pass over the codes: no unpacked copy, no pass per rank, and the max the
     re-encode's APS shift needs comes with it."""
@@ -293,7 +296,7 @@ def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, uns
 
 
 def amax(x):
-    """max |x| as a Python float, or +inf when x holds any NaN or Inf."""
+    """max(abs(x)) as a Python float, or +inf when x holds any NaN or Inf."""
     x = _as_float32(x).ravel()
     return engine_for(x).amax(x)
 

@@ -30,11 +30,6 @@ class APSCompressor:
 
     Arguments:
         fmt: a FloatFormat or its name ("e4m3", "e5m2", "e3m0", ...).
-        rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback, hybrid,
-            hybrid_threshold, chunk_bytes, hierarchical, policy, fallback: see
-            hvd_aps.config.APSConfig (defaults: nearest rounding, APS, codes on the wire, 16 MiB
-            buckets, their chunking tuned at run time, tensors under 4096 elements through the
-            framework's plain allreduce, two levels where hosts hold several ranks, codes always).
         seed: base of the stochastic-rounding streams (random if None).
         stats: record what each tensor went through: `stats[label]` holds the last call per tensor
             label (TF: the gradient's graph name; torch: dtype and shape), `totals()` the sum since
@@ -46,6 +41,12 @@ class APSCompressor:
             on a CPU costs about as much as the encode itself). The default keeps their cost
             below what a step's timing resolves; rare events (saturation) resolve to about
             1 / stats_sample of a tensor.
+
+    The other arguments (rounding, scaling, saturate, wire, bucket_bytes, min_elements,
+    error_feedback, hybrid, hybrid_threshold, chunk_bytes, hierarchical, policy, fallback) are
+    hvd_aps.APSConfig's fields (defaults: nearest rounding, APS, codes on the wire, 16 MiB buckets,
+    their chunking tuned at run time, tensors under 4096 elements through the framework's plain
+    allreduce, two levels where hosts hold several ranks, codes always).
 
     Every rank must use an equal compressor and hand it the same tensors in the same order: the
     metadata allreduce checks the configuration and every tensor's size, and raises on a mismatch.

@@ -85,7 +85,7 @@ class APSConfig:
             residual) to the gradient before encoding, and each range's owner does the same for
             its re-encode of the sum (1-bit SGD, EF-SGD, two-sided); residuals are state.
         hybrid: None, or a wider format (codes path): a tensor goes out in it instead of `fmt`
-            when the mean elementwise relative error |q(g) - g| / |g| (1 for an entry flushed to
+            when the mean elementwise relative error abs(q(g) - g) / abs(g) (1 for an entry flushed to
             zero) that `fmt` makes on a sample of it exceeds hybrid_threshold on some rank. 4-bit
             formats make 0.27-0.35 on Gaussian gradients and 0.55-1 on heavy-tailed ones.
         chunk_bytes: a bucket's exchange runs in chunks of this many float32 bytes, one encoded

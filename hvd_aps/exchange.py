@@ -7,17 +7,19 @@ collectives and a way to run a host stage (a plain call for eager frameworks, tf
 inside a TF graph). The stages themselves are hvd_aps._stages.CodesExchange's.
 
 Steps, for one bucket of flat float32 gradients (`Levels`: flat, or two levels where hosts hold
-several ranks: float32 inside a host, codes between hosts):
-0. two levels: the bucket cut into one slice per local rank; alltoall of the slices inside the
-   host (shared memory on the CPU: hvd_aps._host_memory), each local rank sums the host's copies
-   of its slice in local-rank order (float32);
-1. stage: each tensor's max |g| and size, the signature;        collective: Max-allreduce (all ranks)
-2. stage: APS shifts and formats agreed, the chunks laid out;
-then for every chunk, pipelined (chunk k is encoded while k-1's codes travel and k-2 is decoded):
-3. stage: encode every owner's part of the chunk;                collective: alltoall (codes group)
-4. stage: decode-and-sum this rank's part, re-encode it;         collective: allgather
-5. stage: decode every owner's part into the results;
-6. two levels: allgather of the results' slices inside the host.
+several ranks: float32 inside a host, codes between hosts)::
+
+    0. two levels: the bucket cut into one slice per local rank; alltoall of the slices inside the
+       host (shared memory on the CPU: hvd_aps._host_memory), each local rank sums the host's copies
+       of its slice in local-rank order (float32);
+    1. stage: each tensor's max |g| and size, the signature;        collective: Max-allreduce (all ranks)
+    2. stage: APS shifts and formats agreed, the chunks laid out;
+    then for every chunk, pipelined (chunk k is encoded while k-1's codes travel and k-2 is decoded):
+    3. stage: encode every owner's part of the chunk;                collective: alltoall (codes group)
+    4. stage: decode-and-sum this rank's part, re-encode it;         collective: allgather
+    5. stage: decode every owner's part into the results;
+    6. two levels: allgather of the results' slices inside the host.
+
 The schedule (hvd_aps._schedule) picks each bucket's chunking, or with policy="auto" possibly the
 framework's own allreduce, from measured times.
 """
@@ -50,7 +52,7 @@ class Collectives(abc.ABC):
 
     @abc.abstractmethod
     def stage(self, fn, inputs: Sequence, dtypes: Sequence) -> tuple:
-        """Run fn(*inputs) -> a tuple of arrays of `dtypes` (NumPy dtypes), return that tuple."""
+        """Run ``fn(*inputs)`` -> a tuple of arrays of `dtypes` (NumPy dtypes), return that tuple."""
 
     @abc.abstractmethod
     def max_allreduce(self, vector, name: str):

@@ -2,7 +2,7 @@
 
 An APSCompressor holds one. It owns the configuration, the exchange state (hvd_aps._state), the
 stats, the threads and each group's stages, and the *step* in flight, a transaction over the
-state:
+state::
 
     future = exchanger.submit(fn, *args)     # an exchange on the threads (or a DDP lane's)
     future = exchanger.bucket(levels, ...)   # one bucket through the driver, the same way

@@ -64,8 +64,10 @@ command -v cmake >/dev/null || FRAMEWORKS="$FRAMEWORKS cmake<4"
 say "installing $FRAMEWORKS and the test/example dependencies"
 # Horovod's own build needs cloudpickle, psutil, pyyaml and packaging (no build isolation).
 # accelerate and pytorch-lightning: the tests of their recipes (pinned: they must not move torch).
+# sphinx and myst-parser: the docs and their API reference (tests/test_docs.py builds them); tqdm: progress bars.
 $PIP install -q $FRAMEWORKS numpy ml_dtypes pytest hypothesis scikit-learn matplotlib \
   cloudpickle psutil pyyaml packaging setuptools wheel accelerate==1.15.0 pytorch-lightning==2.6.6 \
+  sphinx==9.0.4 myst-parser==5.2.0 tqdm \
   ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} || fail "pip install of the dependencies failed"
 
 say "building Horovod"

@@ -1,0 +1,92 @@
+"""The pages users read, checked against the code: every code block of README.md runs as written
+under 2 real ranks (workers/readme_checks.py), the `plan` output it shows is what `plan` prints, and
+the docs with their API reference (generated from the docstrings) build without a warning."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from horovod_run import WORKERS, free_port, horovodrun, load
+from workers.readme_checks import README, blocks
+
+ROOT = README.parent
+# a gradient's error after an 8-bit encode, a sum and a re-encode: under 2**-4 of its norm
+E4M3_BOUND = 0.07
+RUNS = {"horovod-torch": ("horovod-torch", "codes-optimizer"), "horovod-tensorflow": ("horovod-tensorflow",),
+        "torchrun": ("ddp", "fsdp")}
+
+
+def test_every_code_block_of_the_readme_is_run_by_a_test():
+    fences = re.findall(r"^```", README.read_text(), re.M)
+    tagged = blocks()
+    assert len(fences) == 2 * len(tagged), "a fenced block in README.md without its <!-- readme-test: NAME --> line"
+    assert set(tagged) == {name for names in RUNS.values() for name in names} | {"keras", "plan"}
+
+
+def test_the_plan_the_readme_shows_is_what_plan_prints():
+    lines = blocks()["plan"].splitlines()
+    command = ""
+    while not command or command.endswith("\\"):
+        command = command.rstrip("\\") + lines.pop(0).lstrip("$ ")
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "hvd_aps"]
+    run = subprocess.run([sys.executable] + argv[1:], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "\n".join(lines).strip()
+
+
+def torchrun(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(WORKERS / "readme_checks.py"), "torchrun", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def launched(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    if request.param == "torchrun":
+        torchrun(tmp)
+    else:
+        horovodrun("readme_checks.py", tmp, args=(request.param,))
+    return request.param, load(tmp, f"readme_{request.param}")
+
+
+def test_each_block_averages_the_ranks_gradients_in_codes_alike_on_every_rank(launched):
+    launch, ranks = launched
+    for name in RUNS[launch]:
+        grads = [r[f"{name}_grads"] for r in ranks]
+        mean = np.mean([r[f"{name}_own"].astype(np.float64) for r in ranks], axis=0)
+        np.testing.assert_array_equal(grads[0].view(np.uint32), grads[1].view(np.uint32), err_msg=name)
+        error = np.linalg.norm(grads[0] - mean) / np.linalg.norm(mean)
+        assert 0 < error < E4M3_BOUND, f"{name}: {error} from the float32 mean (0: not compressed)"
+    if launch == "horovod-tensorflow":  # Keras: the ranks' data differ, their trained weights may not
+        np.testing.assert_array_equal(ranks[0]["keras_weights"], ranks[1]["keras_weights"])
+        assert not np.array_equal(ranks[0]["keras_weights"], ranks[0]["keras_before"])
+
+
+def test_the_docs_and_the_api_reference_build_without_a_warning(tmp_path):
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html", "docs", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "APSCompressor.state_dict" in (tmp_path / "reference.html").read_text()
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MyST (myst_heading_anchors) make it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_into_the_docs_lead_somewhere():
+    for page, anchor in re.findall(r"\]\((docs/[\w./-]+)(?:#([\w-]+))?\)", README.read_text()):
+        target = ROOT / page
+        assert target.exists(), page
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            assert anchor in {slug(h) for h in headings}, f"{page}#{anchor}"
