@@ -38,8 +38,7 @@ def read(config, agreed, sizes, labels, world: Optional[int] = None) -> tuple:
     _check_resumed(agreed[-2], -agreed[-1], world)
     high, neg_low = agreed[-4], agreed[-3]
     if high != -neg_low:
-        raise ValueError(f"APSCompressor mismatch across ranks: this rank uses {config!r} (signature "
-                         f"{config.signature}) but signatures range from {-neg_low:g} to {high:g}")
+        raise settings_differ(config, -neg_low, high)
     most, least = agreed[count:2 * count], -agreed[2 * count:3 * count]
     for i in np.flatnonzero(most != least):
         raise ValueError(f"ranks handed different tensors to the exchange: tensor {i} ({labels[i]}) has "
@@ -47,6 +46,19 @@ def read(config, agreed, sizes, labels, world: Optional[int] = None) -> tuple:
                          "(another model, or gradients in another order)")
     errors = agreed[3 * count:4 * count] if hybrid else np.zeros(count)
     return agreed[:count], errors, agreed[(3 + hybrid) * count:(3 + hybrid) * count + TIMING]
+
+
+def settings_differ(config, low: float, high: float) -> ValueError:
+    """The error every rank raises where the ranks' compressors are configured differently."""
+    return ValueError(f"APSCompressor settings differ between ranks: this rank uses {config!r} (signature "
+                      f"{config.signature}), the ranks' signatures range from {low:g} to {high:g}; give every rank "
+                      "the same APSCompressor arguments")
+
+
+def check_same_settings(config, signatures) -> None:
+    """At construction (DDP's APSState, FSDP2's apply): every rank's configuration, gathered."""
+    if min(signatures) != max(signatures):
+        raise settings_differ(config, min(signatures), max(signatures))
 
 
 def _check_resumed(most: float, least: float, world) -> None:

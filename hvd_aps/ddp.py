@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from . import _arrays, _host_memory, exchange
+from . import _arrays, _host_memory, _metadata, exchange
 from ._stages import Bucket
 from ._topology import Topology
 from .compressor import APSCompressor
@@ -141,6 +141,9 @@ class APSState:
             raise TypeError(f"APSState needs an hvd_aps.APSCompressor sending codes, got {compressor!r}")
         if not dist.is_initialized():
             raise RuntimeError("APSState needs torch.distributed initialised (dist.init_process_group)")
+        # a configuration that differs between ranks fails here, on every rank, not in backward
+        # (where torch reports a hook's error as "Unable to cast ... to Tensor")
+        _metadata.check_same_settings(compressor.config, _all_gather_object(compressor.config.signature, process_group))
         self.compressor, self.process_group = compressor, process_group
         self.buckets_exchanged = 0
         self._lock = threading.Lock()

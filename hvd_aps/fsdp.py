@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import _arrays, exchange
+from . import _arrays, _metadata, exchange
 from ._stages import Bucket
 from ._topology import Topology
 from .compressor import APSCompressor
-from .ddp import TorchDistributedCollectives
+from .ddp import TorchDistributedCollectives, _all_gather_object
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -189,6 +189,7 @@ def apply(model: torch.nn.Module, compressor: APSCompressor, replicate_group: di
     if not modules:
         raise ValueError("no FSDPModule in this model: call torch.distributed.fsdp.fully_shard on it first")
     world = dist.get_world_size()
+    _metadata.check_same_settings(compressor.config, _all_gather_object(compressor.config.signature, None))
     for name, module in modules:
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(1.0)

@@ -125,3 +125,8 @@ def test_policy_auto_native_buckets_take_torchs_own_allreduce_hook(ranks):
         assert bool(r["native_equals_default"])
         assert int(r["native_bytes"]) == int(2 * (world - 1) / world * 4 * elements)
         assert list(r["native_formats"]) == ["float32"] and int(r["native_elements"]) == elements
+
+
+def test_settings_that_differ_between_ranks_are_refused_at_the_state_on_every_rank(ranks):
+    for r in ranks:
+        assert str(r["mismatch"]).startswith("APSCompressor settings differ between ranks: this rank uses APSConfig(fmt=")

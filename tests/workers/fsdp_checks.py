@@ -117,5 +117,10 @@ train("fp16", mp=torch.float16)
 train("ef", fmt="e2m1fn", error_feedback=True)
 train("hybrid", fmt="e2m1fn", hybrid="e4m3")
 train("auto", policy="auto", steps=AUTO_STEPS)
+try:  # rank 0 e4m3, the others e5m2: refused by apply, on every rank
+    hvd_aps.fsdp.apply(fully_shard(model()), hvd_aps.APSCompressor("e4m3" if rank == 0 else "e5m2"))
+    out["mismatch"] = np.array("no error")
+except ValueError as err:
+    out["mismatch"] = np.array(str(err))
 np.savez(f"{sys.argv[1]}/fsdp{size}_rank{rank}.npz", **out)
 leave_torchrun()
