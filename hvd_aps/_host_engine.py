@@ -91,7 +91,11 @@ def _thread_count():
     more than the cores this process may use."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if "HVD_APS_THREADS" in os.environ:
-        return max(1, min(cores, int(os.environ["HVD_APS_THREADS"])))
+        value = os.environ["HVD_APS_THREADS"]
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"HVD_APS_THREADS must be a number of threads >= 1, got {value!r}: set it so, or unset "
+                             "it for this process's cores over the ranks on this host")
+        return min(cores, int(value))
     local = next((int(os.environ[v]) for v in _LOCAL_SIZE_VARS if os.environ.get(v, "").isdigit()), 1)
     return max(1, cores // max(1, local))
 

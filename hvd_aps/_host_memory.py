@@ -44,7 +44,11 @@ _FILE = re.compile(rf"^{PREFIX}\.\w+\.h\d+\.(\d+)\.")
 def available() -> bool:
     """Shared memory boxes can work here: a /dev/shm and the host engine's atomic counters, and
     HVD_APS_HOST_MEMORY is not 0."""
-    return os.environ.get(ENV, "1") != "0" and _host_engine.available and os.path.isdir(DIRECTORY)
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 (float32 inside a host through the framework's collectives) or 1 (through "
+                         f"shared memory, the default), got {value!r}")
+    return value == "1" and _host_engine.available and os.path.isdir(DIRECTORY)
 
 
 class _Box:

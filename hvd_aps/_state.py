@@ -251,16 +251,26 @@ class ExchangeState:
                     "world": self.world or self.resumed_world}
 
     def load_state_dict(self, state: dict) -> None:
-        residuals = {_key(name): np.array(r, np.float32) for name, r in state["residuals"].items()}
+        """Everything read and checked before anything changes: a state that cannot load leaves
+        this one as it was."""
+        try:
+            residuals = {_key(name): np.array(r, np.float32) for name, r in state["residuals"].items()}
+            steps = {k: int(v) for k, v in state["steps"].items()}
+            layouts = {tuple(name.rsplit("|", 1)): signature for name, signature in state.get("layouts", {}).items()}
+            world, seed = int(state.get("world", 0)), int(state["seed"])
+            schedule = Schedule(self.schedule.candidates, self.schedule.auto, self.schedule.link,
+                                self.schedule.natives)
+            schedule.load_state_dict(state["schedule"])
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"not a state_dict this APSCompressor can load ({type(err).__name__}: {err}): pass "
+                             "what APSCompressor.state_dict() returned, saved whole") from err
         with self._lock:
             self._residuals, self._spare, self._pending = residuals, {}, set()
             self._groups, self._written = {}, {}
-            self._steps, self._stepped = {k: int(v) for k, v in state["steps"].items()}, set()
-            self._layouts = {tuple(name.rsplit("|", 1)): signature
-                             for name, signature in state.get("layouts", {}).items()}
-            self._laid_out = {}
-            self.world, self.resumed_world = 0, int(state.get("world", 0))
-            self.seed = int(state["seed"])
+            self._steps, self._stepped = steps, set()
+            self._layouts, self._laid_out = layouts, {}
+            self.world, self.resumed_world = 0, world
+            self.seed = seed
             self.schedule.load_state_dict(state["schedule"])
 
     def __getstate__(self) -> dict:

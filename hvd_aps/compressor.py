@@ -24,6 +24,19 @@ from .config import AUTO, DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAUL
 from .exchanger import Exchanger
 from .formats import FloatFormat
 
+# the settings that give a state_dict's residuals and step counts their meaning: a state saved
+# under others does not load (chunking, buckets and the policy only schedule, so they may change)
+RESUMED_SETTINGS = ("fmt", "rounding", "scaling", "saturate", "wire", "error_feedback", "hybrid")
+
+
+def _not_for_autograph(method):
+    """What tf.autograph.experimental.do_not_convert marks, without importing TensorFlow: called in
+    a tf.function, AutoGraph runs the method as plain Python instead of converting it and all it
+    calls (it builds its graph ops itself; converted, a dataclass's generated __repr__ failed in
+    some runs: 'tf____repr__() takes 1 positional argument but 2 were given')."""
+    method.autograph_info__ = None
+    return method
+
 
 class APSCompressor:
     """Horovod Compressor that sends gradients in a custom float format with APS.
@@ -114,6 +127,7 @@ class APSCompressor:
         return f"APSCompressor({str(self.fmt)!r}, {fields})"
 
     # Horovod's Compressor interface -----------------------------------------------------------
+    @_not_for_autograph
     def compress(self, tensor):
         adapter = _tokens.adapter_of(tensor)
         if adapter is None or not adapter.is_dense_float(tensor):
@@ -125,6 +139,7 @@ class APSCompressor:
             return adapter.compress_values(tensor, self.exchanger)
         return self._batches.add(adapter, tensor)
 
+    @_not_for_autograph
     def decompress(self, tensor, ctx):
         if ctx is None:  # not compressed (integers, sparse), or Horovod's sparse path calling without one
             return tensor
@@ -137,13 +152,28 @@ class APSCompressor:
     # What every entry point shares -------------------------------------------------------------
     def state_dict(self) -> dict:
         """What a checkpoint must hold to resume bit for bit: the error-feedback residuals (as
-        NumPy arrays), every tensor's step count, the seed and the schedule's decisions."""
-        return self.state.state_dict()
+        NumPy arrays), every tensor's step count, the seed and the schedule's decisions, and the
+        settings that give them their meaning (RESUMED_SETTINGS)."""
+        return self.state.state_dict() | {"settings": self._resumed_settings()}
+
+    def _resumed_settings(self) -> dict:
+        return {name: str(getattr(self.config, name)) for name in RESUMED_SETTINGS}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from this rank's state_dict(), on every rank, before the same step. Loaded on
         another world size, or on some ranks only, the first exchange raises on every rank;
-        on_world_change() after loading drops what belongs to the old world instead."""
+        on_world_change() after loading drops what belongs to the old world instead. A state of
+        other settings (another format, rounding, ...) or not a state_dict at all raises here and
+        leaves this compressor as it was."""
+        if not isinstance(state, dict):
+            raise TypeError(f"load_state_dict takes what APSCompressor.state_dict() returned, got {type(state).__name__}")
+        mine = self._resumed_settings()
+        differ = {name: saved for name, saved in dict(state.get("settings", mine)).items() if mine.get(name) != saved}
+        if differ:
+            raise ValueError("this state_dict was saved by an APSCompressor with "
+                             + ", ".join(f"{name}={saved}" for name, saved in differ.items()) + " where this one has "
+                             + ", ".join(f"{name}={mine.get(name)}" for name in differ)
+                             + ": load it into a compressor made with the same settings")
         self.state.load_state_dict(state)
 
     def reset(self) -> None:

@@ -511,3 +511,48 @@ def test_job_link_reads_a_rate_or_a_calibration_file(monkeypatch, tmp_path):
         monkeypatch.setenv(calibration.LINK_ENV, bad)
         with pytest.raises(ValueError, match=message):
             calibration.job_link()
+
+
+def stepped(fmt="e2m1fn", **options):
+    """A compressor whose state holds one residual and one step."""
+    comp = hvd_aps.APSCompressor(fmt, error_feedback=True, seed=3, chunk_bytes=0, **options)
+    comp.state.next_residual(("t", "send", 0), 4, np).fill(0.5)
+    comp.state.exchanged(["t"])
+    comp.state.commit()
+    return comp
+
+
+def test_a_state_of_other_settings_is_refused_by_name_and_changes_nothing():
+    saved, comp = stepped("e2m1fn").state_dict(), stepped("e4m3")
+    before = comp.state_dict()
+    with pytest.raises(ValueError, match="saved by an APSCompressor with fmt=e2m1fn where this one has fmt=e4m3"):
+        comp.load_state_dict(saved)
+    assert comp.state_dict()["settings"] == before["settings"] and comp.state_dict()["steps"] == {"t": 1}
+    chunked = stepped("e2m1fn", bucket_bytes=1 << 20)  # scheduling settings may change between runs
+    chunked.load_state_dict(saved)
+    assert (chunked.state_dict()["residuals"]["t|send|0"] == 0.5).all()
+
+
+@pytest.mark.parametrize("corrupt", [lambda s: s.pop("steps"), lambda s: s.update(seed="three"),
+                                     lambda s: s["residuals"].update({"no key": np.ones(2)}),
+                                     lambda s: s.update(schedule=[1, 2])])
+def test_a_corrupted_state_is_refused_and_changes_nothing(corrupt):
+    saved = stepped().state_dict()
+    corrupt(saved)
+    comp = hvd_aps.APSCompressor("e2m1fn", error_feedback=True, seed=9, chunk_bytes=0)
+    with pytest.raises(ValueError, match="not a state_dict this APSCompressor can load"):
+        comp.load_state_dict(saved)
+    assert comp.seed == 9 and comp.state_dict()["residuals"] == {}
+    with pytest.raises(TypeError, match="load_state_dict takes what APSCompressor.state_dict"):
+        comp.load_state_dict([saved])
+
+
+def test_autograph_runs_the_tf_entry_points_as_plain_python():
+    """Inside a tf.function AutoGraph converts what a converted function calls unless it is marked
+    (tf.autograph.experimental.do_not_convert's mark); converted, the compressor's code broke."""
+    pytest.importorskip("tensorflow")
+    import hvd_aps.tensorflow
+    from tensorflow.python.autograph.impl import api
+    comp = hvd_aps.APSCompressor("e4m3")
+    for entry in (comp.compress, comp.decompress, hvd_aps.tensorflow.allreduce_codes):
+        assert api.is_autograph_artifact(entry), entry

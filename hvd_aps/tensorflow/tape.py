@@ -13,6 +13,7 @@ from . import adapter
 from .adapter import ended, flatten, label, levels, reducible
 
 
+@tf.autograph.experimental.do_not_convert  # plain Python that builds its graph ops itself
 def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
     """Average (op=hvd.Average) or sum (hvd.Sum) dense float tensors across ranks, sending APS codes
     of compression.fmt; tensors under compression.config.min_elements take a plain Horovod
