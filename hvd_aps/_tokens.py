@@ -356,7 +356,7 @@ def apply_op(total, token, world: int, reduction: Optional[Reduction] = None):
     left it, from the reduced token: average (divided by N in float32, as every codes path
     divides), sum, or sum times the factor Horovod applied. With `reduction`, what the token says
     is recorded there, and sums its exchange already averaged come back as they are."""
-    scale, ranks = (float(v) for v in np.ravel(token)[:2])
+    scale, ranks = float(token[0]), float(token[1])
     if abs(ranks - scale * (world - 1) / 2) > TOKEN_TOLERANCE * max(1.0, abs(scale) * world * world):
         raise ValueError(NOT_A_SUM)
     average = abs(scale - 1.0) <= TOKEN_TOLERANCE

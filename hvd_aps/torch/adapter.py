@@ -20,6 +20,7 @@ POLL_FIRST, POLL_MAX = 20e-6, 1e-3
 # One name for every values-path metadata allreduce: the calls are blocking and sequential
 # (backward hooks run one at a time), and a reused name hits Horovod's response cache.
 _METADATA = "hvd_aps.metadata"
+_TOKENS = {}  # (rank, device) -> the token token() copies
 
 
 class HorovodCollectives(exchange.AsyncEager):
@@ -134,7 +135,13 @@ def join(flats):
 
 
 def token(tensor):
-    return torch.tensor(_tokens.token_values(hvd.rank()), device=tensor.device)
+    """A copy of this rank's token on the gradient's device (Horovod reduces it in place), made
+    once per rank and device: every gradient of every step asks."""
+    key = (hvd.rank(), tensor.device)
+    made = _TOKENS.get(key)
+    if made is None:
+        made = _TOKENS[key] = torch.tensor(_tokens.token_values(key[0]), device=tensor.device)
+    return made.clone()
 
 
 def rank():
@@ -143,8 +150,10 @@ def rank():
 
 def finish(total, token_out, like, reduction):
     reduced = _tokens.apply_op(total, token_out.tolist(), hvd.size(), reduction)
-    out = torch.from_numpy(reduced) if isinstance(reduced, np.ndarray) else torch.from_dlpack(reduced)
-    return _as_dtype(out.view(like.shape), like.dtype)
+    # shaped before it becomes a tensor: NumPy's reshape costs a fraction of torch's view, per gradient
+    out = torch.from_numpy(reduced.reshape(like.shape)) if isinstance(reduced, np.ndarray) else \
+        torch.from_dlpack(reduced).view(like.shape)
+    return _as_dtype(out, like.dtype)
 
 
 def at_step_end(out, end_step, results):
