@@ -59,7 +59,9 @@ PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments
     ("tensors300x20000", 6000000): dict(profile="tensors", tensors=300, tensor_elements=20000),
     ("tensors2x3000000", 6000000): dict(profile="tensors", tensors=2, tensor_elements=3000000)}
 # the `tensors` profile's rows hold the same parameters in different tensors: its files' shapes, by name
-TENSOR_FILES = {"tensors300_1gbit": "tensors300x20000", "tensors2_1gbit": "tensors2x3000000"}
+TENSOR_FILES = {"tensors300_1gbit": "tensors300x20000", "tensors300_trimmed_1gbit": "tensors300x20000",
+                "tensors300_lastbatch_1gbit": "tensors300x20000", "tensors2_1gbit": "tensors2x3000000",
+                "tensors2_trimmed_1gbit": "tensors2x3000000"}
 # the host level of two levels as the tree that recorded a file ran it (by the commits that changed it;
 # every other file: the model's perf.HOST_COPIES, as the code now runs it), as the Cluster's keywords:
 # over TCP on loopback (process sets and Gloo subgroups, before d285d71 put it in shared memory: no
@@ -282,7 +284,8 @@ def main():
               f"latency {link.latency * 1e6:.0f} us")
     costs = fit_processor_costs(rows, links, calibrated)
     for (framework, path, *made), (cost, collective) in ((k, v) for k, v in costs.items() if k is not None):
-        print(f"{framework}'s {path}{' (' + made[0] + ')' if made else ''}: fitted on its uncapped rows {cost * 1e9:.2f} ns of processor per element its "
+        whose = f"{framework}'s {path}" + (f" ({made[0]})" if made else "")
+        print(f"{whose}: fitted on its uncapped rows {cost * 1e9:.2f} ns of processor per element its "
               f"{'ring reduces' if path == '16-bit' else CODES_COST_MEANING}"
               + (f"; {collective * 1e3:g} ms a collective beyond the link's latency" if collective else ""))
     # a host's ranks reach each other over its namespace's loopback: Gloo over the kernel's TCP on the

@@ -228,9 +228,9 @@ class Batches:
             if context.generation != self._generation:
                 raise RuntimeError("this gradient's step was abandoned after an error in an earlier exchange: "
                                    "start the step again")
-            if not context.batch.closed:
-                with self._aborting():
-                    self._close(context.batch)
+            if self._open is not None:  # the step's gradients are all handed over once one comes back:
+                with self._aborting():  # its last batch goes now, beside the others, not when reached
+                    self._close(self._open)
         try:
             if isinstance(context, Passed):
                 out = context.adapter.native_result(reduced, context.like)

@@ -166,7 +166,8 @@ class APSCompressor:
         other settings (another format, rounding, ...) or not a state_dict at all raises here and
         leaves this compressor as it was."""
         if not isinstance(state, dict):
-            raise TypeError(f"load_state_dict takes what APSCompressor.state_dict() returned, got {type(state).__name__}")
+            raise TypeError("load_state_dict takes what APSCompressor.state_dict() returned, "
+                            f"got {type(state).__name__}")
         mine = self._resumed_settings()
         differ = {name: saved for name, saved in dict(state.get("settings", mine)).items() if mine.get(name) != saved}
         if differ:

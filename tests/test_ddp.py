@@ -1,5 +1,6 @@
 """hvd_aps.ddp.aps_hook in DistributedDataParallel under real `torchrun` processes (Gloo on
 loopback), 2 and 3 ranks, against the NumPy + ml_dtypes model of the exchange."""
+import json
 import os
 import subprocess
 import sys
@@ -12,15 +13,15 @@ from horovod_run import WORKERS, free_port, load
 from workers.common import DDP_SIZES, codes_grads
 
 
-def launch_ddp_checks(tmp, ranks, **env):
-    """workers/ddp_checks.py under torchrun with `ranks` processes: every rank's saved results."""
+def launch_ddp_checks(tmp, ranks, script="ddp_checks.py", prefix=None, **env):
+    """workers/<script> under torchrun with `ranks` processes: every rank's saved results."""
     env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1", **env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(WORKERS / "ddp_checks.py"), str(tmp)]
+           str(WORKERS / script), str(tmp)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-4000:]}"
-    return load(tmp, f"ddp{ranks}", ranks)
+    return load(tmp, prefix or f"ddp{ranks}", ranks)
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -127,6 +128,25 @@ def test_policy_auto_native_buckets_take_torchs_own_allreduce_hook(ranks):
         assert list(r["native_formats"]) == ["float32"] and int(r["native_elements"]) == elements
 
 
+# the first words of the error for settings that differ between ranks
+MISMATCH = "APSCompressor settings differ between ranks: this rank uses APSConfig(fmt="
+
+
 def test_settings_that_differ_between_ranks_are_refused_at_the_state_on_every_rank(ranks):
     for r in ranks:
-        assert str(r["mismatch"]).startswith("APSCompressor settings differ between ranks: this rank uses APSConfig(fmt=")
+        assert str(r["mismatch"]).startswith(MISMATCH)
+
+
+def test_a_slow_rank_neither_hangs_nor_splits_or_flaps_the_schedules_decisions(tmp_path):
+    """The last rank's backward sleeps (workers/slow_rank_checks.py): the step follows it, every
+    rank holds the same decisions after every step, and once policy="auto" has decided, no
+    decision changes in a later step."""
+    ranks = launch_ddp_checks(tmp_path, 2, script="slow_rank_checks.py", prefix="slow")
+    steps = [list(r["decisions"]) for r in ranks]
+    assert steps[0] == steps[1]
+    policies = [json.loads(d)["policy"] for d in steps[0]]
+    decided = next(i for i, p in enumerate(policies) if p is not None)  # StopIteration: never decided
+    assert len(set(steps[0][decided:])) == 1, "a decision changed after policy='auto' decided"
+    np.testing.assert_array_equal(ranks[0]["params"], ranks[1]["params"])
+    sleep_s = 0.02  # slow_rank_checks.SLEEP_S: the fast rank waits for it every step
+    assert np.median(ranks[0]["seconds"]) >= sleep_s

@@ -112,9 +112,13 @@ def test_training_leaves_parameters_identical_on_every_rank(ranks, key):
     assert not np.array_equal(ranks[0][key], ranks[0]["rec"])  # training moved them
 
 
+# the first words of the error for settings that differ between ranks
+MISMATCH = "APSCompressor settings differ between ranks: this rank uses APSConfig(fmt="
+
+
 def test_settings_that_differ_between_ranks_are_refused_by_apply_on_every_rank(ranks):
     for r in ranks:
-        assert str(r["mismatch"]).startswith("APSCompressor settings differ between ranks: this rank uses APSConfig(fmt=")
+        assert str(r["mismatch"]).startswith(MISMATCH)
 
 
 def test_one_step_per_backward_commits_at_its_end_and_rolls_back_a_failed_one():

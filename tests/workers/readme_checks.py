@@ -28,7 +28,8 @@ def blocks() -> dict:
 
 def rank_batch(rank: int):
     rng = np.random.default_rng(100 + rank)
-    return rng.normal(size=(SAMPLES, FEATURES)).astype(np.float32), rng.normal(size=(SAMPLES, OUTPUTS)).astype(np.float32)
+    x, y = rng.normal(size=(SAMPLES, FEATURES)), rng.normal(size=(SAMPLES, OUTPUTS))
+    return x.astype(np.float32), y.astype(np.float32)
 
 
 def torch_model():
