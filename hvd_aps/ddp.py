@@ -246,7 +246,7 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     buffer, index, exchanger = bucket.buffer(), bucket.index(), state.compressor.exchanger
     state.opened(index)
     spec = state.bucket(bucket)
-    native = exchanger.state.schedule.native_dtype()
+    native = exchanger.native_dtype()
     if native is not None:
         future = _native(state, bucket, spec, native)
         state.handed_over(bucket.is_last())

@@ -124,6 +124,16 @@ class Exchanger:
         every native exchange is (hvd_aps.exchange.count_native)."""
         exchange.count_native(self.recorder, self.state, keys, labelled_sizes, dtype, sent_bytes)
 
+    def native_dtype(self) -> Optional[str]:
+        """The schedule's path for the next exchange (None: codes; else the dtype of the framework's
+        own allreduce), read once the step before has committed: its commit may change it, and an
+        entry point whose framework goes on before its callbacks have run (DDP: a torch Future's
+        waiters wake before its callbacks) would read the old path on one rank and the new on
+        another, and their collectives would never meet."""
+        with self._step:
+            self._step.wait_for(lambda: not self._ending)
+            return self.state.schedule.native_dtype()
+
     def end_step(self) -> None:
         """The step's last exchange is handed over: the step commits once every exchange of it
         has ended (at once if none is in flight), or rolls back if one raised."""

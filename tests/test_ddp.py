@@ -2,6 +2,7 @@
 loopback), 2 and 3 ranks, against the NumPy + ml_dtypes model of the exchange."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -19,8 +20,16 @@ def launch_ddp_checks(tmp, ranks, script="ddp_checks.py", prefix=None, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(WORKERS / script), str(tmp)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-4000:]}"
+    # a session of its own: a launch that times out takes its ranks with it, not left running
+    run = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        stdout, stderr = run.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        stdout, stderr = run.communicate()
+        pytest.fail(f"{' '.join(cmd)} still running after 240 s:\n{stdout[-3000:]}\n{stderr[-4000:]}")
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-3000:]}\n{stderr[-4000:]}"
     return load(tmp, prefix or f"ddp{ranks}", ranks)
 
 

@@ -17,7 +17,7 @@ from common import leave_torchrun
 from hvd_aps._schedule import max_trial_steps
 
 SLEEP_S = 0.02  # a slow rank's extra backward: several times this model's whole backward on one core
-STEPS = max_trial_steps() + 12  # every round of policy="auto"'s trials, then steps after it decided
+STEPS = max_trial_steps() + 40  # the chunkings' trials, every round of policy="auto"'s, then steps after it decided
 
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
