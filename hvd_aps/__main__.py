@@ -99,11 +99,12 @@ def _torch_job() -> tuple:
     """(name, rank, hosts, world, allreduce, finish) of a torchrun job."""
     import torch
     import torch.distributed as dist
-    from .ddp import TorchDistributedCollectives, _place
+    from ._topology import launcher_place
+    from .ddp import TorchDistributedCollectives
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device != "cpu" else "gloo")
     places = [None] * dist.get_world_size()
-    dist.all_gather_object(places, _place()[0])
+    dist.all_gather_object(places, launcher_place()[0])
     coll = TorchDistributedCollectives(None, device)
     return ("torch.distributed", dist.get_rank(), len(set(places)), dist.get_world_size(),
             lambda values: coll.allreduce(values, "calibrate"), dist.destroy_process_group)

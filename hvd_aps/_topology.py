@@ -8,7 +8,21 @@ hosts, N = L * H): flat 8-bit codes about 2 * L * (D / 4) * (N - L) / N, a float
 2.0 D, 1.9 D and 0.25 D. Two levels also cut each rank's codec work by L.
 """
 import dataclasses
+import os
+import socket
 import warnings
+
+# (host, local rank) from the launcher's environment, first found: torchrun's, then a Slurm
+# step's (srun starts every rank itself, no torchrun); else the hostname and local rank 0
+HOST_VARS, LOCAL_RANK_VARS = ("GROUP_RANK", "SLURM_NODEID"), ("LOCAL_RANK", "SLURM_LOCALID")
+
+
+def launcher_place() -> tuple:
+    """(host, local rank) of this process as its launcher numbered it (torch.distributed's entry
+    points; Horovod has its own)."""
+    host = next((os.environ[v] for v in HOST_VARS if os.environ.get(v)), None) or socket.gethostname()
+    local = next((os.environ[v] for v in LOCAL_RANK_VARS if os.environ.get(v)), "0")
+    return host, int(local)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,6 @@ CuPy engine. Importing this module does not import Horovod.
 """
 import concurrent.futures
 import functools
-import os
-import socket
 import threading
 
 import torch
@@ -23,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from . import _arrays, _host_memory, _metadata, exchange
 from ._stages import Bucket
-from ._topology import Topology
+from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
 
 
@@ -88,7 +86,7 @@ def group_levels(process_group, hierarchical) -> tuple:
     if hierarchical is False or len(ranks) == 1:
         return world, world, None, None
     places = [None] * len(ranks)
-    dist.all_gather_object(places, (*_place(), *_host_memory.place()), group=world)
+    dist.all_gather_object(places, (*launcher_place(), *_host_memory.place()), group=world)
     topology = Topology.from_places([p[:2] for p in places])
     if not topology.two_levels(hierarchical):
         return world, world, None, None
@@ -112,12 +110,6 @@ def levels_on(groups: tuple, device) -> exchange.Levels:
     if memory is not None and torch.device(device).type == "cpu":
         local = memory
     return exchange.Levels(world, cross if groups[1] is not groups[0] else world, local)
-
-
-def _place() -> tuple:
-    """(host, local rank) of this process: torchrun's GROUP_RANK and LOCAL_RANK where it set them."""
-    host = os.environ.get("GROUP_RANK") or socket.gethostname()
-    return host, int(os.environ.get("LOCAL_RANK", "0"))
 
 
 class APSState:

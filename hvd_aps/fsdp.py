@@ -25,8 +25,6 @@ it returns (on the CPU at once; on CUDA on the reduce-scatter stream, which the 
 host-side collectives wait for anyway), so the call completes before returning and returns None.
 """
 import contextlib
-import os
-import socket
 import weakref
 
 import torch
@@ -35,7 +33,7 @@ from torch.autograd import Variable
 
 from . import _arrays, _metadata, exchange
 from ._stages import Bucket
-from ._topology import Topology
+from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
 from .ddp import TorchDistributedCollectives, _all_gather_object
 
@@ -210,13 +208,12 @@ def host_mesh(device_type: str = "cpu"):
 
 def hsdp_mesh(device_type: str = "cpu"):
     """The 2-D DeviceMesh ("replicate", "shard") of this job's hosts: hosts by their ranks
-    (torchrun's GROUP_RANK and LOCAL_RANK, else the hostname). fully_shard(model, mesh=...) on it
-    is torch's own HSDP (float32 across hosts), the peer of host_mesh() with apply(). Collective:
-    every rank calls it."""
+    (hvd_aps._topology.launcher_place: torchrun's or Slurm's numbering, else the hostname).
+    fully_shard(model, mesh=...) on it is torch's own HSDP (float32 across hosts), the peer of
+    host_mesh() with apply(). Collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
     places = [None] * dist.get_world_size()
-    dist.all_gather_object(places, (os.environ.get("GROUP_RANK") or socket.gethostname(),
-                                    int(os.environ.get("LOCAL_RANK", "0"))))
+    dist.all_gather_object(places, launcher_place())
     topology = Topology.from_places(places)
     if not topology.equal:
         raise ValueError(f"an HSDP mesh needs the same number of ranks on every host, "

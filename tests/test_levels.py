@@ -81,3 +81,20 @@ def test_ddp_hook_and_fsdp_hsdp_on_two_levels(tmp_path):
     moved = ranks[0]["hsdp_torch"] - ranks[0]["hsdp_before"]
     off = np.linalg.norm(ranks[0]["hsdp"] - ranks[0]["hsdp_torch"]) / np.linalg.norm(moved)
     assert off < 0.05 and np.linalg.norm(moved) > 0.1
+
+
+def test_the_hosts_of_torch_distributed_ranks_come_from_their_launcher(monkeypatch):
+    """torchrun's numbering first, then a Slurm step's (srun starting every rank itself), then the
+    hostname and local rank 0."""
+    import socket
+
+    from hvd_aps._topology import HOST_VARS, LOCAL_RANK_VARS, launcher_place
+    for var in HOST_VARS + LOCAL_RANK_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert launcher_place() == (socket.gethostname(), 0)
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "2")
+    assert launcher_place() == ("3", 2)
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert launcher_place() == ("1", 0)
