@@ -15,7 +15,8 @@ ROUNDS=${1:-20}
 shift $(( $# > 0 ? 1 : 0 ))
 # the files whose tests start real ranks: horovodrun, torchrun, or the hosts' launcher
 FILES=("$@")
-[ ${#FILES[@]} -gt 0 ] || mapfile -t FILES < <(grep -l -E "horovodrun|torch\.distributed\.run|hosts_run" tests/test_*.py)
+LAUNCHERS="horovodrun|torch\.distributed\.run|hosts_run"
+[ ${#FILES[@]} -gt 0 ] || mapfile -t FILES < <(grep -l -E "$LAUNCHERS" tests/test_*.py)
 LIMIT=${SOAK_ROUND_S:-1800}
 OUT=${SOAK_OUT:-results/soak}
 mkdir -p "$OUT"

@@ -113,7 +113,8 @@ def finish(total, token_out, like, reduction):
     size, tolerance = hvd.size(), _tokens.TOKEN_TOLERANCE
     token = tf.cast(tf.reshape(token_out, [-1]), tf.float64)
     scale, ranks = token[0], token[1]
-    summed = tf.abs(ranks - scale * (size - 1) / 2) <= tolerance * tf.maximum(tf.constant(1.0, tf.float64), tf.abs(scale) * size * size)
+    one = tf.constant(1.0, tf.float64)
+    summed = tf.abs(ranks - scale * (size - 1) / 2) <= tolerance * tf.maximum(one, tf.abs(scale) * size * size)
     average, scaled = tf.abs(scale - 1) <= tolerance, tf.abs(scale - size) > tolerance * size
     # x / 1 and x * 1 are x, bit for bit: one division (an average's) and one product (a factor's)
     divisor = tf.where(average, np.float32(size), np.float32(1))
