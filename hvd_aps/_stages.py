@@ -183,9 +183,9 @@ class CodesExchange:
     levels, one per host). Collaborators: the frozen config, the ExchangeState (residuals, step
     counts, schedule, buffers) and the StatsRecorder."""
 
-    def __init__(self, config, state, stats, world: int, rank: int, global_rank: int):
+    def __init__(self, config, state, stats, world: int, rank: int, seed_rank: int):
         self.config, self.state, self.stats = config, state, stats
-        self.world, self.rank, self.global_rank = world, rank, global_rank
+        self.world, self.rank, self.seed_rank = world, rank, seed_rank
         self.fmts = [config.fmt] + ([config.hybrid] if config.hybrid is not None else [])
 
     # 1. metadata ----------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ class CodesExchange:
         plan = self._plan(bucket, lanes_of[held.tensor], count, padded)
         stochastic = self.config.rounding == "stochastic"
         a = Agreement(bucket, plan, data, out, shifts, fallback, count, divisor,
-                      self._seeds(bucket, self.global_rank, SEND) if stochastic else None,
+                      self._seeds(bucket, self.seed_rank, SEND) if stochastic else None,
                       self._seeds(bucket, -1, OWNER) if stochastic else None, None, [], tuple(lanes_of.tolist()))
         if self.config.error_feedback:
             self._feedback(a, xp)

@@ -85,8 +85,6 @@ class Adapter(Protocol):
     def token(self, tensor):
         """What Horovod allreduces in place of a gradient sent as codes (token_values)."""
 
-    def rank(self) -> int: ...
-
     def world(self) -> int:
         """The ranks Horovod's allreduce spans."""
 
@@ -295,7 +293,7 @@ class Batches:
                                   exchange.ring_bytes(NATIVE_BYTES[batch.native] * sum(batch.sizes), adapter.world()))
         else:
             batch.bucket = Bucket.whole(batch.name, _keys(batch.name, len(batch.sizes)), batch.labels, batch.sizes)
-            batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical), adapter.rank(), batch.bucket,
+            batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical), batch.bucket,
                                            adapter.join(batch.flats), adapter.threaded,
                                            average=batch.reduction.averaged)
             batch.flats = []  # joined: the copies of the gradients can go

@@ -247,7 +247,7 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     levels, thread = state.lane(index, buffer.device)
 
     def run():
-        stages = exchanger.stages(levels.cross.world, levels.cross.rank, dist.get_rank())
+        stages = exchanger.stages(levels.cross.world, levels.cross.rank)
         # the bucket's buffer is its gradients end to end: a float32 one is read and decoded into
         # in place (each element read before its result is written), others through a float32 copy
         in_place = buffer.dtype == torch.float32

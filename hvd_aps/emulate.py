@@ -94,7 +94,7 @@ def codes_allreduce(compressors, grads, name="emulated", ranks_per_host=1):
 
     def worker(w):  # one step of worker w's exchanger, as an entry point runs it
         exchanger = compressors[w].exchanger
-        exchanger.bucket(levels[w], w, bucket, buckets[w], threaded=False, out=result if w == 0 else None,
+        exchanger.bucket(levels[w], bucket, buckets[w], threaded=False, out=result if w == 0 else None,
                          average=True)
         exchanger.end_step()
 

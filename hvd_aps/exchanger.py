@@ -45,10 +45,13 @@ class Exchanger:
         self._in_flight, self._error, self._ending = 0, None, False
 
     # stages per group --------------------------------------------------------------------------
-    def stages(self, world: int, rank: int, global_rank: Optional[int] = None) -> CodesExchange:
+    def stages(self, world: int, rank: int, seed_rank: Optional[int] = None) -> CodesExchange:
         """The codes exchange's stages for this rank of a codes group of `world` ranks (kept: they
-        hold the group's buffers)."""
-        key = ("codes", world, rank, rank if global_rank is None else global_rank)
+        hold the group's buffers). seed_rank keys stochastic rounding's draws (default `rank`: on
+        two levels the host's number, so an element of the host's sum draws alike whichever local
+        rank the bucket's layout hands it to; a resumed DDP's first step runs on other buckets
+        than the run it resumes had)."""
+        key = ("codes", world, rank, rank if seed_rank is None else seed_rank)
         with self._lock:
             if key not in self._stages:
                 self._stages[key] = CodesExchange(self.config, self.state, self.recorder, *key[1:])
@@ -79,13 +82,13 @@ class Exchanger:
         future.add_done_callback(lambda done: self._ended(done.exception()))
         return future
 
-    def bucket(self, levels: exchange.Levels, global_rank: int, bucket: Bucket, flat, threaded: bool = True,
+    def bucket(self, levels: exchange.Levels, bucket: Bucket, flat, threaded: bool = True,
                **options) -> "concurrent.futures.Future | Done":
         """One bucket (its gradients end to end in `flat`) through the driver (hvd_aps.exchange.run,
         `options` its keywords) -> a Future of its flat results: on the threads where `threaded`
         (eager torch, so backward goes on), else in the caller's thread (TF's ops, which TF itself
         runs in parallel)."""
-        stages = self.stages(levels.cross.world, levels.cross.rank, global_rank)
+        stages = self.stages(levels.cross.world, levels.cross.rank)
         if threaded:
             return self.submit(exchange.run, stages, bucket, flat, levels, **options)
         with self.exchange():

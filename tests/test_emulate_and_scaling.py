@@ -121,7 +121,7 @@ def test_two_level_results_are_reused_only_when_nothing_holds_them():
         grads, out = rank_grads(world, [5000], seed=seed), [None] * world
 
         def worker(w):
-            out[w] = compressors[w].exchanger.bucket(levels[w], w, bucket, grads[w][0], threaded=False,
+            out[w] = compressors[w].exchanger.bucket(levels[w], bucket, grads[w][0], threaded=False,
                                                      average=True).result()
             compressors[w].exchanger.end_step()
         _inprocess.run_ranks(worker, world)

@@ -116,7 +116,7 @@ def test_a_bucket_through_the_exchanger_commits_its_residuals_at_the_steps_end()
     bucket = Bucket.whole("b", ["t"], ["t"], [5000])
     levels = exchange.Levels.flat(Mirror(2))
     before = comp.state_dict()["residuals"]
-    comp.exchanger.bucket(levels, 0, bucket, grads[0].copy()).result(10)
+    comp.exchanger.bucket(levels, bucket, grads[0].copy()).result(10)
     assert comp.state_dict()["residuals"] == before == {}
     comp.exchanger.end_step()
     residuals = comp.state_dict()["residuals"]

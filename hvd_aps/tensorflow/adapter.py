@@ -102,10 +102,6 @@ def token(tensor):
     return tf.constant(_tokens.token_values(hvd.rank()))
 
 
-def rank():
-    return hvd.rank()
-
-
 def finish(total, token_out, like, reduction):
     """_tokens.apply_op's arithmetic as graph ops (a numpy_function a gradient cost ~0.1 ms each):
     the same divisions and products in float32, the same refusal of a reduction that is no sum.

@@ -44,7 +44,7 @@ def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
         bucket = Bucket.whole(f"{name}.bucket{b}", keys, [label(tensors[i]) for i in members],
                               [sizes[i] for i in members])
         # a bucket that raises gives the step up (Exchanger.exchange): the state as before the call
-        result = exchanger.bucket(lv, hvd.rank(), bucket, tf.concat([flatten(tensors[i]) for i in members], 0),
+        result = exchanger.bucket(lv, bucket, tf.concat([flatten(tensors[i]) for i in members], 0),
                                   threaded=False, average=op == hvd.Average).result()
         exchanged.append(result)
         for i, result in zip(members, bucket.split(result)):

@@ -144,10 +144,6 @@ def token(tensor):
     return made.clone()
 
 
-def rank():
-    return hvd.rank()
-
-
 def finish(total, token_out, like, reduction):
     reduced = _tokens.apply_op(total, token_out.tolist(), hvd.size(), reduction)
     # shaped before it becomes a tensor: NumPy's reshape costs a fraction of torch's view, per gradient

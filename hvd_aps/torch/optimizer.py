@@ -88,7 +88,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               [label(g) for g in grads], [g.numel() for g in grads])
         lv = levels(self._compression.config.hierarchical)  # anew after an elastic reset
         array = _arrays.as_array(flat)
-        self._futures[b] = self._compression.exchanger.bucket(lv, hvd.rank(), bucket, array, out=array,
+        self._futures[b] = self._compression.exchanger.bucket(lv, bucket, array, out=array,
                                                               average=self._op == hvd.Average)
         self._targets[b] = flat
 

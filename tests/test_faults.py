@@ -1,0 +1,50 @@
+"""Faults a cluster meets, with real processes: a worker SIGKILLed mid-step under torchrun's
+restarts, on two hosts (to hvd_aps: two levels through shared memory), for the DDP hook, FSDP2 and
+HSDP."""
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+from horovod_run import WORKERS, free_port, load
+from hvd_aps import _host_memory
+
+HOSTS, PER_HOST = 2, 2
+
+
+def torchrun_restarting(tmp_path, kill, timeout=420):
+    """torchrun with 3 restarts, HOSTS x PER_HOST ranks in one agent; the worker numbers its host
+    (GROUP_RANK) from its local rank, so hvd_aps runs two levels as on HOSTS machines."""
+    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1", HVD_APS_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(HOSTS * PER_HOST),
+           "--max-restarts", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--monitor-interval", "0.5", str(WORKERS / "killed_checks.py"), str(tmp_path), str(int(kill)), str(PER_HOST)]
+    with open(tmp_path / "torchrun.log", "w+") as log:  # a file: a full pipe would block the agent
+        run = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            run.wait(timeout=timeout)
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+            text = log.seek(0) or log.read()
+    assert run.returncode == 0, f"torchrun failed:\n{text[-6000:]}"
+    return text
+
+
+def test_a_worker_killed_mid_step_resumes_from_checkpoints_on_the_bits_of_a_run_never_killed(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir()
+    killed.mkdir()
+    torchrun_restarting(straight, kill=False)
+    torchrun_restarting(killed, kill=True)
+    assert sorted(f.name for f in killed.glob("killed_*")) == ["killed_ddp", "killed_fsdp", "killed_hsdp"]
+    want, got = load(straight, "killed0", HOSTS * PER_HOST), load(killed, "killed1", HOSTS * PER_HOST)
+    for rank in range(HOSTS * PER_HOST):
+        for phase in ("ddp", "fsdp", "hsdp"):
+            assert np.isfinite(want[rank][phase]).all()
+            assert got[rank][phase].tobytes() == want[rank][phase].tobytes(), f"rank {rank}: {phase}"
+    left = [name for name in os.listdir(_host_memory.DIRECTORY) if _host_memory._FILE.match(name)
+            and not _host_memory._alive(int(_host_memory._FILE.match(name)[1]))]
+    assert not left, f"files of dead processes left in /dev/shm: {left}"
