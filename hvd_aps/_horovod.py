@@ -47,10 +47,11 @@ class HorovodLevels:
         world = self._collectives(hvd.global_process_set)
         if hierarchical is False or hvd.size() == 1:
             return exchange.Levels.flat(world)
-        place = (os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), hvd.local_rank(), *_host_memory.place())
+        place = (os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), hvd.local_rank(), hvd.local_size(),
+                 *_host_memory.place())
         places = hvd.allgather_object(place, name="hvd_aps.topology")
         topology = Topology.from_places([p[:2] for p in places])
-        if not topology.two_levels(hierarchical):
+        if not _agrees_with_horovod(topology, places) or not topology.two_levels(hierarchical):
             return exchange.Levels.flat(world)
         rank = hvd.rank()
         cross, local = topology.cross_group(rank), topology.local_group(rank)
@@ -89,3 +90,18 @@ class HorovodLevels:
                 found.process_set_id = set_id
                 return found
         return hvd.add_process_set(list(ranks))
+
+
+def _agrees_with_horovod(topology: Topology, places: list) -> bool:
+    """Whether the hosts found by name hold the ranks Horovod counts as local (under MPI: MPI's
+    shared-memory communicator; under Gloo: horovodrun's host assignment). Where they do not (one
+    hostname for several machines, containers sharing a name), the exchange stays flat, with a
+    warning on every rank alike: a wrong host level would read shared memory that is not shared."""
+    wrong = [r for r, (_, local, size, *_) in enumerate(places)
+             if len(topology.local_group(r)) != size or topology.local_group(r).index(r) != local]
+    if wrong:
+        warnings.warn(f"hvd_aps: the hosts found by hostname do not hold the ranks Horovod counts as local "
+                      f"(ranks {wrong[:8]}); the exchange stays flat. Give each host its own HOROVOD_HOSTNAME "
+                      "or hostname.", RuntimeWarning, stacklevel=3)
+    return not wrong
+

