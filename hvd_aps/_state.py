@@ -11,8 +11,8 @@ Steps are transactions. An exchange reads the committed residuals and step count
 new residuals into spare arrays; commit() (the end of a training step) makes them current and
 counts the step, rollback() (a step that raised) forgets them. A failed step therefore leaves the
 state as it was, and a step run again after an error gives the bits it would have given.
-Stochastic rounding draws from (seed, rank, tensor key, step, element index), never from call
-order, so threads cannot change a bit.
+Stochastic rounding draws from (seed, rank in the codes group: on two levels the host, tensor key,
+step, element index), never from call order, so threads cannot change a bit.
 """
 import concurrent.futures
 import hashlib

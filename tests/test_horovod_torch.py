@@ -7,7 +7,7 @@ import pytest
 import model
 from hvd_aps import scaling
 from horovod_run import horovodrun, load
-from workers.common import CODES_SIZES, codes_grads, poisoned, rank_data, spiked
+from workers.common import CODES_SIZES, check_slow_rank_runs, codes_grads, poisoned, rank_data, spiked
 
 
 def stock_reference(arrays, fmt_dtype, fmt, average=True):
@@ -197,3 +197,11 @@ def test_policy_auto_passes_decided_batches_to_horovods_own_allreduce(ranks):
         assert str(r["auto_decision"]) in ("codes", "native float32")
         assert bool(r["bfloat16_refused"])
     assert identical(ranks, "auto_decision")
+
+
+def test_a_slow_rank_through_horovods_optimizer_neither_hangs_nor_flaps(tmp_path):
+    """The one line with policy="auto" while the last rank's backward sleeps
+    (workers/slow_rank_checks.py): the same decisions on every rank after every step, none
+    changes once decided, and the step follows the slow rank."""
+    horovodrun("slow_rank_checks.py", tmp_path, args=("horovod",))
+    check_slow_rank_runs(load(tmp_path, "slow"))

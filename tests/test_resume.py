@@ -1,6 +1,7 @@
 """Checkpoint and resume bit for bit: DDP with hvd_aps.ddp.aps_hook and FSDP2 with hvd_aps.fsdp
 (real `torchrun` processes, Gloo on loopback), Horovod's DistributedOptimizer with APSCompressor
-and hvd_aps.torch.DistributedOptimizer (`horovodrun -np 2 --gloo`). Each trains straight, or
+and hvd_aps.torch.DistributedOptimizer (`horovodrun -np 2 --gloo`, and 2 hosts x 2 ranks on two
+levels). Each trains straight, or
 half, saves (model, optimizer, compressor), and a fresh process loads and trains the rest. With
 error feedback (residuals that DDP's rebuilt buckets and the resumed process's first buckets
 lay out differently) and stochastic rounding (seeds from parameter names and steps), the two
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from horovod_run import WORKERS, free_port, horovodrun, load
+from hosts_run import launch
 
 RANKS = 2
 
@@ -43,24 +45,30 @@ def test_straight_and_resumed_runs_end_on_the_same_bits(runs, setting):
     assert np.isfinite(straight[0][setting]).all()
 
 
-@pytest.fixture(scope="module")
-def horovod_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("horovod_resume")
+@pytest.fixture(scope="module", params=["flat", "two_levels"])
+def horovod_runs(tmp_path_factory, request):
+    """horovodrun's 2 ranks on one host, or 2 hosts x 2 ranks (tests/hosts_run.py: float32
+    inside a host through shared memory, codes between hosts)."""
+    tmp = tmp_path_factory.mktemp(f"horovod_resume_{request.param}")
+    ranks = RANKS if request.param == "flat" else 4
     done = {}
     for mode in ("straight", "first", "second"):
-        os.environ["HVD_APS_MODE"] = mode  # horovodrun hands its environment to the workers
+        os.environ["HVD_APS_MODE"] = mode  # the launchers hand their environment to the workers
         try:
-            horovodrun("horovod_resume_checks.py", tmp)
+            if request.param == "flat":
+                horovodrun("horovod_resume_checks.py", tmp)
+            else:
+                launch("horovod_resume_checks.py", tmp)
         finally:
             del os.environ["HVD_APS_MODE"]
-        done[mode] = load(tmp, f"hvd_{mode}", RANKS)
+        done[mode] = load(tmp, f"hvd_{mode}", ranks)
     return done["straight"], done["second"]
 
 
 @pytest.mark.parametrize("setting", ["feedback", "stochastic", "codes_optimizer"])
 def test_horovod_optimizer_resumes_on_the_same_bits(horovod_runs, setting):
     straight, resumed = horovod_runs
-    for rank in range(RANKS):
+    for rank in range(len(straight)):
         assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)
 
 

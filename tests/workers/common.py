@@ -46,6 +46,20 @@ def codes_grads(rank, sizes=CODES_SIZES):
     return [(rng.standard_normal(s) * 10.0 ** rng.uniform(-6, 1)).astype(np.float32) for s in sizes]
 
 
+def check_slow_rank_runs(ranks, sleep_s=0.02):
+    """slow_rank_checks.py's outputs: every rank holds the same decisions after every step, none
+    changes once policy="auto" has decided, the ranks end on the same parameters, and the fast
+    rank's step waits for the slow one (sleep_s: its SLEEP_S)."""
+    import json
+    steps = [list(r["decisions"]) for r in ranks]
+    assert steps[0] == steps[1]
+    policies = [json.loads(d)["policy"] for d in steps[0]]
+    decided = next(i for i, p in enumerate(policies) if p is not None)  # StopIteration: never decided
+    assert len(set(steps[0][decided:])) == 1, "a decision changed after policy='auto' decided"
+    np.testing.assert_array_equal(ranks[0]["params"], ranks[1]["params"])
+    assert np.median(ranks[0]["seconds"]) >= sleep_s
+
+
 def leave_torchrun():
     """End a torchrun worker once it has saved its results: a barrier (every rank has saved),
     then exit without tearing Gloo down. Torch's Gloo can abort a process in interpreter teardown
