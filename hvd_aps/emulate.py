@@ -3,7 +3,7 @@ studying formats, APS and accumulation without a cluster.
 """
 import numpy as np
 
-from . import _arrays, _inprocess, codec, exchange
+from . import _arrays, _inprocess, codec
 from . import scaling as scaling_math
 from ._stages import Bucket
 from .config import Scaling

@@ -8,13 +8,12 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from horovod_run import WORKERS, load
-from test_levels import BIG, want
+from test_levels import BIG, check_levels_ddp, want
 from test_netns_smoke import SCRIPT, namespaces_work
-from workers.common import CODES_SIZES, DDP_SIZES
+from workers.common import CODES_SIZES
 
 HOSTS = SCRIPT.parent / "netns_hosts.py"
 pytestmark = pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc, and network namespaces")
@@ -51,10 +50,4 @@ def test_srun_tasks_run_the_ddp_hook_and_hsdp_on_two_levels(tmp_path):
     """The hosts come from SLURM_NODEID (hvd_aps._topology.launcher_place): DDP's hook and
     FSDP2's host mesh group the ranks by node, bit-exact against the model."""
     netns_launch("srun", "levels_ddp_checks.py", tmp_path)
-    ranks = load(tmp_path, "levels_ddp", 4)
-    expected = want(list(range(len(DDP_SIZES)))[::-1], DDP_SIZES)
-    for r in ranks:
-        assert bool(r["ddp_two_levels"]) and bool(r["ddp_host_memory"])
-        for i in range(len(DDP_SIZES)):
-            assert r[f"ddp_{i}"].tobytes() == expected[i].reshape(DDP_SIZES[i]).tobytes(), i
-        assert r["hsdp"].tobytes() == ranks[0]["hsdp"].tobytes() and np.isfinite(r["hsdp"]).all()
+    check_levels_ddp(load(tmp_path, "levels_ddp", 4))

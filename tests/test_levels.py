@@ -67,9 +67,9 @@ def test_horovod_tensorflow_on_two_levels_is_bit_exact(tmp_path):
             assert r[f"tape_{i}"].tobytes() == reverse[i].reshape(CODES_SIZES[i]).tobytes(), i
 
 
-def test_ddp_hook_and_fsdp_hsdp_on_two_levels(tmp_path):
-    launch("levels_ddp_checks.py", tmp_path, horovod=False)
-    ranks = load(tmp_path, "levels_ddp", 4)
+def check_levels_ddp(ranks):
+    """workers/levels_ddp_checks.py's outputs: the DDP hook on two levels through shared memory,
+    bit-exact against the model; HSDP's parameters alike on every rank."""
     expected = want(list(range(len(DDP_SIZES)))[::-1], DDP_SIZES)
     for r in ranks:
         assert bool(r["ddp_two_levels"]) and bool(r["ddp_host_memory"])
@@ -77,6 +77,12 @@ def test_ddp_hook_and_fsdp_hsdp_on_two_levels(tmp_path):
             assert r[f"ddp_{i}"].tobytes() == expected[i].reshape(DDP_SIZES[i]).tobytes(), i
         assert r["hsdp"].tobytes() == ranks[0]["hsdp"].tobytes() and np.isfinite(r["hsdp"]).all()
         assert r["hsdp_torch"].tobytes() == ranks[0]["hsdp_torch"].tobytes()
+
+
+def test_ddp_hook_and_fsdp_hsdp_on_two_levels(tmp_path):
+    launch("levels_ddp_checks.py", tmp_path, horovod=False)
+    ranks = load(tmp_path, "levels_ddp", 4)
+    check_levels_ddp(ranks)
     # codes across hosts train as torch's own HSDP does (hsdp_mesh: its 2-D mesh), to e4m3's precision
     moved = ranks[0]["hsdp_torch"] - ranks[0]["hsdp_before"]
     off = np.linalg.norm(ranks[0]["hsdp"] - ranks[0]["hsdp_torch"]) / np.linalg.norm(moved)
