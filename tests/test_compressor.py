@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hvd_aps
-from hvd_aps import _tokens, _values, codec
+from hvd_aps import _tokens, _values
 from hvd_aps._stats import STATS_SAMPLE
 
 

@@ -54,7 +54,7 @@ def local_rank(job, pids, rank, results):
 def launch(target, *extra):
     """WORLD processes running target(job, pids, rank, results, *extra) -> (procs, results queue, job)."""
     ctx = multiprocessing.get_context("fork")
-    job, results, pid_queue = secrets.token_hex(4), ctx.Queue(), ctx.Queue()
+    job, results = secrets.token_hex(4), ctx.Queue()
     barrier = ctx.Barrier(WORLD)
     shared = ctx.Array("q", WORLD)  # every rank's pid
 
