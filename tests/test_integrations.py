@@ -1,12 +1,14 @@
 """The README's recipes for the launchers and wrappers users already have, with real processes on
 the CPU: HF Accelerate and PyTorch Lightning (torchrun, 2 ranks, Gloo) and Horovod elastic
-(horovodrun's elastic mode on localhost, a host-discovery script that grows the job)."""
+(horovodrun's elastic mode on localhost, a host-discovery script that grows the job; a worker
+killed mid-step)."""
 import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 from horovod_run import WORKERS, free_port, load
 
@@ -52,3 +54,30 @@ def test_horovod_elastic_keeps_each_ranks_compressor_state(tmp_path):
     for r in ranks:
         assert bool(r["kept"]) and bool(r["owners_dropped"])
         assert r["params"].tobytes() == ranks[0]["params"].tobytes()
+
+
+@pytest.mark.parametrize("wrapper", ["one-line", "codes-optimizer"])
+def test_horovod_elastic_survives_a_killed_worker_on_the_bits_of_a_job_never_interrupted(wrapper, tmp_path):
+    """horovodrun's elastic mode, 3 ranks on two hosts (localhost:2, 127.0.0.1:1): the rank on
+    127.0.0.1 SIGKILLs itself mid-backward at step 4 (workers/elastic_kill_checks.py). The two
+    survivors restore the last commit and finish with 2 ranks on the bits of a plain 2-rank job
+    that loads the state they restored (model, optimizer, compressor after on_world_change)."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text('#!/bin/sh\nprintf "localhost:2\\n127.0.0.1:1\\n"\n')
+    discover.chmod(0o755)
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    worker = [sys.executable, str(WORKERS / "elastic_kill_checks.py"), wrapper]
+    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    for cmd in ([horovodrun, "--network-interface", "lo", "-np", "3", "--min-np", "2", "--max-np", "3",
+                 "--host-discovery-script", str(discover), "--gloo", *worker, "elastic", str(tmp_path)],
+                [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", *worker, "reference", str(tmp_path)]):
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    restored = torch.load(tmp_path / "reset_rank0.pt", weights_only=False)
+    assert restored["step"] == 4  # the killed step was not committed
+    # nor counted by the compressor (nor the zeros Horovod's broadcast_optimizer_state steps on)
+    assert set(restored["compressor"]["steps"].values()) == {4}
+    for rank in range(2):
+        survivor, reference = (dict(np.load(tmp_path / f"{mode}_rank{rank}.npz")) for mode in ("elastic", "reference"))
+        assert int(survivor["size"]) == 2
+        assert survivor["params"].tobytes() == reference["params"].tobytes(), rank

@@ -197,5 +197,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, compression, backw
         opt = hvd_aps.torch.DistributedOptimizer(opt, model.named_parameters(),
                                                  compression=hvd_aps.APSCompressor(hvd_aps.e4m3))
     """
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    # Horovod's broadcast_optimizer_state (and elastic's TorchState.sync) fills an empty optimizer
+    # state with a step on zero gradients: through the wrapped optimizer for a class of Horovod's
+    # optimizer module, else through step(), which here would exchange the zeros as a step of
+    # training (counted, and error feedback's residuals sent with them). So the class names
+    # Horovod's module, as Horovod's own wrapper does.
+    body = dict(_DistributedOptimizer.__dict__, __module__=hvd.DistributedOptimizer.__module__)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), body)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op)
