@@ -104,6 +104,16 @@ class APSCompressor:
                                   Schedule(config.candidates, config.policy == "auto", _job_link(), config.natives))
         self.config, self.exchanger = config, Exchanger(config, state, stats)
         self._batches = _tokens.Batches(self.exchanger)
+        self._serves = None  # the optimizer, DDP model or FSDP2 model this compressor was given to
+
+    def claim(self, user: str) -> None:
+        """Give this compressor to `user` (hvd_aps.torch.DistributedOptimizer, APSState, fsdp.apply
+        call it): one owner, as its residuals, step counts and schedule are keyed by tensor and
+        bucket names that another owner would reuse for other tensors."""
+        if self._serves is not None:
+            raise ValueError(f"this APSCompressor already serves {self._serves}; give {user} an APSCompressor of "
+                             "its own (residuals, step counts and the schedule belong to one model)")
+        self._serves = user
 
     @property
     def state(self) -> ExchangeState:

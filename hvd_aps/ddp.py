@@ -133,6 +133,7 @@ class APSState:
             raise TypeError(f"APSState needs an hvd_aps.APSCompressor sending codes, got {compressor!r}")
         if not dist.is_initialized():
             raise RuntimeError("APSState needs torch.distributed initialised (dist.init_process_group)")
+        compressor.claim("an hvd_aps.ddp.APSState")
         # a configuration that differs between ranks fails here, on every rank, not in backward
         # (where torch reports a hook's error as "Unable to cast ... to Tensor")
         _metadata.check_same_settings(compressor.config, _all_gather_object(compressor.config.signature, process_group))

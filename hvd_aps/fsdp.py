@@ -186,6 +186,7 @@ def apply(model: torch.nn.Module, compressor: APSCompressor, replicate_group: di
     modules = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("no FSDPModule in this model: call torch.distributed.fsdp.fully_shard on it first")
+    compressor.claim("a model given to hvd_aps.fsdp.apply")
     world = dist.get_world_size()
     _metadata.check_same_settings(compressor.config, _all_gather_object(compressor.config.signature, None))
     for name, module in modules:

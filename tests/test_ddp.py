@@ -145,6 +145,11 @@ def test_settings_that_differ_between_ranks_are_refused_at_the_state_on_every_ra
         assert str(r["mismatch"]).startswith(MISMATCH)
 
 
+def test_a_compressor_given_to_a_second_state_is_refused_on_every_rank(ranks):
+    for r in ranks:
+        assert str(r["shared_refused"]).startswith("this APSCompressor already serves an hvd_aps.ddp.APSState")
+
+
 def test_a_slow_rank_neither_hangs_nor_splits_or_flaps_the_schedules_decisions(tmp_path):
     """The last rank's backward sleeps (workers/slow_rank_checks.py): the step follows it, every
     rank holds the same decisions after every step, and once policy="auto" has decided, no

@@ -26,6 +26,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op):
         super(self.__class__, self).__init__(params)
         _check_arguments(compression, op)
+        compression.claim("an hvd_aps.torch.DistributedOptimizer")
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         names = dict((p, n) for n, p in named_parameters) if named_parameters is not None else {}
         missing = [p for p in params if p not in names]

@@ -98,6 +98,11 @@ def lifecycle():
     out["plain_step_warned"] = np.array(comp.bytes_sent == sent and any("skip_synchronize" in str(w.message)
                                                                         for w in caught))
     out["lifecycle_params"] = model.weight.detach().numpy().ravel()
+    try:  # one compressor for two optimizers: their bucket names would share residuals and counts
+        hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=comp)
+        out["shared_refused"] = np.array("no error")
+    except ValueError as err:
+        out["shared_refused"] = np.array(str(err))
     try:
         hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     except TypeError as err:

@@ -222,6 +222,13 @@ def native_pinned():
 
 
 native_pinned()
+shared = hvd_aps.APSCompressor("e4m3")
+hvd_aps.ddp.APSState(shared).close()
+try:  # one compressor for two models
+    hvd_aps.ddp.APSState(shared)
+    out["shared_refused"] = np.array("no error")
+except ValueError as err:
+    out["shared_refused"] = np.array(str(err))
 try:  # rank 0 e4m3, the others e5m2: refused where the state is made, on every rank
     hvd_aps.ddp.APSState(hvd_aps.APSCompressor("e4m3" if rank == 0 else "e5m2"))
     out["mismatch"] = np.array("no error")
