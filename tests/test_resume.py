@@ -1,7 +1,7 @@
 """Checkpoint and resume bit for bit: DDP with hvd_aps.ddp.aps_hook and FSDP2 with hvd_aps.fsdp
 (real `torchrun` processes, Gloo on loopback), Horovod's DistributedOptimizer with APSCompressor
-and hvd_aps.torch.DistributedOptimizer (`horovodrun -np 2 --gloo`, and 2 hosts x 2 ranks on two
-levels). Each trains straight, or
+and hvd_aps.torch.DistributedOptimizer, TensorFlow's tape (`horovodrun -np 2 --gloo`, and 2 hosts
+x 2 ranks on two levels). Each trains straight, or
 half, saves (model, optimizer, compressor), and a fresh process loads and trains the rest. With
 error feedback (residuals that DDP's rebuilt buckets and the resumed process's first buckets
 lay out differently) and stochastic rounding (seeds from parameter names and steps), the two
@@ -45,24 +45,28 @@ def test_straight_and_resumed_runs_end_on_the_same_bits(runs, setting):
     assert np.isfinite(straight[0][setting]).all()
 
 
-@pytest.fixture(scope="module", params=["flat", "two_levels"])
-def horovod_runs(tmp_path_factory, request):
-    """horovodrun's 2 ranks on one host, or 2 hosts x 2 ranks (tests/hosts_run.py: float32
-    inside a host through shared memory, codes between hosts)."""
-    tmp = tmp_path_factory.mktemp(f"horovod_resume_{request.param}")
-    ranks = RANKS if request.param == "flat" else 4
+def horovod_resumed(tmp, worker, prefix, levels):
+    """A Horovod worker's straight and resumed runs: horovodrun's 2 ranks on one host
+    (levels "flat"), or 2 hosts x 2 ranks (tests/hosts_run.py: float32 inside a host through
+    shared memory, codes between hosts)."""
     done = {}
     for mode in ("straight", "first", "second"):
         os.environ["HVD_APS_MODE"] = mode  # the launchers hand their environment to the workers
         try:
-            if request.param == "flat":
-                horovodrun("horovod_resume_checks.py", tmp)
+            if levels == "flat":
+                horovodrun(worker, tmp)
             else:
-                launch("horovod_resume_checks.py", tmp)
+                launch(worker, tmp)
         finally:
             del os.environ["HVD_APS_MODE"]
-        done[mode] = load(tmp, f"hvd_{mode}", ranks)
+        done[mode] = load(tmp, f"{prefix}_{mode}", RANKS if levels == "flat" else 4)
     return done["straight"], done["second"]
+
+
+@pytest.fixture(scope="module", params=["flat", "two_levels"])
+def horovod_runs(tmp_path_factory, request):
+    return horovod_resumed(tmp_path_factory.mktemp(f"horovod_resume_{request.param}"), "horovod_resume_checks.py",
+                           "hvd", request.param)
 
 
 @pytest.mark.parametrize("setting", ["feedback", "stochastic", "codes_optimizer"])
@@ -70,6 +74,15 @@ def test_horovod_optimizer_resumes_on_the_same_bits(horovod_runs, setting):
     straight, resumed = horovod_runs
     for rank in range(len(straight)):
         assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)
+
+
+@pytest.mark.parametrize("levels", ["flat", "two_levels"])
+def test_the_tensorflow_tape_resumes_on_the_same_bits(tmp_path, levels):
+    straight, resumed = horovod_resumed(tmp_path, "tf_resume_checks.py", "tf", levels)
+    for rank in range(len(straight)):
+        for setting in ("feedback", "stochastic"):
+            assert np.isfinite(straight[rank][setting]).all()
+            assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)
 
 
 def test_a_state_resumed_on_another_world_or_some_ranks_only_fails_on_every_rank():
