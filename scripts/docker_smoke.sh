@@ -2,7 +2,14 @@
 # Build the CPU image and run the 2-rank demo inside it; print the image size and the demo's
 # accuracy; exit non-zero on any failure. Not part of CI (it takes minutes).
 #
-#   bash scripts/docker_smoke.sh [--torch-index URL]
+#   bash scripts/docker_smoke.sh [--torch-index URL] [--wheels DIR]
+#
+# --torch-index: an index of CPU-only torch wheels (https://download.pytorch.org/whl/cpu). --wheels:
+# a directory of wheels pip may take first (torch's CPU wheel where that index is out of reach),
+# served from this host on loopback for the build only (PIP_FIND_LINKS; nothing of it stays in the
+# image but what pip installs). After the build it runs the 2-rank demo with Gloo and with MPI
+# (the container given SYS_PTRACE: MPICH copies between a host's ranks with process_vm_readv,
+# which Docker's default profile refuses).
 #
 # Needs a running Docker daemon. Where the base image (python:3.11-slim-bookworm) cannot be
 # pulled, it builds a stand-in from the distribution's own packages: debootstrap of Debian bookworm
@@ -17,10 +24,12 @@ cd "$(dirname "$0")/.."
 BASE=python:3.11-slim-bookworm
 IMAGE=hvd_aps:cpu
 TORCH_INDEX=""
+WHEELS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --torch-index) TORCH_INDEX=$2; shift 2 ;;
-    *) echo "docker_smoke.sh: unknown option $1 (known: --torch-index URL)" >&2; exit 2 ;;
+    --wheels) WHEELS=$2; shift 2 ;;
+    *) echo "docker_smoke.sh: unknown option $1 (known: --torch-index URL, --wheels DIR)" >&2; exit 2 ;;
   esac
 done
 
@@ -57,10 +66,22 @@ EOF
   BUILD_BASE=hvd_aps-base:local
 fi
 
+FIND_LINKS=""
+if [ -n "$WHEELS" ]; then
+  [ -d "$WHEELS" ] || fail "--wheels $WHEELS is not a directory"
+  PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  python3 -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$PORT" >"$WORK/wheels.log" 2>&1 &
+  SERVER=$!
+  trap 'kill $SERVER 2>/dev/null; rm -rf "$WORK"' EXIT
+  FIND_LINKS=http://127.0.0.1:$PORT/
+  say "offering the wheels of $WHEELS to pip at $FIND_LINKS"
+fi
+
 say "building $IMAGE (first build: about 15 minutes, mostly Horovod)"
 start=$(date +%s)
 docker build --network host -f docker/Dockerfile.cpu --build-arg BASE="$BUILD_BASE" \
-  --build-arg TORCH_INDEX_URL="$TORCH_INDEX" -t "$IMAGE" . || fail "docker build failed"
+  --build-arg TORCH_INDEX_URL="$TORCH_INDEX" --build-arg PIP_FIND_LINKS="$FIND_LINKS" -t "$IMAGE" . \
+  || fail "docker build failed"
 say "built in $(( $(date +%s) - start )) s; image size $(docker image inspect "$IMAGE" --format '{{.Size}}' | awk '{printf "%.2f GB", $1 / 1e9}')"
 
 say "running the 2-rank demo inside the image"
@@ -68,4 +89,10 @@ OUTPUT=$(docker run --rm "$IMAGE" horovodrun -np 2 -H localhost:2 --gloo python 
   --compression aps-e4m3 2>&1) || { echo "$OUTPUT" | tail -30; fail "the demo failed inside the image"; }
 ACCURACY=$(echo "$OUTPUT" | grep -o "test accuracy [0-9.]*" | tail -1)
 [ -n "$ACCURACY" ] || { echo "$OUTPUT" | tail -30; fail "the demo printed no test accuracy"; }
-say "demo: $ACCURACY"
+say "demo (Gloo): $ACCURACY"
+
+OUTPUT=$(docker run --rm --cap-add SYS_PTRACE "$IMAGE" mpirun -np 2 python examples/pytorch_digits.py --compression aps-e4m3 2>&1) \
+  || { echo "$OUTPUT" | tail -30; fail "the demo under mpirun failed inside the image"; }
+ACCURACY=$(echo "$OUTPUT" | grep -o "test accuracy [0-9.]*" | tail -1)
+[ -n "$ACCURACY" ] || { echo "$OUTPUT" | tail -30; fail "the demo under mpirun printed no test accuracy"; }
+say "demo (MPI): $ACCURACY"
