@@ -1,6 +1,7 @@
 """A worker killed under Horovod elastic (tests/test_integrations.py). Two modes:
 
-    horovodrun --min-np 2 --max-np 3 --host-discovery-script ... --gloo python elastic_kill_checks.py WRAPPER elastic OUTDIR
+    horovodrun --min-np 2 --max-np 3 --host-discovery-script ... --gloo python
+        elastic_kill_checks.py WRAPPER elastic OUTDIR
     horovodrun -np 2 --gloo python elastic_kill_checks.py WRAPPER reference OUTDIR
 
 WRAPPER: one-line (APSCompressor on hvd.DistributedOptimizer) or codes-optimizer
