@@ -120,3 +120,30 @@ def test_a_state_resumed_on_another_world_or_some_ranks_only_fails_on_every_rank
         c.load_state_dict(state)
     again = emulate.codes_allreduce(resumed, grads(2))
     assert again[0].tobytes() == emulate.codes_allreduce(two, grads(2))[0].tobytes()
+
+
+def test_a_state_loaded_on_some_ranks_of_two_levels_fails_and_a_full_load_resumes():
+    """2 hosts x 2 ranks (the exchange's in-process model of two levels), error feedback: a
+    state_dict loaded on some ranks only raises the same clear error (no wait in the host level's
+    residual move); loaded on every rank, the next step is the one the saving job would take."""
+    import hvd_aps
+    from hvd_aps import emulate
+
+    def compressors():
+        return [hvd_aps.APSCompressor("e3m0", error_feedback=True, chunk_bytes=0, seed=1) for _ in range(4)]
+
+    grads = [[np.random.default_rng(r).standard_normal(6000).astype(np.float32)] for r in range(4)]
+    saving = compressors()
+    emulate.codes_allreduce(saving, grads, ranks_per_host=2)
+    saved = [c.state_dict() for c in saving]
+    for loaded in ([0], [0, 1], [1, 2, 3]):
+        some = compressors()
+        for r in loaded:
+            some[r].load_state_dict(saved[r])
+        with pytest.raises(ValueError, match="some loaded a state_dict saved on 2 ranks and others none"):
+            emulate.codes_allreduce(some, grads, ranks_per_host=2)
+    resumed = compressors()
+    for c, state in zip(resumed, saved):
+        c.load_state_dict(state)
+    again = emulate.codes_allreduce(resumed, grads, ranks_per_host=2)
+    assert again[0].tobytes() == emulate.codes_allreduce(saving, grads, ranks_per_host=2)[0].tobytes()
