@@ -98,7 +98,7 @@ def _agrees_with_horovod(topology: Topology, places: list) -> bool:
     hostname for several machines, containers sharing a name), the exchange stays flat, with a
     warning on every rank alike: a wrong host level would read shared memory that is not shared."""
     wrong = [r for r, (_, local, size, *_) in enumerate(places)
-             if len(topology.local_group(r)) != size or topology.local_group(r).index(r) != local]
+             if (group := topology.local_group(r)).index(r) != local or len(group) != size]
     if wrong:
         warnings.warn(f"hvd_aps: the hosts found by hostname do not hold the ranks Horovod counts as local "
                       f"(ranks {wrong[:8]}); the exchange stays flat. Give each host its own HOROVOD_HOSTNAME "

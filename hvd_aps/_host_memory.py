@@ -301,20 +301,23 @@ def connect(topology, places: list, rank: int, allgather_object: Callable,
     return None
 
 
-def sweep() -> None:
-    """Remove the boxes of processes that no longer run (a job that died before its boxes were
-    unlinked)."""
+def stale() -> list:
+    """The names of the boxes in DIRECTORY whose process no longer runs (a job that died before
+    its boxes were unlinked)."""
     try:
         names = os.listdir(DIRECTORY)
     except OSError:
-        return
-    for name in names:
-        match = _FILE.match(name)
-        if match and not _alive(int(match[1])):
-            try:
-                os.unlink(os.path.join(DIRECTORY, name))
-            except OSError:
-                pass
+        return []
+    return [name for name in names if (match := _FILE.match(name)) and not _alive(int(match[1]))]
+
+
+def sweep() -> None:
+    """Remove stale() boxes."""
+    for name in stale():
+        try:
+            os.unlink(os.path.join(DIRECTORY, name))
+        except OSError:
+            pass
 
 
 def _alive(pid: int) -> bool:

