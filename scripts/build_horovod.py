@@ -70,6 +70,22 @@ PATCHES = [
      "    if inplace:\n        vars_by_device = {}", "broadcast_variables(model.variables) on a Keras 3 model"),
 ]
 
+# Patches to code compiled only with GPU operations (HAVE_GPU): applied to, and keying, CUDA builds alone
+GPU_PATCHES = [
+    ("horovod/tensorflow/mpi_ops.cc",
+     "// Forward declaration of AsGpuStreamValue\nnamespace stream_executor {\nnamespace gpu {\n"
+     "GpuStreamHandle AsGpuStreamValue(Stream* stream);\n} // namespace stream_executor\n} // namespace gpu\n"
+     "#if TENSORFLOW_VERSION >= 2011000000\n#include \"tensorflow/compiler/xla/stream_executor/stream.h\"\n"
+     "#else\n#include \"tensorflow/stream_executor/stream.h\"\n#endif // TENSORFLOW_VERSION >= 2011000000\n",
+     "#include \"tensorflow/compiler/xla/stream_executor/stream.h\"\n"
+     "namespace stream_executor {\nnamespace gpu {\n"
+     "inline GpuStreamHandle AsGpuStreamValue(Stream* stream) {\n"
+     "  return static_cast<GpuStreamHandle>(stream->platform_specific_handle().stream);\n"
+     "}\n} // namespace gpu\n} // namespace stream_executor\n",
+     "TF 2.21 no longer exports stream_executor::gpu::AsGpuStreamValue (Horovod's TF ops failed to load: "
+     "undefined symbol); a stream's handle is its platform_specific_handle()"),
+]
+
 # Python files of the installed package, patched after each install (no rebuild, so not in the
 # wheel cache's key; the install stamp carries their hash), same form as PATCHES
 INSTALLED_PATCHES = [
@@ -138,7 +154,7 @@ def cache_dir(torch, tf):
     root = pathlib.Path(os.environ.get("HVD_APS_CACHE", pathlib.Path.home() / ".cache" / "hvd_aps"))
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
     cuda = "cuda" if cuda_build() else "cpu"
-    patches = hashlib.sha256(repr(PATCHES).encode()).hexdigest()[:8]  # another patch set, another wheel
+    patches = hashlib.sha256(repr(build_patches()).encode()).hexdigest()[:8]  # another patch set, another wheel
     key = (f"horovod-{HOROVOD_VERSION}_torch-{torch or 'none'}_tf-{tf or 'none'}_{py}_{cuda}_{mpi_tag()}"
            f"_{patches}")
     return root / "wheels" / key.replace("+", "-")
@@ -171,7 +187,13 @@ def extract(archive, dest):
         tar.extractall(dest)
 
 
-def apply_patches(src, patches=PATCHES):
+def build_patches():
+    """The patches of this build: GPU_PATCHES only where Horovod is built with GPU operations, so
+    that a CPU build's wheel (and its cache key) does not change with them."""
+    return PATCHES + (GPU_PATCHES if cuda_build() else [])
+
+
+def apply_patches(src, patches):
     for rel, old, new, why in patches:
         path = src / rel
         text = path.read_text()
@@ -246,7 +268,7 @@ def relocate_mpi_runpath():
 def build_wheel(dest, torch, tf):
     with tempfile.TemporaryDirectory(prefix="hvd_aps_horovod_") as tmp:
         src = download_sdist(pathlib.Path(tmp))
-        apply_patches(src)
+        apply_patches(src, build_patches())
         log("building the horovod wheel (about 12 minutes on 2 cores)")
         staging = pathlib.Path(tmp) / "wheel"
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",

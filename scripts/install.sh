@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The project's one installer: README set-up, .ci/run and both Dockerfiles call it.
 #
-#   scripts/install.sh [--torch-only] [--deps-only]
+#   scripts/install.sh [--torch-only] [--deps-only] [--runtime]
 #
 # HVD_APS_DEVICE=cuda|cpu overrides the GPU detection (docker build sees no GPU); PYTHON picks the
 # interpreter that creates .venv (default python3); TORCH_INDEX_URL adds an index for torch (e.g.
 # https://download.pytorch.org/whl/cpu, whose CPU wheels leave out CUDA's packages). --deps-only
-# stops before installing hvd_aps itself (the Dockerfiles' cached layer). HVD_APS_MPI picks the MPI
+# stops before installing hvd_aps itself (the Dockerfiles' cached layer). --runtime installs what
+# training and the examples need, without the test, docs and plotting dependencies (the images:
+# about 250 MB less; the test suite does not run there). HVD_APS_MPI picks the MPI
 # Horovod is built with: auto (default: the system's where mpicxx is on PATH, as on an HPC cluster,
 # else MPICH 5.0.2 from PyPI into .venv), system (require mpicxx on PATH), wheel, or none (Gloo only).
 #
@@ -20,11 +22,13 @@ cd "$(dirname "$0")/.."
 
 TORCH_ONLY=0
 DEPS_ONLY=0
+RUNTIME=0
 for arg in "$@"; do
   case "$arg" in
     --torch-only) TORCH_ONLY=1 ;;
     --deps-only) DEPS_ONLY=1 ;;
-    *) echo "install.sh: unknown option $arg (known: --torch-only, --deps-only)" >&2; exit 2 ;;
+    --runtime) RUNTIME=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --torch-only, --deps-only, --runtime)" >&2; exit 2 ;;
   esac
 done
 
@@ -79,14 +83,20 @@ case "$MPI" in
   none) say "MPI: none (Horovod with Gloo only)" ;;
 esac
 
-say "installing $FRAMEWORKS and the test/example dependencies"
-# Horovod's own build needs cloudpickle, psutil, pyyaml and packaging (no build isolation).
-# accelerate and pytorch-lightning: the tests of their recipes (pinned: they must not move torch).
-# sphinx and myst-parser: the docs and their API reference (tests/test_docs.py builds them); tqdm: progress bars.
-$PIP install -q $FRAMEWORKS numpy ml_dtypes pytest hypothesis scikit-learn matplotlib \
-  cloudpickle psutil pyyaml packaging setuptools wheel accelerate==1.15.0 pytorch-lightning==2.6.6 \
-  sphinx==9.0.4 myst-parser==5.2.0 tqdm \
-  ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} || fail "pip install of the dependencies failed"
+# What hvd_aps, horovodrun and the examples use (scikit-learn: the digits data), and what Horovod's
+# build needs (cloudpickle, psutil, pyyaml, packaging; no build isolation).
+DEPS="numpy ml_dtypes tqdm scikit-learn cloudpickle psutil pyyaml packaging setuptools wheel"
+# The tests (accelerate and pytorch-lightning for their recipes' tests, pinned: they must not move
+# torch), the docs and their API reference (tests/test_docs.py builds them), the plots.
+DEV_DEPS="pytest hypothesis matplotlib accelerate==1.15.0 pytorch-lightning==2.6.6 sphinx==9.0.4 myst-parser==5.2.0"
+if [ "$RUNTIME" = 1 ]; then
+  say "installing $FRAMEWORKS and the run-time dependencies (--runtime: no test, docs or plotting ones)"
+else
+  say "installing $FRAMEWORKS and the run-time, test, docs and plotting dependencies"
+  DEPS="$DEPS $DEV_DEPS"
+fi
+$PIP install -q $FRAMEWORKS $DEPS ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
+  || fail "pip install of the dependencies failed"
 
 say "building Horovod"
 .venv/bin/python scripts/build_horovod.py || fail "the Horovod build failed (see above)"
@@ -104,6 +114,7 @@ CHECK=$(.venv/bin/horovodrun --check-build 2>/dev/null) || fail "horovodrun --ch
 WANT="PyTorch Gloo"
 [ "$TORCH_ONLY" = 1 ] || WANT="TensorFlow $WANT"
 [ "$MPI" = none ] || WANT="$WANT MPI"
+[ "$DEVICE" = cpu ] || WANT="$WANT NCCL"
 for item in $WANT; do
   echo "$CHECK" | grep -q "\[X\] $item" || { echo "$CHECK"; fail "Horovod was built without $item"; }
 done

@@ -12,15 +12,17 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 def test_dockerfiles_only_call_the_installer_and_cache_the_dependencies():
     """OS packages (make among the build tools: slim images have none), then the installer alone
-    (dependencies and Horovod, a layer no source edit invalidates), then the source."""
+    (dependencies and Horovod, a layer no source edit invalidates), then the source; both installs
+    for running only (--runtime), else the second would add the test dependencies to the image."""
     for name in ("Dockerfile", "Dockerfile.cpu"):
         text = (ROOT / "docker" / name).read_text()
         runs = re.findall(r"^RUN (.*?)(?<!\\)$", text, flags=re.M | re.S)
         assert runs, name
-        for run in runs:
-            assert run.startswith("apt-get") or re.fullmatch(r"bash scripts/install.sh( --deps-only)?", run), run
+        installs = [run for run in runs if not run.startswith("apt-get")]
+        assert [re.fullmatch(r"bash scripts/install.sh( --deps-only)? --runtime", run) is not None
+                for run in installs] == [True, True], installs
         assert all(tool in runs[0].split() for tool in ("g++", "make", "cmake")), name
-        assert text.index("--deps-only") < text.index("COPY . .") < text.rindex("bash scripts/install.sh\n")
+        assert text.index("--deps-only") < text.index("COPY . .") < text.rindex("bash scripts/install.sh --runtime\n")
     assert "ARG TORCH_INDEX_URL" in (ROOT / "docker" / "Dockerfile.cpu").read_text()
     assert ".venv" in (ROOT / ".dockerignore").read_text()
 
@@ -74,8 +76,60 @@ def test_installer_unpacks_without_the_tar_filter_and_refuses_what_it_would(tmp_
 
 def test_every_patch_says_why_and_the_wheel_cache_follows_the_patches():
     build = _build_horovod()
-    assert all(len(p) == 4 and p[3] for p in build.PATCHES)
+    assert all(len(p) == 4 and p[3] for p in build.PATCHES + build.GPU_PATCHES)
     assert any("Keras 3" in p[3] for p in build.PATCHES)
     before = build.cache_dir("2.13.0", None).name
     build.PATCHES.append(("x", "y", "z", "a new patch"))
     assert build.cache_dir("2.13.0", None).name != before
+
+
+def test_gpu_patches_change_the_wheel_of_cuda_builds_alone(monkeypatch):
+    """A patch to code compiled only with GPU operations must not rebuild every CPU machine's Horovod."""
+    build = _build_horovod()
+    keys = {}
+    for device in ("cpu", "cuda"):
+        monkeypatch.setenv("HVD_APS_DEVICE", device)
+        before = build.cache_dir("2.13.0", "2.21.0").name
+        build.GPU_PATCHES.append(("x", "y", "z", "a new GPU patch"))
+        keys[device] = (before, build.cache_dir("2.13.0", "2.21.0").name)
+        build.GPU_PATCHES.pop()
+    assert keys["cpu"][0] == keys["cpu"][1] and keys["cuda"][0] != keys["cuda"][1], keys
+
+
+# Import names whose package on PyPI is named otherwise; the frameworks install.sh installs apart
+# from its dependency lists (keras comes with TensorFlow, cupy with the CUDA builds).
+PYPI_NAMES = {"sklearn": "scikit-learn", "yaml": "pyyaml"}
+FRAMEWORKS = {"torch", "tensorflow", "keras", "horovod", "cupy"}
+
+
+def _module_level_imports(path):
+    """Third-party packages a file imports when it is loaded (not inside functions: those are the
+    optional ones, such as the plots' matplotlib)."""
+    import ast
+    local = {p.stem for p in (ROOT / "examples").glob("*.py")} | {"hvd_aps"}
+    stack = list(ast.parse(path.read_text()).body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module]
+        for name in (n.split(".")[0] for n in names):
+            if name not in sys.stdlib_module_names and name not in local:
+                yield PYPI_NAMES.get(name, name)
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def test_the_images_runtime_install_has_what_the_package_and_the_examples_import():
+    """The images install with --runtime (no test, docs or plotting packages): a module-level import
+    of anything else in hvd_aps or an example would fail only inside an image."""
+    text = (ROOT / "scripts" / "install.sh").read_text()
+    runtime = set(re.search(r'^DEPS="(.*)"$', text, flags=re.M).group(1).split())
+    files = sorted(ROOT.glob("hvd_aps/**/*.py")) + sorted((ROOT / "examples").glob("*.py"))
+    imported = {name: path.relative_to(ROOT) for path in files for name in _module_level_imports(path)}
+    assert {"numpy", "tqdm", "scikit-learn"} <= set(imported), imported  # the scan sees imports
+    missing = {name: str(path) for name, path in imported.items() if name not in runtime | FRAMEWORKS}
+    assert not missing, f"imported at module level but not installed by install.sh --runtime: {missing}"
