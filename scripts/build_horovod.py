@@ -1,9 +1,9 @@
 """Build Horovod 0.28.1 against today's torch / TensorFlow and install it from a wheel cache.
 
-Horovod's last release predates torch 2.x, TF 2.21 and Keras 3. Three things break its build and
-one its TF2 API on Keras 3 models; each patch below names the one it fixes and fails loudly if
-the text it replaces has moved, so a different sdist can never be "patched" silently into
-something untested.
+Horovod's last release predates torch 2.x, TF 2.21 and Keras 3. Three things break its build, one
+its TF2 API on Keras 3 models and one the loading of its TF operations built for GPUs; each patch
+below names the one it fixes and fails loudly if the text it replaces has moved, so a different
+sdist can never be "patched" silently into something untested.
 """
 import argparse
 import hashlib
