@@ -1,7 +1,7 @@
 """Checkpoint and resume bit for bit: DDP with hvd_aps.ddp.aps_hook and FSDP2 with hvd_aps.fsdp
 (real `torchrun` processes, Gloo on loopback), Horovod's DistributedOptimizer with APSCompressor
-and hvd_aps.torch.DistributedOptimizer, TensorFlow's tape (`horovodrun -np 2 --gloo`, and 2 hosts
-x 2 ranks on two levels). Each trains straight, or
+and hvd_aps.torch.DistributedOptimizer, TensorFlow's tape and Keras 3's model.fit (`horovodrun -np 2
+--gloo`, and 2 hosts x 2 ranks on two levels). Each trains straight, or
 half, saves (model, optimizer, compressor), and a fresh process loads and trains the rest. With
 error feedback (residuals that DDP's rebuilt buckets and the resumed process's first buckets
 lay out differently) and stochastic rounding (seeds from parameter names and steps), the two
@@ -80,7 +80,7 @@ def test_horovod_optimizer_resumes_on_the_same_bits(horovod_runs, setting):
 def test_the_tensorflow_tape_resumes_on_the_same_bits(tmp_path, levels):
     straight, resumed = horovod_resumed(tmp_path, "tf_resume_checks.py", "tf", levels)
     for rank in range(len(straight)):
-        for setting in ("feedback", "stochastic"):
+        for setting in ("feedback", "stochastic", "keras_feedback", "keras_stochastic"):
             assert np.isfinite(straight[rank][setting]).all()
             assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)
 

@@ -1,9 +1,11 @@
-"""Resume bit for bit through TensorFlow's tape (tests/test_resume.py), three times (mode in
-HVD_APS_MODE): `straight` trains STEPS steps through hvd.DistributedGradientTape with an
-APSCompressor, `first` trains STEPS // 2 and saves per rank the weights and the compressor's
-state_dict, `second`, a fresh process, loads them and trains the rest. Run under horovodrun -np 2
---gloo, or by tests/hosts_run.py as 2 hosts x 2 ranks (two levels). Plain SGD (w -= lr * g), so
-the weights and the compressor are the whole state. Each rank saves OUTDIR/tf_<mode>_rank<r>.npz."""
+"""Resume bit for bit through TensorFlow's tape and Keras 3's model.fit (tests/test_resume.py),
+three times (mode in HVD_APS_MODE): `straight` trains STEPS steps (the tape: through
+hvd.DistributedGradientTape with an APSCompressor; fit: EPOCHS epochs through
+hvd_aps.keras.DistributedOptimizer), `first` trains half and saves per rank the weights, the
+optimizer's variables and the compressor's state_dict, `second`, a fresh process, loads them and
+trains the rest. Run under horovodrun -np 2 --gloo, or by tests/hosts_run.py as 2 hosts x 2 ranks
+(two levels). The tape takes plain SGD steps (w -= lr * g); fit runs Adam, whose moments and step
+count travel in the optimizer's variables. Each rank saves OUTDIR/tf_<mode>_rank<r>.npz."""
 import os
 import pickle
 import sys
@@ -14,8 +16,10 @@ import numpy as np
 import tensorflow as tf
 
 import hvd_aps
+import hvd_aps.keras
 
 STEPS, WIDTH, LR = 8, 128, 0.05
+EPOCHS, BATCH, BATCHES = 4, 16, 2  # fit: two batches an epoch, each rank its own rows, not shuffled
 SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11)}
 
 hvd.init()
@@ -24,10 +28,7 @@ outdir, mode = sys.argv[1], os.environ["HVD_APS_MODE"]
 
 
 def train(setting, steps, checkpoint=None):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(WIDTH, activation="tanh"),
-                              keras.layers.Dense(WIDTH)])
-    compressor = hvd_aps.APSCompressor("e3m0", min_elements=0, **SETTINGS[setting])
+    model, compressor = model_and_compressor(setting)
     if checkpoint is not None:
         with open(checkpoint, "rb") as saved:
             weights, state = pickle.load(saved)
@@ -44,7 +45,46 @@ def train(setting, steps, checkpoint=None):
     return model, compressor
 
 
+def model_and_compressor(setting):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(WIDTH, activation="tanh"),
+                              keras.layers.Dense(WIDTH)])
+    return model, hvd_aps.APSCompressor("e3m0", min_elements=0, **SETTINGS[setting])
+
+
+def fit(setting, epochs, checkpoint=None):
+    """model.fit as a Keras user runs it; a checkpoint holds the weights, the optimizer's variables
+    (Adam's moments and step count) and the compressor's state."""
+    model, compressor = model_and_compressor(setting)
+    opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.Adam(1e-3), compression=compressor)
+    model.compile(optimizer=opt, loss="mse")
+    if checkpoint is not None:
+        with open(checkpoint, "rb") as saved:
+            weights, optimizer_values, state = pickle.load(saved)
+        model.set_weights(weights)
+        opt.build(model.trainable_variables)
+        for variable, value in zip(opt.variables, optimizer_values, strict=True):
+            variable.assign(value)
+        compressor.load_state_dict(state)
+    gen = np.random.default_rng(rank)
+    x, y = (gen.normal(size=(BATCH * BATCHES, WIDTH)).astype(np.float32) for _ in range(2))
+    model.fit(x, y, batch_size=BATCH, epochs=epochs.stop, initial_epoch=epochs.start, shuffle=False, verbose=0,
+              callbacks=[hvd_aps.keras.BroadcastInitialState()])
+    return model, opt, compressor
+
+
 out = {}
+for setting in SETTINGS:
+    path = f"{outdir}/keras_{setting}_rank{rank}.pkl"
+    if mode == "straight":
+        model, _, _ = fit(setting, range(EPOCHS))
+    elif mode == "first":
+        model, opt, compressor = fit(setting, range(EPOCHS // 2))
+        with open(path, "wb") as saved:
+            pickle.dump((model.get_weights(), [v.numpy() for v in opt.variables], compressor.state_dict()), saved)
+    else:
+        model, _, _ = fit(setting, range(EPOCHS // 2, EPOCHS), checkpoint=path)
+    out[f"keras_{setting}"] = np.concatenate([w.ravel() for w in model.get_weights()])
 for setting in SETTINGS:
     path = f"{outdir}/tf_{setting}_rank{rank}.pkl"
     if mode == "straight":
