@@ -42,7 +42,7 @@ def train(setting, steps, checkpoint=None):
         tape = hvd.DistributedGradientTape(tape, compression=compressor, num_groups=1)
         for var, grad in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
             var.assign_sub(LR * grad)
-    return model, compressor
+    return model, (model.get_weights(), compressor.state_dict())
 
 
 def model_and_compressor(setting):
@@ -70,30 +70,27 @@ def fit(setting, epochs, checkpoint=None):
     x, y = (gen.normal(size=(BATCH * BATCHES, WIDTH)).astype(np.float32) for _ in range(2))
     model.fit(x, y, batch_size=BATCH, epochs=epochs.stop, initial_epoch=epochs.start, shuffle=False, verbose=0,
               callbacks=[hvd_aps.keras.BroadcastInitialState()])
-    return model, opt, compressor
+    return model, (model.get_weights(), [v.numpy() for v in opt.variables], compressor.state_dict())
 
 
-out = {}
-for setting in SETTINGS:
-    path = f"{outdir}/keras_{setting}_rank{rank}.pkl"
-    if mode == "straight":
-        model, _, _ = fit(setting, range(EPOCHS))
-    elif mode == "first":
-        model, opt, compressor = fit(setting, range(EPOCHS // 2))
-        with open(path, "wb") as saved:
-            pickle.dump((model.get_weights(), [v.numpy() for v in opt.variables], compressor.state_dict()), saved)
-    else:
-        model, _, _ = fit(setting, range(EPOCHS // 2, EPOCHS), checkpoint=path)
-    out[f"keras_{setting}"] = np.concatenate([w.ravel() for w in model.get_weights()])
-for setting in SETTINGS:
-    path = f"{outdir}/tf_{setting}_rank{rank}.pkl"
-    if mode == "straight":
-        model, _ = train(setting, range(STEPS))
-    elif mode == "first":
-        model, compressor = train(setting, range(STEPS // 2))
-        with open(path, "wb") as saved:
-            pickle.dump((model.get_weights(), compressor.state_dict()), saved)
-    else:
-        model, _ = train(setting, range(STEPS // 2, STEPS), checkpoint=path)
-    out[setting] = np.concatenate([w.ravel() for w in model.get_weights()])
+def final_weights(run, prefix, total):
+    """Each setting's final weights on this rank after `run` (train or fit, which return the model
+    and what a checkpoint holds) over `total` steps or epochs, straight or in this mode's half."""
+    weights = {}
+    for setting in SETTINGS:
+        path = f"{outdir}/{prefix}_{setting}_rank{rank}.pkl"
+        if mode == "straight":
+            model, _ = run(setting, range(total))
+        elif mode == "first":
+            model, checkpoint = run(setting, range(total // 2))
+            with open(path, "wb") as saved:
+                pickle.dump(checkpoint, saved)
+        else:
+            model, _ = run(setting, range(total // 2, total), checkpoint=path)
+        weights[setting] = np.concatenate([w.ravel() for w in model.get_weights()])
+    return weights
+
+
+out = {f"keras_{setting}": w for setting, w in final_weights(fit, "keras", EPOCHS).items()}
+out.update(final_weights(train, "tf", STEPS))
 np.savez(f"{outdir}/tf_{mode}_rank{rank}.npz", **out)
