@@ -7,16 +7,75 @@ they are exchange.Subgroup views of the global process set (its alltoall with em
 to the ranks outside the group), so two levels need nothing from the user. hvd.shutdown()
 (Horovod elastic's reset) drops every set but the global one: forget() then makes them anew.
 For horovod.torch, float32 inside a host goes through shared memory on the CPU
-(hvd_aps._host_memory), the host's group carrying CUDA tensors.
+(hvd_aps._host_memory), the host's group carrying CUDA tensors. An exchange on a process set
+that is not the global one stays flat on that set: its hosts' ranks are not Horovod's local
+ranks, and adding process sets is collective over every rank, which a subset cannot ask of the
+others.
+
+Horovod calls compress(tensor) with the gradient alone; call_site() reads the gradient's name
+and the process set from the Horovod function that called it.
 """
 import dataclasses
 import os
 import socket
 import threading
 import warnings
+from typing import Optional
 
 from . import _host_memory, exchange
 from ._topology import Topology
+
+
+# compress()'s caller, or a comprehension over a group's tensors and then Horovod's function: the
+# frames looked at above compress() for Horovod's locals
+CALL_DEPTH = 2
+_HOROVOD_DIR = os.sep + "horovod" + os.sep
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where Horovod asked for a gradient's compression: its key (the name Horovod negotiates it
+    by, None where the caller gave none) and the process set its allreduce runs on (None: the
+    global set)."""
+    key: Optional[str] = None
+    process_set: object = None
+
+
+NOWHERE = Site()
+
+
+def call_site(frame) -> Site:
+    """The Site of a compress() call whose caller is `frame`, read from the locals of the Horovod
+    function that called it: the optimizer's (`self`: its process_set and parameter names, `p`
+    the parameter), or allreduce()'s and grouped_allreduce()'s (`name`, `process_set`). Horovod
+    0.28.1 hands compress() neither, and without the name the ranks could only match gradients
+    by the order they arrive in, which differs where one rank's graph lacks a parameter."""
+    element = None
+    for _ in range(CALL_DEPTH):
+        if frame is None or _HOROVOD_DIR not in frame.f_code.co_filename:
+            return NOWHERE
+        local = frame.f_locals
+        if frame.f_code.co_name.startswith("<"):  # a comprehension: its element, then its function
+            element = local.get("p", local.get("t", local.get("tensor")))
+            frame = frame.f_back
+            continue
+        return _site_of(local, element)
+    return NOWHERE
+
+
+def _site_of(local: dict, element) -> Site:
+    owner = local.get("self")
+    if owner is not None and hasattr(owner, "_parameter_names"):  # Horovod's DistributedOptimizer
+        param = element if element is not None else local.get("p")
+        return Site(owner._parameter_names.get(param), owner.process_set)
+    name, tensors = local.get("name"), local.get("tensors", local.get("tensor_list"))
+    if name is not None and element is not None and tensors is not None:  # a named group: name and position
+        name = next((f"{name}.{i}" for i, t in enumerate(tensors) if t is element), None)
+    return Site(name, local.get("process_set"))
+
+
+def is_global(process_set) -> bool:
+    return process_set is None or process_set.process_set_id == 0
 
 
 class HorovodLevels:
@@ -28,8 +87,15 @@ class HorovodLevels:
         self._hvd, self._collectives, self._host_memory = hvd, collectives, host_memory
         self._made, self._lock = {}, threading.Lock()
 
-    def get(self, hierarchical) -> exchange.Levels:
-        """Collective the first time (every rank gathers every rank's host)."""
+    def get(self, hierarchical, process_set=None) -> exchange.Levels:
+        """Collective the first time (every rank gathers every rank's host); on a process set
+        other than the global one, flat on that set (module docstring)."""
+        if not is_global(process_set):
+            key = (process_set.process_set_id, tuple(process_set.ranks))
+            with self._lock:
+                if key not in self._made:
+                    self._made[key] = exchange.Levels.flat(self._collectives(process_set))
+                return self._made[key]
         with self._lock:
             if hierarchical not in self._made:
                 self._made[hierarchical] = self._make(hierarchical)

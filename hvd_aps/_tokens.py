@@ -29,7 +29,11 @@ then the step ends (hvd_aps.exchanger: it commits residuals, step counts, the sc
 timings) and the next step names its batches hvd_aps.0, hvd_aps.1, ... again, so names repeat
 from step to step (Horovod's response cache, reused buffers) and match across ranks that hand
 compress() the same tensors in the same order (the metadata allreduce catches ranks that do
-not). A step whose exchange raises is abandoned: nothing it did is kept, its other gradients'
+not). Gradients Horovod names (its optimizer's, a named allreduce's) are not batched in the order
+they arrive but in the buckets the ranks agreed on in their first step (Batches, hvd_aps._agreed),
+so a rank whose graph skips a parameter, and sends its zeros at synchronize(), still exchanges
+the buckets the others do. Every collective runs on the process set Horovod reduces the gradient
+on (hvd_aps._horovod.call_site). A step whose exchange raises is abandoned: nothing it did is kept, its other gradients'
 decompress() raise too, and the next compress() starts a fresh step with the same names.
 With policy="auto", a batch whose schedule settled on the framework's own allreduce is not
 batched at all: its gradients go back to Horovod as they are (or cast to the fallback dtype),
@@ -47,7 +51,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-from . import exchange
+from . import _agreed, exchange
 from ._schedule import NATIVE_BYTES
 from ._stages import Bucket
 from .config import Fallback, Policy
@@ -82,20 +86,34 @@ class Adapter(Protocol):
     def join(self, flats):
         """flatten()'s arrays end to end in one flat array: a batch's bucket."""
 
-    def token(self, tensor):
+    def token(self, tensor, process_set):
         """What Horovod allreduces in place of a gradient sent as codes (token_values)."""
 
-    def world(self) -> int:
-        """The ranks Horovod's allreduce spans."""
+    def call_site(self, frame):
+        """The hvd_aps._horovod.Site of a compress() whose caller is `frame` (its key None where
+        the framework's gradients must go in the order they arrive)."""
 
-    def levels(self, hierarchical) -> exchange.Levels:
-        """The exchange's groups in this job (collective on first use)."""
+    def included(self, process_set) -> bool:
+        """Whether this rank belongs to the process set (None: the global set)."""
+
+    def world(self, process_set) -> int:
+        """The ranks Horovod's allreduce spans on the process set."""
+
+    def levels(self, hierarchical, process_set) -> exchange.Levels:
+        """The exchange's groups on the process set (collective on first use)."""
+
+    def gather(self, obj, process_set, name) -> list:
+        """Every rank's picklable `obj`, in rank order (eagerly: the layout's agreement)."""
+
+    def zeros(self, like, count):
+        """`count` float32 zeros where `like` lies: a gradient a rank did not hand over."""
 
     def forget_groups(self) -> None: ...
 
-    def finish(self, total, token_out, like, reduction: "Reduction"):
-        """The exchanged sum `total` (float32 flat) as Horovod's op left `token_out`, in the
-        gradient's shape and dtype (apply_op: with `reduction` where the op is known now)."""
+    def finish(self, total, token_out, like, reduction: "Reduction", ranks: int):
+        """The exchanged sum `total` (float32 flat) over `ranks` ranks as Horovod's op left
+        `token_out`, in the gradient's shape and dtype (apply_op: with `reduction` where the op
+        is known now)."""
 
     def at_step_end(self, out, end_step, results):
         """`out` (the step's last result) once `end_step` ran after every one of `results`."""
@@ -108,7 +126,7 @@ class Adapter(Protocol):
 
     def native_result(self, reduced, like): ...
 
-    def compress_values(self, tensor, exchanger) -> tuple:
+    def compress_values(self, tensor, exchanger, process_set) -> tuple:
         """wire="values": (what Horovod allreduces, decompress_values' context)."""
 
     def decompress_values(self, tensor, ctx, exchanger): ...
@@ -144,22 +162,29 @@ class _Batch:
     name: str
     adapter: Adapter     # the framework adapter of every tensor in the batch
     native: Optional[str] = None  # the dtype of the framework's allreduce the schedule sends it in, else codes
-    flats: list = dataclasses.field(default_factory=list)   # codes batches: the gradients as float32 flats
+    process_set: object = None    # the Horovod process set its gradients are reduced on (None: every rank)
+    flats: list = dataclasses.field(default_factory=list)   # codes batches: the gradients (None: not yet in)
     labels: list = dataclasses.field(default_factory=list)
     sizes: list = dataclasses.field(default_factory=list)
     nbytes: int = 0      # float32 bytes of the gradients in it
+    present: int = 0     # a layout's batch: how many of its gradients are in
     closed: bool = False  # no more gradients join it: launched, or (native) counted
     future: object = None  # the exchange's Future (exchanger.bucket), once launched
     bucket: object = None  # its Bucket (hvd_aps._stages), once launched
     parts: Optional[list] = None  # the exchange's results per gradient, once split
     reduction: Reduction = dataclasses.field(default_factory=Reduction)  # averaged? what its tokens said
 
+    @property
+    def full(self) -> bool:
+        return self.present == len(self.sizes)
+
 
 class Context:
     """decompress()'s context for a gradient compress() took on the codes path."""
 
-    def __init__(self, generation: int, like, batch: _Batch):
-        # like: the gradient (its dtype and shape come back); batch: the one it joined
+    def __init__(self, generation: int, like, batch: Optional[_Batch]):
+        # like: the gradient (its dtype and shape come back); batch: the one it joined (None
+        # until its step's layout is agreed)
         self.generation, self.like, self.batch = generation, like, batch
 
     @property
@@ -170,7 +195,7 @@ class Context:
 class Ticket(Context):
     """A gradient that went into a batch of codes."""
 
-    def __init__(self, generation: int, like, batch: _Batch, index: int):
+    def __init__(self, generation: int, like, batch: Optional[_Batch], index: int):
         super().__init__(generation, like, batch)
         self.index = index
 
@@ -179,46 +204,184 @@ class Passed(Context):
     """A gradient the framework's own allreduce carried (policy="auto")."""
 
 
+@dataclasses.dataclass
+class _Waiting:
+    """A named gradient of a step with no layout yet for its scope (hvd_aps._agreed)."""
+    scope: tuple
+    process_set: object
+    entry: _agreed.Entry
+    flat: object
+    ticket: Ticket
+
+
 class Batches:
-    """The open batch and the step's naming, for one exchanger. compress() runs on the thread
-    backward runs on, decompress() on the thread that steps: a lock keeps them apart."""
+    """The step's batches and their naming, for one exchanger. compress() runs on the thread
+    backward runs on, decompress() on the thread that steps: a lock keeps them apart.
+
+    A named gradient (hvd_aps._horovod.Site) goes to its slot of the layout the ranks agreed on
+    for its scope (framework and process set; hvd_aps._agreed), and a layout's buckets launch in
+    order once full; in the first step of a scope the named gradients wait for the step's first
+    decompress(), where the ranks agree on the layout. Unnamed gradients (and every gradient
+    once policy="auto" chose the framework's allreduce) form batches in the order they arrive."""
 
     def __init__(self, exchanger):
         self._ex, self._lock = exchanger, threading.Lock()
-        self._open, self._count, self._outstanding, self._generation, self._launched = None, 0, 0, 0, []
+        self._layouts = {}  # scope -> its agreed Layout
+        self._named = 0     # buckets the layouts name: the first name free for other batches
+        self._generation = 0
         # the last step's one gradient, where its step was that one gradient alone (see _end_step)
         self._lone = None
         self._averaged = set()  # names of the batches whose every token said Average last step
+        self._new_step()
 
-    def add(self, adapter: Adapter, tensor) -> tuple:
-        """-> (what Horovod allreduces, Context) for compress()."""
-        config = self._ex.config
+    def _new_step(self) -> None:
+        self._open, self._count, self._outstanding, self._launched = None, self._named, 0, []
+        self._native = self._started = None
+        self._keys = set()      # the keys handed over this step (a repeated key goes by arrival)
+        self._waiting = []      # _Waiting gradients of scopes with no layout yet
+        self._placed = {}       # (scope, bucket) -> the layout batch filling this step
+        self._next = {}         # scope -> the next bucket of its layout to launch
+        self._scopes = {}       # scope -> (a gradient of the step, where zeros go; its process set)
+        self._handed = False    # the step's first decompress() came: its gradients were handed over
+
+    def add(self, adapter: Adapter, tensor, site) -> tuple:
+        """-> (what Horovod allreduces, Context) for compress(); `site`: hvd_aps._horovod.Site."""
         with self._lock, self._aborting():
-            if self._open is not None and self._open.adapter is not adapter:
-                self._close(self._open)
-            if self._open is None:
-                if self._count == 0 and self._lone not in (None, adapter.label(tensor)):
-                    _warn_one_by_one()
-                check_fallback(config, adapter, tensor)
-                name = f"hvd_aps.{self._count}"
-                self._open = _Batch(name, adapter, self._ex.state.schedule.native_dtype(),
-                                    reduction=Reduction(averaged=name in self._averaged))
-                self._count += 1
-            batch = self._open
-            batch.nbytes += 4 * adapter.numel(tensor)
-            batch.labels.append(adapter.label(tensor))
-            batch.sizes.append(adapter.numel(tensor))
+            if not self._started:
+                self._start(adapter, tensor)
             self._outstanding += 1
-            if batch.native:
-                context = Passed(self._generation, tensor, batch)
-                wire = adapter.native_wire(tensor, batch.native)
-            else:
-                context = Ticket(self._generation, tensor, batch, len(batch.flats))
-                batch.flats.append(adapter.flatten(tensor))
-                wire = adapter.token(tensor)
-            if batch.nbytes >= config.bucket_bytes:
-                self._close(batch)
+            key = site.key if site.key not in self._keys else None
+            if self._native or key is None or self._handed:
+                return self._arrive(adapter, tensor, site.process_set)
+            scope = (adapter, _set_key(site.process_set))
+            layout = self._layouts.get(scope)
+            if layout is not None and not layout.fits(key, adapter.numel(tensor)):  # a gradient of another
+                return self._arrive(adapter, tensor, site.process_set)  # model: the metadata check names it
+            self._keys.add(key)
+            self._scopes.setdefault(scope, (tensor, site.process_set))
+            if layout is None:
+                ticket = Ticket(self._generation, tensor, None, 0)
+                entry = _agreed.Entry(key, adapter.label(tensor), adapter.numel(tensor))
+                self._waiting.append(_Waiting(scope, site.process_set, entry, adapter.flatten(tensor), ticket))
+                return adapter.token(tensor, site.process_set), ticket
+            ticket = self._fill(scope, site.process_set, key, adapter.flatten(tensor), tensor)
+            self._launch_ready(scope)
+            return adapter.token(tensor, site.process_set), ticket
+
+    def _start(self, adapter: Adapter, tensor) -> None:
+        """The step's first gradient: the schedule's path for the step, the one-at-a-time warning."""
+        self._started = True
+        self._native = self._ex.state.schedule.native_dtype()
+        if self._lone not in (None, adapter.label(tensor)):
+            _warn_one_by_one()
+        check_fallback(self._ex.config, adapter, tensor)
+
+    def _arrive(self, adapter: Adapter, tensor, process_set) -> tuple:
+        """A gradient that joins the open batch (in the order gradients arrive)."""
+        batch = self._open_batch(adapter, process_set)
+        batch.nbytes += 4 * adapter.numel(tensor)
+        batch.labels.append(adapter.label(tensor))
+        batch.sizes.append(adapter.numel(tensor))
+        if batch.native:
+            context = Passed(self._generation, tensor, batch)
+            wire = adapter.native_wire(tensor, batch.native)
+        else:
+            context = Ticket(self._generation, tensor, batch, len(batch.flats))
+            batch.flats.append(adapter.flatten(tensor))
+            wire = adapter.token(tensor, process_set)
+        if batch.nbytes >= self._ex.config.bucket_bytes:
+            self._close(batch)
         return wire, context
+
+    def _open_batch(self, adapter: Adapter, process_set) -> _Batch:
+        """The open batch of arriving gradients of this framework and process set (a new one,
+        named next, where there is none)."""
+        if self._open is not None and (self._open.adapter is not adapter or self._open.process_set is not process_set):
+            self._close(self._open)
+        if self._open is None:
+            name = f"hvd_aps.{self._count}"
+            self._open = _Batch(name, adapter, self._native, process_set,
+                                reduction=Reduction(averaged=name in self._averaged))
+            self._count += 1
+        return self._open
+
+    def _fill(self, scope: tuple, process_set, key: str, flat, like) -> Ticket:
+        """Put a gradient in its slot of its scope's layout -> its Ticket."""
+        b, i = self._layouts[scope].slots[key]
+        batch = self._placed.get((scope, b)) or self._place(scope, process_set, b)
+        batch.flats[i] = flat
+        batch.present += 1
+        return Ticket(self._generation, like, batch, i)
+
+    def _place(self, scope: tuple, process_set, b: int) -> _Batch:
+        """Bucket b of the scope's layout, as this step's batch (empty)."""
+        layout = self._layouts[scope]
+        entries, name = layout.buckets[b], layout.name(b)
+        batch = _Batch(name, scope[0], None, process_set, flats=[None] * len(entries),
+                       labels=[e.label for e in entries], sizes=[e.size for e in entries],
+                       nbytes=_agreed.FLOAT32_BYTES * sum(e.size for e in entries),
+                       reduction=Reduction(averaged=name in self._averaged))
+        self._placed[(scope, b)] = batch
+        return batch
+
+    def _launch_ready(self, scope: tuple) -> None:
+        """Launch the scope's full buckets in the layout's order (every rank launches them in that
+        order, whatever order their gradients came in: the exchanges share two threads)."""
+        b, count = self._next.get(scope, 0), len(self._layouts[scope].buckets)
+        while b < count and (batch := self._placed.get((scope, b))) is not None and batch.full:
+            self._close(batch)
+            b += 1
+        self._next[scope] = b
+
+    def _hand_over(self) -> None:
+        """The step's first decompress(): every gradient of it was handed over. The scopes
+        without a layout agree on one, the buckets of a layout still missing gradients take
+        zeros for them (as Horovod sends a parameter no hook saw), and everything launches."""
+        self._handed = True
+        self._learn()
+        for scope, (like, process_set) in self._scopes.items():
+            if scope not in self._layouts:  # its one gradient went alone
+                continue
+            for b in range(self._next.get(scope, 0), len(self._layouts[scope].buckets)):
+                batch = self._placed.get((scope, b)) or self._place(scope, process_set, b)
+                for i, size in enumerate(batch.sizes):
+                    if batch.flats[i] is None:
+                        batch.flats[i] = scope[0].zeros(like, size)
+                batch.present = len(batch.sizes)
+            self._launch_ready(scope)
+        if self._open is not None:
+            self._close(self._open)
+
+    def _learn(self) -> None:
+        """Agree on a layout for every scope whose named gradients waited (one gradient alone
+        needs none: it goes as a batch of its own, as Horovod hands gradients one at a time)."""
+        scopes = {}
+        for waiting in self._waiting:
+            scopes.setdefault(waiting.scope, []).append(waiting)
+        self._waiting = []
+        for scope, items in scopes.items():
+            adapter, process_set = scope[0], items[0].process_set
+            if len(items) == 1:
+                self._close(self._alone(items[0]))
+                continue
+            seen = adapter.gather([w.entry for w in items], process_set, "hvd_aps.layout")
+            layout = _agreed.agree(seen, self._ex.config.bucket_bytes, base=max(self._named, self._count))
+            self._layouts[scope] = layout
+            self._named = self._count = layout.base + len(layout.buckets)
+            for w in items:
+                placed = self._fill(scope, process_set, w.entry.key, w.flat, w.ticket.like)
+                w.ticket.batch, w.ticket.index = placed.batch, placed.index
+
+    def _alone(self, waiting: _Waiting) -> _Batch:
+        """A batch of the one gradient that waited."""
+        adapter = waiting.scope[0]
+        if self._open is not None:
+            self._close(self._open)
+        batch = self._open_batch(adapter, waiting.process_set)
+        batch.flats, batch.labels, batch.sizes = [waiting.flat], [waiting.entry.label], [waiting.entry.size]
+        batch.nbytes = _agreed.FLOAT32_BYTES * waiting.entry.size
+        waiting.ticket.batch = batch
+        return batch
 
     def result(self, reduced, context: Context):
         """decompress(): the exchanged gradient, reduced as Horovod's op would have left it."""
@@ -226,15 +389,19 @@ class Batches:
             if context.generation != self._generation:
                 raise RuntimeError("this gradient's step was abandoned after an error in an earlier exchange: "
                                    "start the step again")
-            if self._open is not None:  # the step's gradients are all handed over once one comes back:
-                with self._aborting():  # its last batch goes now, beside the others, not when reached
+            with self._aborting():  # the step's gradients are all handed over once one comes back:
+                if not self._handed:  # its last batches go now, beside the others, not when reached
+                    self._hand_over()
+                elif self._open is not None:
                     self._close(self._open)
         try:
             if isinstance(context, Passed):
                 out = context.adapter.native_result(reduced, context.like)
             else:
-                total = self._parts(context.batch)[context.index]
-                out = context.adapter.finish(total, reduced, context.like, context.batch.reduction)
+                batch = context.batch
+                total = self._parts(batch)[context.index]
+                out = batch.adapter.finish(total, reduced, context.like, batch.reduction,
+                                           batch.adapter.world(batch.process_set))
         except BaseException:
             self.abort()
             raise
@@ -253,12 +420,13 @@ class Batches:
 
     def _end_step(self, context: Context, out):
         """End the step (after every exchange of it, in a graph too) and restart the naming."""
-        results = [self._ex.result(batch.future) for batch in self._launched]
-        self._averaged = {batch.name for batch in self._launched if batch.reduction.all_average()}
+        launched = self._launched
+        results = [self._ex.result(batch.future) for batch in launched]
+        self._averaged = {batch.name for batch in launched if batch.reduction.all_average()}
         # a step of one gradient, then one of another: Horovod hands them over one at a time
-        alone = len(self._launched) == 1 and len(self._launched[0].sizes) == 1
-        self._lone = self._launched[0].labels[0] if alone else None
-        self._open, self._count, self._launched = None, 0, []
+        alone = len(launched) == 1 and len(launched[0].sizes) == 1
+        self._lone = launched[0].labels[0] if alone else None
+        self._new_step()
         return context.adapter.at_step_end(out, self._ex.end_step, results)
 
     def abort(self) -> None:
@@ -268,8 +436,16 @@ class Batches:
             self._forget()
         self._ex.abort_step()
 
+    def forget_layouts(self) -> None:
+        """The world changed (Horovod elastic): a rank that joins has no layout, so every rank
+        agrees anew at its next step."""
+        with self._lock:
+            self._layouts, self._named = {}, 0
+            self._forget()
+
     def _forget(self) -> None:
-        self._open, self._count, self._outstanding, self._launched, self._lone = None, 0, 0, [], None
+        self._new_step()
+        self._lone = None
         self._averaged = set()  # the next step's exchanges divide nothing until tokens say Average again
         self._generation += 1
 
@@ -290,17 +466,26 @@ class Batches:
         if batch.native:
             self._ex.count_native([f"{batch.name}[{i}]" for i in range(len(batch.sizes))],
                                   zip(batch.labels, batch.sizes), batch.native,
-                                  exchange.ring_bytes(NATIVE_BYTES[batch.native] * sum(batch.sizes), adapter.world()))
+                                  exchange.ring_bytes(NATIVE_BYTES[batch.native] * sum(batch.sizes),
+                                                      adapter.world(batch.process_set)))
         else:
             batch.bucket = Bucket.whole(batch.name, _keys(batch.name, len(batch.sizes)), batch.labels, batch.sizes)
-            batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical), batch.bucket,
-                                           adapter.join(batch.flats), adapter.threaded,
+            batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical, batch.process_set),
+                                           batch.bucket, adapter.join(batch.flats), adapter.threaded,
                                            average=batch.reduction.averaged)
             batch.flats = []  # joined: the copies of the gradients can go
             self._launched.append(batch)
         batch.closed = True
         if self._open is batch:
             self._open = None
+
+
+def _set_key(process_set):
+    """A process set as a dict key (None: the global set): sets removed and added again may
+    reuse an id for other ranks."""
+    if process_set is None or process_set.process_set_id == 0:
+        return None
+    return process_set.process_set_id, tuple(process_set.ranks)
 
 
 @functools.lru_cache(maxsize=None)

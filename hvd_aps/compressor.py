@@ -145,9 +145,12 @@ class APSCompressor:
         small = self.config.wire == "codes" and adapter.numel(tensor) < self.config.min_elements
         if small or adapter.is_empty(tensor):
             return _tokens.pass_through(adapter, tensor, self.exchanger)
+        site = adapter.call_site(sys._getframe(1))
+        if not adapter.included(site.process_set):  # Horovod's own allreduce refuses it, as stock
+            return tensor, None
         if self.config.wire == "values":
-            return adapter.compress_values(tensor, self.exchanger)
-        return self._batches.add(adapter, tensor)
+            return adapter.compress_values(tensor, self.exchanger, site.process_set)
+        return self._batches.add(adapter, tensor, site)
 
     @_not_for_autograph
     def decompress(self, tensor, ctx):
@@ -196,6 +199,7 @@ class APSCompressor:
         """Horovod elastic's reset callback: the step in flight is forgotten, and what belongs to
         the old world (shard owners' residuals, the tuned schedule, process sets) with it; this
         rank's own residuals and step counts stay its own."""
+        self._batches.forget_layouts()
         self.reset()
         self.state.forget_shards()
         self.state.schedule.reset()

@@ -3,12 +3,14 @@ collectives for the exchange driver (one object per process set), with the host 
 tf.numpy_function, so the same code runs eagerly and inside tf.function (TF traces
 compress/decompress once: nothing per step lives in Python attributes of the trace). No APS math
 here."""
+import dataclasses
+
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from .. import _metadata, _tokens, _values, codec, exchange
-from .._horovod import HorovodLevels
+from .. import _horovod, _metadata, _tokens, _values, codec, exchange
+from .._horovod import HorovodLevels, is_global
 
 
 class HorovodCollectives(exchange.Collectives):
@@ -47,10 +49,30 @@ class HorovodCollectives(exchange.Collectives):
 _LEVELS = HorovodLevels(hvd, HorovodCollectives)
 
 
-def levels(hierarchical) -> exchange.Levels:
+def levels(hierarchical, process_set=None) -> exchange.Levels:
     """The exchange's groups (hvd_aps._horovod), found eagerly even while a graph is traced."""
     with tf.init_scope():
-        return _LEVELS.get(hierarchical)
+        return _LEVELS.get(hierarchical, process_set)
+
+
+def call_site(frame):
+    """The process set of a compress() call, without a key: a graph fixes its exchanges when it
+    is traced, so its gradients go in batches in the order it hands them over."""
+    return dataclasses.replace(_horovod.call_site(frame), key=None)
+
+
+def included(process_set) -> bool:
+    return is_global(process_set) or process_set.included()
+
+
+def gather(obj, process_set, name):
+    """Every rank's `obj`, eagerly (a graph's steps never agree on a layout: call_site)."""
+    with tf.init_scope():
+        return hvd.allgather_object(obj, name=name, process_set=process_set or hvd.global_process_set)
+
+
+def zeros(like, count):
+    return tf.zeros([count], tf.float32)
 
 
 def forget_groups() -> None:
@@ -71,9 +93,9 @@ def is_empty(tensor):
     return tensor.shape.num_elements() == 0  # None (a shape known when run) is not empty
 
 
-def world():
-    """The ranks Horovod's allreduce spans: a passed-through batch's bytes."""
-    return hvd.size()
+def world(process_set=None):
+    """The ranks Horovod's allreduce spans (on `process_set`; None: every rank)."""
+    return hvd.size() if is_global(process_set) else process_set.size()
 
 
 def numel(tensor):
@@ -98,15 +120,15 @@ def join(flats):
     return tf.concat(flats, 0)
 
 
-def token(tensor):
-    return tf.constant(_tokens.token_values(hvd.rank()))
+def token(tensor, process_set=None):
+    return tf.constant(_tokens.token_values(hvd.rank() if is_global(process_set) else process_set.rank()))
 
 
-def finish(total, token_out, like, reduction):
+def finish(total, token_out, like, reduction, ranks):
     """_tokens.apply_op's arithmetic as graph ops (a numpy_function a gradient cost ~0.1 ms each):
     the same divisions and products in float32, the same refusal of a reduction that is no sum.
     `reduction` is not used: a graph fixes its exchanges when traced, so none is averaged."""
-    size, tolerance = hvd.size(), _tokens.TOKEN_TOLERANCE
+    size, tolerance = ranks, _tokens.TOKEN_TOLERANCE
     token = tf.cast(tf.reshape(token_out, [-1]), tf.float64)
     scale, ranks = token[0], token[1]
     one = tf.constant(1.0, tf.float64)
@@ -164,13 +186,14 @@ def native_result(reduced, like):
 
 
 # wire="values" ------------------------------------------------------------------------------------
-def compress_values(tensor, exchanger):
+def compress_values(tensor, exchanger, process_set=None):
     x = tf.cast(tensor, tf.float32)
+    process_set = process_set or hvd.global_process_set
     local = tf.numpy_function(lambda a: _metadata.vector(exchanger.config, [codec.amax(a)], [a.size]), [x], tf.float64,
                               stateful=True)
     local.set_shape([3 + _metadata.TIMING + _metadata.TAIL])
-    agreed = hvd.allreduce(local, op=hvd.Max)
-    size, rank_now, name = hvd.size(), hvd.rank(), label(tensor)
+    agreed = hvd.allreduce(local, op=hvd.Max, process_set=process_set)
+    size, rank_now, name = process_set.size(), process_set.rank(), label(tensor)
 
     def to_wire(a, g):
         amax = float(_metadata.read(exchanger.config, g, [a.size], [name])[0][0])

@@ -3,6 +3,7 @@ the exchange driver (one object per process set), the groups of a two-level exch
 conversions between tensors and the codec's arrays, and the values path. Tensors reach the codec
 through DLPack: zero-copy on the CPU, and on a GPU through the CuPy engine. No APS math here."""
 import functools
+import pickle
 import time
 
 import horovod.torch as hvd
@@ -10,8 +11,8 @@ import numpy as np
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from .. import _arrays, _metadata, _tokens, _values, codec, exchange
-from .._horovod import HorovodLevels
+from .. import _arrays, _horovod, _metadata, _tokens, _values, codec, exchange
+from .._horovod import HorovodLevels, is_global
 
 # hvd.synchronize() spins (std::this_thread::yield, taking the GIL back on every turn): two
 # exchange threads waiting in it took a core from backward and the GIL from its hooks. Waiting
@@ -64,9 +65,10 @@ def wait(handle):
 _LEVELS = HorovodLevels(hvd, HorovodCollectives, host_memory=True)
 
 
-def levels(hierarchical) -> exchange.Levels:
-    """The exchange's groups for this Horovod job (hvd_aps._horovod): collective on first use."""
-    return _LEVELS.get(hierarchical)
+def levels(hierarchical, process_set=None) -> exchange.Levels:
+    """The exchange's groups for this Horovod job or process set (hvd_aps._horovod): collective
+    on first use."""
+    return _LEVELS.get(hierarchical, process_set)
 
 
 def forget_groups() -> None:
@@ -85,9 +87,32 @@ def is_empty(tensor):
     return tensor.numel() == 0
 
 
-def world():
-    """The ranks Horovod's allreduce spans: a passed-through batch's bytes."""
-    return hvd.size()
+def world(process_set=None):
+    """The ranks Horovod's allreduce spans (on `process_set`; None: every rank)."""
+    return hvd.size() if is_global(process_set) else process_set.size()
+
+
+call_site = _horovod.call_site  # a gradient's name and process set, from Horovod's calling frame
+
+
+def included(process_set) -> bool:
+    return is_global(process_set) or process_set.included()
+
+
+def gather(obj, process_set, name):
+    """Every rank's `obj` (picklable), in rank order of the process set: Horovod's own
+    allgather_object spans every rank, and a process set's ranks cannot ask the others."""
+    process_set = process_set or hvd.global_process_set
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=process_set)
+    blob = hvd.allgather(data, name=name, process_set=process_set)
+    return [pickle.loads(part.numpy().tobytes()) for part in torch.split(blob, sizes.tolist())]
+
+
+def zeros(like, count):
+    """A gradient no hook handed over this step, as zeros of `count` elements (as Horovod's
+    optimizer sends a parameter its rank did not use)."""
+    return torch.zeros(count, dtype=torch.float32, device=like.device)
 
 
 def numel(tensor):
@@ -134,18 +159,18 @@ def join(flats):
     return _arrays.as_array(_flatten_dense_tensors([_as_dtype(t, torch.float32) for t in flats]))
 
 
-def token(tensor):
+def token(tensor, process_set=None):
     """A copy of this rank's token on the gradient's device (Horovod reduces it in place), made
-    once per rank and device: every gradient of every step asks."""
-    key = (hvd.rank(), tensor.device)
+    once per rank (in the process set) and device: every gradient of every step asks."""
+    key = (hvd.rank() if is_global(process_set) else process_set.rank(), tensor.device)
     made = _TOKENS.get(key)
     if made is None:
         made = _TOKENS[key] = torch.tensor(_tokens.token_values(key[0]), device=tensor.device)
     return made.clone()
 
 
-def finish(total, token_out, like, reduction):
-    reduced = _tokens.apply_op(total, token_out.tolist(), hvd.size(), reduction)
+def finish(total, token_out, like, reduction, ranks):
+    reduced = _tokens.apply_op(total, token_out.tolist(), ranks, reduction)
     # shaped before it becomes a tensor: NumPy's reshape costs a fraction of torch's view, per gradient
     out = torch.from_numpy(reduced.reshape(like.shape)) if isinstance(reduced, np.ndarray) else \
         torch.from_dlpack(reduced).view(like.shape)
@@ -173,13 +198,14 @@ def _as_dtype(tensor, dtype):
 
 
 # wire="values" ------------------------------------------------------------------------------------
-def compress_values(tensor, exchanger):
+def compress_values(tensor, exchanger, process_set=None):
     config, x = exchanger.config, _flat_array(tensor)
+    process_set = process_set or hvd.global_process_set
     vector = _metadata.vector(config, [codec.amax(x)], [x.size])
-    agreed = hvd.allreduce(torch.from_numpy(vector), op=hvd.Max, name=_METADATA)
+    agreed = hvd.allreduce(torch.from_numpy(vector), op=hvd.Max, name=_METADATA, process_set=process_set)
     amax = float(_metadata.read(config, agreed.numpy(), [x.size], [label(tensor)])[0][0])
-    seed = exchanger.state.values_seed(hvd.rank(), label(tensor))
-    wire, shift = _values.to_wire(config, exchanger.recorder, x, amax, hvd.size(), seed, label(tensor))
+    seed = exchanger.state.values_seed(process_set.rank(), label(tensor))
+    wire, shift = _values.to_wire(config, exchanger.recorder, x, amax, process_set.size(), seed, label(tensor))
     return torch.from_dlpack(wire).reshape(tensor.shape), (shift, tensor.dtype, label(tensor))
 
 

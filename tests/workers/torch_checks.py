@@ -125,16 +125,16 @@ def recovery():
     good = [[torch.from_numpy(rank_data(rank, seed=20 + s)), torch.from_numpy(rank_data(rank, seed=30 + s)[:700].copy())]
             for s in range(3)]
     results = [hvd.grouped_allreduce(good[0], compression=comp, name="rec")]
-    buffers = len(comp.state.buffers)
     bad = [torch.ones(5000), torch.ones(7000)]
     out["recovery_error"] = error_of(lambda: hvd.grouped_allreduce(bad if rank < size - 1 else bad[::-1],
                                                                    compression=comp, name="rec_bad"))
+    buffers = len(comp.state.buffers)  # the good steps after the error reuse the buffers of the first
     for step in good[1:]:
         results.append(hvd.grouped_allreduce(step, compression=comp, name="rec"))
     for s, pair in enumerate(results):
         for t, tensor in enumerate(pair):
             out[f"recovery_{s}_{t}"] = tensor.numpy()
-    out["recovery_names_restart"] = np.array(comp._batches._count == 0 and len(comp.state.buffers) == buffers)
+    out["recovery_names_restart"] = np.array(comp._batches._count == comp._batches._named and len(comp.state.buffers) == buffers)
 
 
 recovery()

@@ -1,0 +1,85 @@
+"""Buckets the ranks agree on, whatever order their gradients come in.
+
+Horovod negotiates every gradient by name, so a rank whose graph skips a parameter in a step (a
+head used on one rank only, a frozen tower, a conditional branch) still meets the others: its
+optimizer sends zeros for what its hooks never saw, later than the others send it. A bucket made
+of gradients in the order they arrive would then hold other tensors on each rank. So the Horovod
+path learns a Layout once, at the end of its first step of several named gradients: every rank
+gathers every rank's (key, size) in the order it saw them, and all cut the first rank's order into
+buckets alike (where a bucket reaches bucket_bytes, as the order of arrival was cut before, so a
+job whose ranks all see one order keeps the same buckets, names and bits). From then on a
+gradient goes to its slot by key, and a bucket is exchanged once its last gradient is in.
+"""
+import dataclasses
+from typing import Dict, List, Sequence, Tuple
+
+# float32 bytes a gradient element takes in a bucket
+FLOAT32_BYTES = 4
+# keys named in an error message (a model of thousands of tensors would fill a screen)
+NAMED = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A gradient as a rank saw it: the name Horovod negotiates it by, its label (dtype and
+    shape, for messages and stats) and its element count."""
+    key: str
+    label: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Buckets of entries, and every key's (bucket, position). `base` numbers the first bucket:
+    the buckets of a compressor's layouts (one per process set) are named apart."""
+    buckets: Tuple[Tuple[Entry, ...], ...]
+    base: int = 0
+    slots: Dict[str, Tuple[int, int]] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "slots", {e.key: (b, i) for b, bucket in enumerate(self.buckets)
+                                           for i, e in enumerate(bucket)})
+
+    def fits(self, key: str, size: int) -> bool:
+        """Whether a gradient of this key and size has a slot."""
+        slot = self.slots.get(key)
+        return slot is not None and self.buckets[slot[0]][slot[1]].size == size
+
+    def name(self, bucket: int) -> str:
+        return f"hvd_aps.{self.base + bucket}"
+
+
+def cut(entries: Sequence[Entry], bucket_bytes: int, base: int = 0) -> Layout:
+    """Entries in order, a bucket closed where it reaches bucket_bytes (with the entry that got it
+    there)."""
+    buckets, open_, nbytes = [], [], 0
+    for entry in entries:
+        open_.append(entry)
+        nbytes += FLOAT32_BYTES * entry.size
+        if nbytes >= bucket_bytes:
+            buckets.append(tuple(open_))
+            open_, nbytes = [], 0
+    if open_:
+        buckets.append(tuple(open_))
+    return Layout(tuple(buckets), base)
+
+
+def agree(seen: List[Sequence[Entry]], bucket_bytes: int, base: int = 0) -> Layout:
+    """The Layout every rank makes from every rank's entries (`seen[r]`, rank r's in the order
+    it saw them): the first rank's order, cut. Every rank raises the same error where the ranks
+    saw other keys or sizes (another model)."""
+    first = {e.key: e for e in seen[0]}
+    for rank, entries in enumerate(seen[1:], 1):
+        mine = {e.key: e for e in entries}
+        lacking, extra = sorted(set(first) - set(mine)), sorted(set(mine) - set(first))
+        if lacking or extra:
+            raise ValueError(f"ranks handed different gradients to the exchange: rank {rank} "
+                             + (f"lacks {lacking[:NAMED]}" if lacking else "")
+                             + (" and " if lacking and extra else "")
+                             + (f"has {extra[:NAMED]} that rank 0 lacks" if extra else "")
+                             + " (another model on that rank?)")
+        other = next((k for k in first if mine[k].size != first[k].size), None)
+        if other is not None:
+            raise ValueError(f"ranks handed different gradients to the exchange: {other} ({first[other].label}) has "
+                             f"{first[other].size} elements on rank 0 and {mine[other].size} on rank {rank}")
+    return cut(seen[0], bucket_bytes, base)
