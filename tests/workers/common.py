@@ -40,6 +40,14 @@ CODES_SIZES = [(50, 7), (3001,), (16,), (5,), (0,), (1000,)]
 DDP_SIZES = [(50, 7), (3001,), (16,), (5,), (1000,)]  # DDP has no empty parameters
 
 
+def format_mismatch(world):
+    """The settings-differ error every rank raises where rank 0 sends e4m3 and the others e5m2
+    (the workers' mismatch): the one field that differs, with each rank's value."""
+    others = "rank 1" if world == 2 else f"ranks 1-{world - 1}"
+    return (f"APSCompressor settings differ between ranks: fmt: e4m3 on rank 0, e5m2 on {others}. Give every rank "
+            "the same APSCompressor arguments")
+
+
 def codes_grads(rank, sizes=CODES_SIZES):
     """Tensors for the codes path: uneven sizes, a tiny one, an empty one, wide magnitudes."""
     rng = np.random.default_rng(100 + rank)
