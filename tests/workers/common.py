@@ -40,6 +40,10 @@ CODES_SIZES = [(50, 7), (3001,), (16,), (5,), (0,), (1000,)]
 DDP_SIZES = [(50, 7), (3001,), (16,), (5,), (1000,)]  # DDP has no empty parameters
 
 
+# killed_checks.py: its phases in order, the steps of each, the step whose backward a rank dies in
+KILLED_PHASES, KILLED_STEPS, KILL_STEP = ("ddp", "fsdp", "hsdp"), 5, 3
+
+
 def format_mismatch(world):
     """The settings-differ error every rank raises where rank 0 sends e4m3 and the others e5m2
     (the workers' mismatch): the one field that differs, with each rank's value."""
