@@ -117,6 +117,11 @@ def test_settings_that_differ_between_ranks_are_refused_by_apply_on_every_rank(r
         assert str(r["mismatch"]) == format_mismatch(len(ranks))
 
 
+def test_a_compressor_given_to_a_second_model_is_refused_by_apply_on_every_rank(ranks):
+    for r in ranks:
+        assert str(r["shared_refused"]).startswith("this APSCompressor already serves a model given to hvd_aps.fsdp.apply")
+
+
 def test_one_step_per_backward_commits_at_its_end_and_rolls_back_a_failed_one():
     """FSDP reduces module by module inside one backward: the compressor's state commits once,
     when autograd's backward ends; an exchange that raises rolls the step back; an exchange
