@@ -33,7 +33,7 @@ import hvd_aps
 import hvd_aps._host_memory
 import hvd_aps.ddp
 import hvd_aps.fsdp
-from common import KILL_STEP, KILLED_PHASES as PHASES, KILLED_STEPS as STEPS, leave_torchrun
+from common import KILL_STEP, KILLED_PHASES as PHASES, KILLED_STEPS as STEPS, leave_torchrun, parameters
 
 KILLED_RANK = 1
 WIDTH, LAYERS = 128, 4
@@ -108,8 +108,7 @@ def train(phase, outdir, rank, kill) -> dict:
                     "compressor": compressor.state_dict(), "attempts": attempts}, path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)  # a kill never leaves half a checkpoint
     close()
-    params = torch.cat([getattr(p, "full_tensor", p.detach)().detach().ravel() for p in net.parameters()]).numpy()
-    return {phase: params, f"{phase}_attempts": np.array(attempts), **levels}
+    return {phase: parameters(net), f"{phase}_attempts": np.array(attempts), **levels}
 
 
 def init_attempt():
