@@ -105,8 +105,8 @@ def signatures_differ(config, low: float, high: float) -> ValueError:
     own = ", ".join(f"{name}={text}" for name, text in config.settings().items()
                     if name == "fmt" or text != defaults[name])
     return ValueError(f"APSCompressor settings differ between ranks (their signatures range from {low:.0f} to "
-                      f"{high:.0f}): this rank's, where not the defaults: {own}. Give every rank the same APSCompressor "
-                      "arguments")
+                      f"{high:.0f}): this rank's, where not the defaults: {own}. Give every rank the same "
+                      "APSCompressor arguments")
 
 
 def check_same_settings(per_rank: Sequence[dict]) -> None:

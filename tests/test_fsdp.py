@@ -119,7 +119,7 @@ def test_settings_that_differ_between_ranks_are_refused_by_apply_on_every_rank(r
 
 def test_a_compressor_given_to_a_second_model_is_refused_by_apply_on_every_rank(ranks):
     for r in ranks:
-        assert str(r["shared_refused"]).startswith("this APSCompressor already serves a model given to hvd_aps.fsdp.apply")
+        assert str(r["shared_refused"]).startswith("this APSCompressor already serves a model given to hvd_aps.fsdp")
 
 
 def test_one_step_per_backward_commits_at_its_end_and_rolls_back_a_failed_one():
