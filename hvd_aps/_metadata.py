@@ -7,18 +7,21 @@ had the same x, so a rank with another model or another order is caught naming t
 error (hybrid precision only): each tensor's sampled narrow-format error, whose Max picks its
 format; timing: the last exchange's seconds and candidate, and policy="auto"'s median steps
 (hvd_aps._schedule.Schedule.entries; unmeasured: -1); the
-signature of the configuration (and minus it), so ranks configured differently fail alike;
+signature of the configuration (and minus it), so ranks configured differently fail alike (where
+they can, after gathering each other's settings to name the fields that differ);
 resumed (and minus it): the ranks of the exchanges a loaded state_dict came from (0: none
 loaded), so a checkpoint resumed on another world size, or on some ranks only, fails on every
 rank instead of drifting.
 """
-from typing import Optional
+import json
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ._schedule import ENTRIES as TIMING, UNMEASURED
 
 TAIL = 4  # signature, -signature, resumed, -resumed
+MISSING = "(not set)"  # a field some rank's hvd_aps lacks
 
 
 def vector(config, amaxes, sizes, errors=(), timing=(UNMEASURED,) * TIMING, resumed: int = 0) -> np.ndarray:
@@ -36,9 +39,8 @@ def read(config, agreed, sizes, labels, world: Optional[int] = None) -> tuple:
     if agreed.size != (3 + hybrid) * count + TIMING + TAIL:
         raise ValueError(f"metadata of {agreed.size} values for {count} tensors: ranks disagree on the bucket")
     _check_resumed(agreed[-2], -agreed[-1], world)
-    high, neg_low = agreed[-4], agreed[-3]
-    if high != -neg_low:
-        raise settings_differ(config, -neg_low, high)
+    if not same_settings(agreed):
+        raise signatures_differ(config, -agreed[-TAIL + 1], agreed[-TAIL])
     most, least = agreed[count:2 * count], -agreed[2 * count:3 * count]
     for i in np.flatnonzero(most != least):
         raise ValueError(f"ranks handed different tensors to the exchange: tensor {i} ({labels[i]}) has "
@@ -48,17 +50,69 @@ def read(config, agreed, sizes, labels, world: Optional[int] = None) -> tuple:
     return agreed[:count], errors, agreed[(3 + hybrid) * count:(3 + hybrid) * count + TIMING]
 
 
-def settings_differ(config, low: float, high: float) -> ValueError:
-    """The error every rank raises where the ranks' compressors are configured differently."""
-    return ValueError(f"APSCompressor settings differ between ranks: this rank uses {config!r} (signature "
-                      f"{config.signature}), the ranks' signatures range from {low:g} to {high:g}; give every rank "
-                      "the same APSCompressor arguments")
+def same_settings(agreed) -> bool:
+    """Whether every rank's configuration signature was the same, from the Max-allreduced vector
+    (every rank holds the same one, so every rank gives the same answer)."""
+    agreed = np.asarray(agreed, np.float64).ravel()
+    return agreed[-TAIL] == -agreed[-TAIL + 1]
 
 
-def check_same_settings(config, signatures) -> None:
-    """At construction (DDP's APSState, FSDP2's apply): every rank's configuration, gathered."""
-    if min(signatures) != max(signatures):
-        raise settings_differ(config, min(signatures), max(signatures))
+def settings_message(config) -> np.ndarray:
+    """This rank's settings as bytes (uint8) to gather where the signatures differ."""
+    return np.frombuffer(json.dumps(config.settings()).encode(), np.uint8)
+
+
+def settings_of(rows) -> list:
+    """Every rank's settings from the gathered messages, one row each, zero-padded to one width."""
+    return [json.loads(bytes(row).rstrip(b"\0")) for row in rows]
+
+
+def settings_differ(per_rank: Sequence[dict]) -> ValueError:
+    """The error every rank raises where the ranks' compressors are configured differently: each
+    field that differs, with every rank's value (the ranks of one value together), so one rank's
+    log shows what to align."""
+    names = list(dict.fromkeys(name for settings in per_rank for name in settings))
+    values = {name: [settings.get(name, MISSING) for settings in per_rank] for name in names}
+    differing = [f"{name}: {_by_value(v)}" for name, v in values.items() if len(set(v)) > 1]
+    return ValueError(f"APSCompressor settings differ between ranks: {'; '.join(differing)}. Give every rank the "
+                      "same APSCompressor arguments")
+
+
+def _by_value(values: list) -> str:
+    """'e4m3 on ranks 0-2, 5, e5m2 on ranks 3-4': every rank's value, the ranks of each as runs."""
+    ranks = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(value, []).append(rank)
+    return ", ".join(f"{value} on rank{'s' if len(of) > 1 else ''} {_runs(of)}" for value, of in ranks.items())
+
+
+def _runs(ranks: list) -> str:
+    """Ascending ranks as runs: [0, 1, 2, 5] -> '0-2, 5'."""
+    runs = []
+    for rank in ranks:
+        if runs and runs[-1][1] == rank - 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def signatures_differ(config, low: float, high: float) -> ValueError:
+    """Where the signatures differ and the ranks cannot gather each other's settings (inside a
+    TF graph, whose host stages no collective can run in; wire="values"): this rank's settings
+    other than the defaults, to compare with the other ranks' logs."""
+    defaults = type(config)(config.fmt).settings()
+    own = ", ".join(f"{name}={text}" for name, text in config.settings().items()
+                    if name == "fmt" or text != defaults[name])
+    return ValueError(f"APSCompressor settings differ between ranks (their signatures range from {low:.0f} to "
+                      f"{high:.0f}): this rank's, where not the defaults: {own}. Give every rank the same "
+                      "APSCompressor arguments")
+
+
+def check_same_settings(per_rank: Sequence[dict]) -> None:
+    """At construction (DDP's APSState, FSDP2's apply): every rank's settings, gathered."""
+    if any(settings != per_rank[0] for settings in per_rank):
+        raise settings_differ(per_rank)
 
 
 def _check_resumed(most: float, least: float, world) -> None:

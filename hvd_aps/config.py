@@ -166,12 +166,17 @@ class APSConfig:
         """The chunking of an exchange inside a graph, fixed when it is traced."""
         return GRAPH_CHUNK_BYTES if self.chunk_bytes == AUTO else self.chunk_bytes
 
+    def settings(self) -> dict:
+        """Every field as text, by name: what `signature` hashes, and what ranks whose signatures
+        differ gather to name the fields that differ (hvd_aps._metadata.settings_differ)."""
+        return {f.name: f"{getattr(self, f.name)}" for f in dataclasses.fields(self)}
+
     @property
     def signature(self) -> int:
         """An integer naming the whole configuration: equal on every rank or the exchange raises.
         48 bits of a hash of every field, so it rides exactly in the float64 metadata vector
         (two configurations share it with probability 2**-48)."""
-        fields = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        fields = ",".join(f"{name}={text}" for name, text in self.settings().items())
         return int.from_bytes(hashlib.blake2b(fields.encode(), digest_size=6).digest(), "little")
 
 

@@ -136,7 +136,7 @@ class APSState:
         compressor.claim("an hvd_aps.ddp.APSState")
         # a configuration that differs between ranks fails here, on every rank, not in backward
         # (where torch reports a hook's error as "Unable to cast ... to Tensor")
-        _metadata.check_same_settings(compressor.config, _all_gather_object(compressor.config.signature, process_group))
+        _metadata.check_same_settings(_all_gather_object(compressor.config.settings(), process_group))
         self.compressor, self.process_group = compressor, process_group
         self.buckets_exchanged = 0
         self._lock = threading.Lock()

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _arrays, _layout
+from . import _arrays, _layout, _metadata
 from ._schedule import NATIVE
 from ._stages import Bucket
 from ._state import OWNER, SEND
@@ -244,6 +244,7 @@ def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = 
 
     vector, = levels.world.stage(metadata, [data], [np.float64])
     agreed = levels.world.max_allreduce(vector, f"{bucket.name}.meta")
+    _check_settings(levels.world, stages.config, agreed, bucket.name)
 
     def agree(agreed):
         xp = _arrays.array_module(held["data"])  # NumPy for graph tensors: their stages see NumPy
@@ -269,6 +270,23 @@ def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = 
             schedule.estimate_native(bucket.name, sum(bucket.sizes), levels.world.world // per_host, per_host)
             schedule.placed(bucket.name, handed, ended)
     return result
+
+
+def _check_settings(coll: Collectives, config, agreed, name: str) -> None:
+    """Ranks configured differently, found in the agreed metadata: every rank holds the same
+    vector and finds it at once, so every rank gathers every rank's settings (two collectives, on
+    this error path only) and raises the same error, naming each field that differs with each
+    rank's value. TF's tensors pass here: its stages run in tf.numpy_function, where no
+    collective can run, and the agreement's check (hvd_aps._metadata.read) raises instead."""
+    if not coll.eager or not _arrays.is_array(agreed) or _metadata.same_settings(
+            _arrays.to_numpy(agreed[-_metadata.TAIL:])):
+        return
+    mine = _metadata.settings_message(config)
+    width = int(_arrays.to_numpy(coll.max_allreduce(np.array([mine.size], np.float64), f"{name}.settings_size"))[0])
+    message = np.zeros(width, np.uint8)  # padded to the longest: torch.distributed gathers equal sizes only
+    message[:mine.size] = mine
+    rows = _arrays.to_numpy(coll.allgather(message, f"{name}.settings")).reshape(coll.world, width)
+    raise _metadata.settings_differ(_metadata.settings_of(rows))
 
 
 @functools.lru_cache(maxsize=None)
@@ -313,6 +331,7 @@ def reduce_scatter(stages, name: str, rows, coll: Collectives, out, divisor: flo
     `out` (n float32), this rank's row summed over the ranks and divided by `divisor`. Eager."""
     vector, rows = stages.metadata(name, rows)
     agreed = coll.max_allreduce(vector, f"{name}.meta")
+    _check_settings(coll, stages.config, agreed, name)
     agreement = stages.agree(name, agreed, rows, divisor)
     send, splits = stages.begin(agreement)
     received = coll.alltoall(send, np.asarray(splits, np.int32), f"{name}.codes")

@@ -188,7 +188,7 @@ def apply(model: torch.nn.Module, compressor: APSCompressor, replicate_group: di
         raise ValueError("no FSDPModule in this model: call torch.distributed.fsdp.fully_shard on it first")
     compressor.claim("a model given to hvd_aps.fsdp.apply")
     world = dist.get_world_size()
-    _metadata.check_same_settings(compressor.config, _all_gather_object(compressor.config.signature, None))
+    _metadata.check_same_settings(_all_gather_object(compressor.config.settings(), None))
     for name, module in modules:
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(1.0)

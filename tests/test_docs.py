@@ -1,6 +1,9 @@
 """The pages users read, checked against the code: every code block of README.md runs as written
-under 2 real ranks (workers/readme_checks.py), the `plan` output it shows is what `plan` prints, and
-the docs with their API reference (generated from the docstrings) build without a warning."""
+under 2 real ranks (workers/readme_checks.py), the `plan` output it shows is what `plan` prints, every
+test a page cites exists, and the docs with their API reference (generated from the docstrings)
+build without a warning."""
+import ast
+import fnmatch
 import os
 import re
 import shlex
@@ -18,6 +21,11 @@ ROOT = README.parent
 E4M3_BOUND = 0.07
 RUNS = {"horovod-torch": ("horovod-torch", "codes-optimizer"), "horovod-tensorflow": ("horovod-tensorflow",),
         "torchrun": ("ddp", "fsdp")}
+README_LINES = 120  # the product page's bound: what is longer belongs in docs/
+# a cited test file (`test_x.py`, `tests/test_x.py`), a test in one (`test_x.py::pattern`), a
+# test pattern alone (`test_a_*`, `*words*`: a test of the file cited last before it on its line)
+CITED_FILE = re.compile(r"(?:tests/)?(test_\w+\.py)(?:::(\S+))?")
+CITED_TEST = re.compile(r"\*?test_[\w*]+|\*[\w*]+\*")
 
 
 def test_every_code_block_of_the_readme_is_run_by_a_test():
@@ -25,6 +33,10 @@ def test_every_code_block_of_the_readme_is_run_by_a_test():
     tagged = blocks()
     assert len(fences) == 2 * len(tagged), "a fenced block in README.md without its <!-- readme-test: NAME --> line"
     assert set(tagged) == {name for names in RUNS.values() for name in names} | {"keras", "plan"}
+
+
+def test_the_readme_stays_a_product_page():
+    assert len(README.read_text().splitlines()) <= README_LINES
 
 
 def test_the_plan_the_readme_shows_is_what_plan_prints():
@@ -37,6 +49,43 @@ def test_the_plan_the_readme_shows_is_what_plan_prints():
     run = subprocess.run([sys.executable] + argv[1:], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "\n".join(lines).strip()
+
+
+def test_names():
+    """{test file name: the names of the test functions in it}."""
+    names = {}
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        names[path.name] = {node.name for node in ast.walk(tree)
+                            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    return names
+
+
+def cited_tests(text):
+    """(test file or None, pattern) for every test a page cites, in `backticks`: a pattern
+    without a file of its own belongs to the file cited last before it on its line. Parameter ids
+    (`[two_levels-*]`) are left out: they are not names."""
+    for line in text.splitlines():
+        file = None
+        for token in re.findall(r"`([^`]+)`", line):
+            cited = CITED_FILE.fullmatch(token)
+            if cited:
+                file, pattern = cited.groups()
+                yield file, pattern and re.sub(r"\[.*\]$", "", pattern)
+            elif CITED_TEST.fullmatch(token):
+                yield file, token
+
+
+def test_every_test_a_page_cites_exists():
+    names = test_names()
+    every = set().union(*names.values())
+    missing = []
+    for page in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
+        for file, pattern in cited_tests(page.read_text()):
+            pool = every if file is None else names.get(file)
+            if pool is None or pattern and not fnmatch.filter(pool, pattern):
+                missing.append(f"{page.relative_to(ROOT)}: {file}::{pattern}")
+    assert not missing, f"cited tests that do not exist: {missing}"
 
 
 def torchrun(tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 
 from horovod_run import WORKERS, free_port, load
 from hvd_aps import _host_memory
+from workers.common import KILL_STEP, KILLED_PHASES as PHASES, KILLED_STEPS as STEPS
 
 HOSTS, PER_HOST = 2, 2
 
@@ -33,16 +34,29 @@ def torchrun_restarting(tmp_path, kill, timeout=420):
     return text
 
 
+def attempts_of(phase_index, killed):
+    """The attempt (torchrun's restart count) that trained each step of a phase: never killed,
+    all the first; killed, each phase's kill (one per phase, in order) ends an attempt during
+    step KILL_STEP, and the next attempt trains from the checkpoint of the step before it."""
+    if not killed:
+        return [0] * STEPS
+    return [phase_index] * (KILL_STEP - 1) + [phase_index + 1] * (STEPS - KILL_STEP + 1)
+
+
 def test_a_worker_killed_mid_step_resumes_from_checkpoints_on_the_bits_of_a_run_never_killed(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir()
     killed.mkdir()
     torchrun_restarting(straight, kill=False)
     torchrun_restarting(killed, kill=True)
-    assert sorted(f.name for f in killed.glob("killed_*")) == ["killed_ddp", "killed_fsdp", "killed_hsdp"]
     want, got = load(straight, "killed0", HOSTS * PER_HOST), load(killed, "killed1", HOSTS * PER_HOST)
     for rank in range(HOSTS * PER_HOST):
-        for phase in ("ddp", "fsdp", "hsdp"):
+        for run, ranks in (("straight", want), ("killed", got)):
+            # two levels: the DDP hook's host level in shared memory, HSDP's replicas on each host
+            assert bool(ranks[rank]["ddp_host_memory"]) and int(ranks[rank]["hsdp_hosts"]) == HOSTS, f"{run} {rank}"
+            for i, phase in enumerate(PHASES):
+                assert list(ranks[rank][f"{phase}_attempts"]) == attempts_of(i, run == "killed"), f"{run} {phase}"
+        for phase in PHASES:
             assert np.isfinite(want[rank][phase]).all()
             assert got[rank][phase].tobytes() == want[rank][phase].tobytes(), f"rank {rank}: {phase}"
     left = _host_memory.stale()

@@ -12,7 +12,7 @@ import pytest
 import model
 from hvd_aps._schedule import max_trial_steps
 from horovod_run import WORKERS, free_port, load
-from workers.common import codes_grads
+from workers.common import codes_grads, format_mismatch
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -112,13 +112,14 @@ def test_training_leaves_parameters_identical_on_every_rank(ranks, key):
     assert not np.array_equal(ranks[0][key], ranks[0]["rec"])  # training moved them
 
 
-# the first words of the error for settings that differ between ranks
-MISMATCH = "APSCompressor settings differ between ranks: this rank uses APSConfig(fmt="
-
-
 def test_settings_that_differ_between_ranks_are_refused_by_apply_on_every_rank(ranks):
     for r in ranks:
-        assert str(r["mismatch"]).startswith(MISMATCH)
+        assert str(r["mismatch"]) == format_mismatch(len(ranks))
+
+
+def test_a_compressor_given_to_a_second_model_is_refused_by_apply_on_every_rank(ranks):
+    for r in ranks:
+        assert str(r["shared_refused"]).startswith("this APSCompressor already serves a model given to hvd_aps.fsdp")
 
 
 def test_one_step_per_backward_commits_at_its_end_and_rolls_back_a_failed_one():

@@ -61,7 +61,8 @@ def test_horovod_elastic_survives_a_killed_worker_on_the_bits_of_a_job_never_int
     """horovodrun's elastic mode, 3 ranks on two hosts (localhost:2, 127.0.0.1:1): the rank on
     127.0.0.1 SIGKILLs itself mid-backward at step 4 (workers/elastic_kill_checks.py). The two
     survivors restore the last commit and finish with 2 ranks on the bits of a plain 2-rank job
-    that loads the state they restored (model, optimizer, compressor after on_world_change)."""
+    that loads the state they restored (model, optimizer, compressor after on_world_change), which
+    equals what each held at its last commit."""
     discover = tmp_path / "discover.sh"
     discover.write_text('#!/bin/sh\nprintf "localhost:2\\n127.0.0.1:1\\n"\n')
     discover.chmod(0o755)
@@ -73,11 +74,25 @@ def test_horovod_elastic_survives_a_killed_worker_on_the_bits_of_a_job_never_int
                 [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", *worker, "reference", str(tmp_path)]):
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    restored = torch.load(tmp_path / "reset_rank0.pt", weights_only=False)
-    assert restored["step"] == 4  # the killed step was not committed
-    # nor counted by the compressor (nor the zeros Horovod's broadcast_optimizer_state steps on)
-    assert set(restored["compressor"]["steps"].values()) == {4}
     for rank in range(2):
+        restored = torch.load(tmp_path / f"reset_rank{rank}.pt", weights_only=False)
+        assert restored["step"] == 4  # the killed step was not committed
+        # nor counted by the compressor (nor the zeros Horovod's broadcast_optimizer_state steps on)
+        assert set(restored["compressor"]["steps"].values()) == {4}
+        assert_is_the_last_commit(restored, restored["committed"])
         survivor, reference = (dict(np.load(tmp_path / f"{mode}_rank{rank}.npz")) for mode in ("elastic", "reference"))
         assert int(survivor["size"]) == 2
         assert survivor["params"].tobytes() == reference["params"].tobytes(), rank
+
+
+def assert_is_the_last_commit(restored, committed):
+    """A survivor's restored state equals what it held at its last commit, bit for bit: the model,
+    the optimizer, and the compressor's step counts and every residual on_world_change keeps (its
+    own; the shard owners' belong to the old world)."""
+    assert restored["step"] == committed["step"]
+    torch.testing.assert_close(restored["model"], committed["model"], rtol=0, atol=0)
+    assert repr(restored["optimizer"]) == repr(committed["optimizer"])
+    own = restored["compressor"]["residuals"]
+    assert own and restored["compressor"]["steps"] == committed["compressor"]["steps"]
+    for name, residual in own.items():
+        assert residual.tobytes() == committed["compressor"]["residuals"][name].tobytes(), name

@@ -104,3 +104,41 @@ def test_the_hosts_of_torch_distributed_ranks_come_from_their_launcher(monkeypat
     monkeypatch.setenv("GROUP_RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert launcher_place() == ("1", 0)
+
+
+class HorovodOf:
+    """What hvd_aps asks a Horovod module for, on rank `rank` of 4 ranks whose places (hostname,
+    local rank) the allgather hands back, while Horovod counts `local_size` ranks as local."""
+    global_process_set = "global"
+
+    def __init__(self, rank, names, local_size):
+        self._rank, self._names, self._local_size = rank, names, local_size
+
+    def size(self):
+        return len(self._names)
+
+    def rank(self):
+        return self._rank
+
+    def local_rank(self):
+        return self._rank % self._local_size
+
+    def local_size(self):
+        return self._local_size
+
+    def allgather_object(self, place, name):
+        return [(host, r % self._local_size, self._local_size, *place[3:]) for r, host in enumerate(self._names)]
+
+
+@pytest.mark.parametrize("names, local_size", [(["node"] * 4, 2), (["a", "a", "b", "b"], 4)],
+                         ids=["one_name_for_two_machines", "two_names_on_one_machine"])
+def test_hostnames_that_disagree_with_horovods_local_ranks_keep_the_exchange_flat_with_a_warning(names, local_size):
+    """Two machines under one hostname, or one machine whose containers have names of their own:
+    the hosts found by name do not hold the ranks Horovod counts as local, so a host level could
+    read shared memory that is not shared; every rank warns and the exchange stays flat."""
+    from hvd_aps._horovod import HorovodLevels
+    for rank in range(len(names)):
+        levels = HorovodLevels(HorovodOf(rank, names, local_size), lambda process_set: process_set)
+        with pytest.warns(RuntimeWarning, match="found by hostname do not hold the ranks Horovod counts as local"):
+            got = levels.get(None)
+        assert (got.world, got.cross, got.local) == ("global", "global", None)

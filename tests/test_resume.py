@@ -45,6 +45,18 @@ def test_straight_and_resumed_runs_end_on_the_same_bits(runs, setting):
     assert np.isfinite(straight[0][setting]).all()
 
 
+def ends_elsewhere_unloaded(straight, resumed, settings):
+    """The negative control: resumed without the compressor's state (model and optimizer loaded),
+    each of these settings ends on other bits than the run never stopped, on every rank."""
+    for rank in range(len(straight)):
+        for setting in settings:
+            assert resumed[rank][f"{setting}_unloaded"].tobytes() != straight[rank][setting].tobytes(), (setting, rank)
+
+
+def test_a_resume_without_the_compressors_state_ends_elsewhere(runs):
+    ends_elsewhere_unloaded(*runs, ("feedback", "fsdp"))
+
+
 def horovod_resumed(tmp, worker, prefix, levels):
     """A Horovod worker's straight and resumed runs: horovodrun's 2 ranks on one host
     (levels "flat"), or 2 hosts x 2 ranks (tests/hosts_run.py: float32 inside a host through
@@ -76,6 +88,10 @@ def test_horovod_optimizer_resumes_on_the_same_bits(horovod_runs, setting):
         assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)
 
 
+def test_horovod_resumed_without_the_compressors_state_ends_elsewhere(horovod_runs):
+    ends_elsewhere_unloaded(*horovod_runs, ("codes_optimizer",))
+
+
 @pytest.mark.parametrize("levels", ["flat", "two_levels"])
 def test_the_tensorflow_tape_resumes_on_the_same_bits(tmp_path, levels):
     straight, resumed = horovod_resumed(tmp_path, "tf_resume_checks.py", "tf", levels)
@@ -83,6 +99,8 @@ def test_the_tensorflow_tape_resumes_on_the_same_bits(tmp_path, levels):
         for setting in ("feedback", "stochastic", "keras_feedback", "keras_stochastic"):
             assert np.isfinite(straight[rank][setting]).all()
             assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)
+            assert straight[rank][setting].tobytes() == straight[0][setting].tobytes(), (setting, rank)
+    ends_elsewhere_unloaded(straight, resumed, ("feedback",))
 
 
 def test_a_state_resumed_on_another_world_or_some_ranks_only_fails_on_every_rank():

@@ -2,6 +2,8 @@
 cut into many threads' shares, gives the NumPy engine's bytes and bits on tables of a real layout
 (segments of every size, sub-byte formats whose blocks start mid-byte, stochastic rounding,
 residuals, the stats' sample)."""
+import concurrent.futures
+
 import numpy as np
 import pytest
 
@@ -13,11 +15,34 @@ pytestmark = pytest.mark.skipif(not _host_engine.available, reason="the compiled
 SIZES = [5, 3000, 1, 9001, 2048, 4097, 700, 33]  # tensors that start anywhere in a packed stream
 
 
+THREADS = 7
+
+
+class CountingPool:
+    """A thread pool that counts the tables it is handed and the shares they are cut into."""
+
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(THREADS)
+        self.tables = self.shares = 0
+
+    def map(self, fn, shares):
+        shares = list(shares)
+        self.tables, self.shares = self.tables + 1, self.shares + len(shares)
+        return self.pool.map(fn, shares)
+
+
 @pytest.fixture
 def many_threads(monkeypatch):
-    """The host engine cutting every table into seven shares, however small."""
+    """The host engine cutting every table into seven shares, however small, on a pool of its own
+    (one core or HVD_APS_THREADS=1 leave the engine none); the test fails unless the tables ran in
+    shares on it."""
+    pool = CountingPool()
     monkeypatch.setattr(_host_engine, "_MIN_CHUNK", 8)
-    monkeypatch.setattr(_host_engine, "_width", lambda: 7)
+    monkeypatch.setattr(_host_engine, "_width", lambda: THREADS)
+    monkeypatch.setattr(_host_engine, "_pool", pool)
+    yield
+    pool.pool.shutdown()
+    assert pool.tables and pool.shares > pool.tables, "the host engine ran no table in several threads' shares"
 
 
 def plan(fmt, world=3, rank=1, count=2):
@@ -98,9 +123,11 @@ def test_thread_shares_cover_every_element_once_and_start_on_a_byte(bits):
     period = 8 // np.gcd(8, fmt.bits)
     for parts in (1, 2, 5, 64):
         shares = send.cuts(parts, period)
-        covered = 0
-        for (b0, o0), (b1, o1) in shares:
+        for (b0, o0), _ in shares:
             assert (send.rows[b0, _tables.POS] + o0) % period == 0 or o0 == 0 and send.rows[b0, _tables.POS] == 0
-            covered += int(send.starts[b1] + o1 - send.starts[b0] - o0) if b1 < send.count else \
-                int(send.elements - send.starts[b0] - o0)
-        assert covered == send.elements and shares[0][0] == (0, 0)
+        # the shares tile the table's elements: each starts where the one before ends, none empty
+        bounds = [(int(send.starts[b0]) + o0, int(send.starts[b1]) + o1 if b1 < send.count else send.elements)
+                  for (b0, o0), (b1, o1) in shares]
+        assert bounds[0][0] == 0 and bounds[-1][1] == send.elements
+        assert all(lo < hi for lo, hi in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert 1 < len(shares) <= parts or parts == 1

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hvd_aps
-from hvd_aps import _host_engine, exchange
+from hvd_aps import _host_engine, _metadata, exchange
 from hvd_aps._inprocess import flat_levels, host_levels, run_ranks, subgroup_levels
 from hvd_aps._schedule import BLOCK_STEPS, STEP_TRIALS, _path_text, max_trial_steps
 from hvd_aps._stages import HYBRID_SAMPLE, Bucket
@@ -186,9 +186,36 @@ def test_zeros_and_non_finite_come_back_nan_on_every_rank():
         assert (r[0] == 0).all() and np.isnan(r[1]).all()
 
 
-def test_a_configuration_mismatch_is_refused_on_every_rank():
-    with pytest.raises(ValueError, match="APSCompressor settings differ between ranks"):
-        simulate(rank_grads(2, [10]), [hvd_aps.APSCompressor("e4m3"), hvd_aps.APSCompressor("e4m3", chunk_bytes=0)])
+# ranks 0, 1 and 3 alike, rank 2 otherwise in two fields
+MISMATCHED = [dict(fmt="e4m3"), dict(fmt="e4m3"), dict(fmt="e5m2", chunk_bytes=0), dict(fmt="e4m3")]
+NAMED = ("APSCompressor settings differ between ranks: fmt: e4m3 on ranks 0-1, 3, e5m2 on rank 2; chunk_bytes: auto "
+         "on ranks 0-1, 3, 0 on rank 2. Give every rank the same APSCompressor arguments")
+
+
+@pytest.mark.parametrize("levels", [lambda: flat_levels(4), lambda: flat_levels(4, equal_allgather=False),
+                                    lambda: host_levels(2, 2)], ids=["flat", "any_sizes", "two_levels"])
+def test_a_configuration_mismatch_is_refused_on_every_rank_naming_each_ranks_value(levels):
+    """Every rank raises the same error, naming each field that differs with every rank's value
+    (gathered on the error path) and no field that agrees."""
+    levels, grads = levels(), rank_grads(4, [10])
+
+    def rank_error(r):
+        stages = hvd_aps.APSCompressor(**MISMATCHED[r]).exchanger.stages(levels[r].cross.world, levels[r].cross.rank, r)
+        with pytest.raises(ValueError) as raised:
+            exchange.run(stages, Bucket.whole("bucket", ["t"], ["t"], [10]), grads[r][0], levels[r])
+        return str(raised.value)
+    assert run_ranks(rank_error, 4) == [NAMED] * 4
+
+
+def test_a_mismatch_where_settings_cannot_be_gathered_names_this_ranks_own():
+    """Inside a TF graph (no collective runs in a host stage) the agreed signatures alone tell:
+    the error names this rank's settings other than the defaults."""
+    config = hvd_aps.APSCompressor("e5m2", chunk_bytes=0, error_feedback=True).config
+    agreed = _metadata.vector(config, [1.0], [10])
+    agreed[-_metadata.TAIL + 1] = -1.0  # another rank's signature, lower
+    own = r"this rank's, where not the defaults: fmt=e5m2, error_feedback=True, chunk_bytes=0\. Give"
+    with pytest.raises(ValueError, match=r"differ between ranks \(their signatures range from 1 to \d+\): " + own):
+        _metadata.read(config, agreed, [10], ["t"])
 
 
 def test_tensors_in_another_order_are_refused_naming_the_tensor():

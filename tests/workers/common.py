@@ -40,6 +40,18 @@ CODES_SIZES = [(50, 7), (3001,), (16,), (5,), (0,), (1000,)]
 DDP_SIZES = [(50, 7), (3001,), (16,), (5,), (1000,)]  # DDP has no empty parameters
 
 
+# killed_checks.py: its phases in order, the steps of each, the step whose backward a rank dies in
+KILLED_PHASES, KILLED_STEPS, KILL_STEP = ("ddp", "fsdp", "hsdp"), 5, 3
+
+
+def format_mismatch(world):
+    """The settings-differ error every rank raises where rank 0 sends e4m3 and the others e5m2
+    (the workers' mismatch): the one field that differs, with each rank's value."""
+    others = "rank 1" if world == 2 else f"ranks 1-{world - 1}"
+    return (f"APSCompressor settings differ between ranks: fmt: e4m3 on rank 0, e5m2 on {others}. Give every rank "
+            "the same APSCompressor arguments")
+
+
 def codes_grads(rank, sizes=CODES_SIZES):
     """Tensors for the codes path: uneven sizes, a tiny one, an empty one, wide magnitudes."""
     rng = np.random.default_rng(100 + rank)
@@ -60,6 +72,12 @@ def check_slow_rank_runs(ranks, sleep_s=0.02):
     assert np.median(ranks[0]["seconds"]) >= sleep_s
 
 
+def parameters(net):
+    """A torch module's parameters end to end, one NumPy array (FSDP's DTensors gathered whole)."""
+    import torch
+    return torch.cat([getattr(p, "full_tensor", p.detach)().detach().ravel() for p in net.parameters()]).numpy()
+
+
 def leave_torchrun():
     """End a torchrun worker once it has saved its results: a barrier (every rank has saved),
     then exit without tearing Gloo down. Torch's Gloo can abort a process in interpreter teardown
@@ -72,21 +90,23 @@ def leave_torchrun():
 
 
 
-def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, width=256):
+def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, width=256, unloaded=()):
     """The resume checks' three runs (tests/test_resume.py): `straight` trains every step,
     `first` half of them and saves a checkpoint (model, optimizer, compressor) per rank, `second`
     loads it and trains the rest. build(setting) -> (net, the module to call, optimizer,
     compressor, what closes it). Saves every setting's final parameters to
-    OUTDIR/<prefix><mode>_rank<r>.npz."""
+    OUTDIR/<prefix><mode>_rank<r>.npz; for the settings in `unloaded`, `second` also resumes
+    without the compressor's state (the negative control: <setting>_unloaded)."""
     import torch
 
-    def train(setting, span, checkpoint=None):
+    def train(setting, span, checkpoint=None, compressor_state=True):
         net, call, opt, compressor, close = build(setting)
         if checkpoint is not None:
             saved = torch.load(checkpoint, weights_only=False)
             net.load_state_dict(saved["model"])
             opt.load_state_dict(saved["optimizer"])
-            compressor.load_state_dict(saved["compressor"])
+            if compressor_state:
+                compressor.load_state_dict(saved["compressor"])
         for step in span:
             gen = torch.Generator().manual_seed(1000 * step + rank)
             x, y = torch.randn(8, width, generator=gen), torch.randn(8, width, generator=gen)
@@ -107,6 +127,7 @@ def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, wi
                         "compressor": compressor.state_dict()}, path)
         else:
             net, _, _ = train(setting, range(steps // 2, steps), checkpoint=path)
-        full = [getattr(p, "full_tensor", p.detach)().detach().ravel() for p in net.parameters()]  # FSDP: DTensors
-        out[setting] = torch.cat(full).numpy()
+            if setting in unloaded:
+                out[f"{setting}_unloaded"] = parameters(train(setting, range(steps // 2, steps), path, False)[0])
+        out[setting] = parameters(net)
     np.savez(f"{outdir}/{prefix}{mode}_rank{rank}.npz", **out)

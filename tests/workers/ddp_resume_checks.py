@@ -1,6 +1,7 @@
 """Run under `torchrun --nproc-per-node 2` (Gloo on loopback) three times: `straight` trains
 STEPS steps; `first` trains STEPS // 2 and saves a checkpoint per rank (model, optimizer,
-compressor); `second`, a fresh process, loads it and trains the rest. DDP rebuilds its buckets
+compressor); `second`, a fresh process, loads it and trains the rest (for UNLOADED settings,
+also once without the compressor's state). DDP rebuilds its buckets
 after its first step in each process, so the resumed half starts on other buckets than the
 straight run had at that step. Each rank saves OUTDIR/<mode>_rank<r>.npz (final parameters per
 setting). The `fsdp` setting trains FSDP2 units with codes in their reduce-scatter instead."""
@@ -21,6 +22,7 @@ SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="
             "feedback_one_bucket": dict(error_feedback=True),
             "fsdp": dict(error_feedback=True, rounding="stochastic", seed=3)}
 BUCKET_MB = {"feedback": 0.5, "stochastic": 0.5, "feedback_one_bucket": 100}
+UNLOADED = ("feedback", "fsdp")  # resumed also without the compressor's state: they must end elsewhere
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -51,5 +53,5 @@ def build(setting):
     return net, call, opt, compressor, closing.close
 
 
-straight_or_resumed(build, SETTINGS, "", outdir, mode, rank, STEPS, WIDTH)
+straight_or_resumed(build, SETTINGS, "", outdir, mode, rank, STEPS, WIDTH, UNLOADED)
 leave_torchrun()

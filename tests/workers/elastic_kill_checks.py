@@ -9,11 +9,13 @@ WRAPPER: one-line (APSCompressor on hvd.DistributedOptimizer) or codes-optimizer
 127.0.0.1) train with error feedback in hvd.elastic.run, committing every step; at step KILL_STEP the rank on 127.0.0.1
 SIGKILLs itself during backward. The survivors' collectives fail, Horovod restores the last
 commit, blacklists the host and goes on with 2 ranks; the reset callback (the recipe's
-on_world_change) saves each survivor's restored state (model, optimizer, compressor, step).
+on_world_change) saves each survivor's restored state (model, optimizer, compressor, step) and
+beside it what that process held when it last committed, which the restored state must equal.
 reference: a plain 2-rank job loads those states and trains the same remaining steps: a job
 that was never interrupted from that point. Each rank saves OUTDIR/<mode>_rank<r>.npz (its final
 parameters, the world size it ended in).
 """
+import copy
 import os
 import signal
 import sys
@@ -46,13 +48,19 @@ def step(n):
     opt.step()
 
 
+def held(state) -> dict:
+    """A copy of what this process holds: model, optimizer, compressor, step."""
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "compressor": comp.state_dict(),
+                          "step": state.step})
+
+
 def elastic():
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    committed = {}  # what this process held at its last commit
 
     def on_reset():
         comp.on_world_change()
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "compressor": comp.state_dict(),
-                    "step": state.step}, saved_state(hvd.rank()))
+        torch.save({**held(state), "committed": committed}, saved_state(hvd.rank()))
 
     state.register_reset_callbacks([on_reset])
 
@@ -63,6 +71,7 @@ def elastic():
                 model[0].register_full_backward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
             step(state.step)
             state.step += 1
+            committed.update(held(state))
             state.commit()
 
     train(state)

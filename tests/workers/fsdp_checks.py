@@ -122,5 +122,12 @@ try:  # rank 0 e4m3, the others e5m2: refused by apply, on every rank
     out["mismatch"] = np.array("no error")
 except ValueError as err:
     out["mismatch"] = np.array(str(err))
+shared = hvd_aps.APSCompressor("e4m3")
+hvd_aps.fsdp.apply(fully_shard(model()), shared)
+try:  # one compressor for two models: refused by the second apply, on every rank
+    hvd_aps.fsdp.apply(fully_shard(model()), shared)
+    out["shared_refused"] = np.array("no error")
+except ValueError as err:
+    out["shared_refused"] = np.array(str(err))
 np.savez(f"{sys.argv[1]}/fsdp{size}_rank{rank}.npz", **out)
 leave_torchrun()

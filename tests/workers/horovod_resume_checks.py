@@ -2,7 +2,8 @@
 `straight` trains STEPS steps through hvd.DistributedOptimizer with APSCompressor (and through
 hvd_aps.torch.DistributedOptimizer, the codes optimizer); `first` trains STEPS // 2 and saves a
 checkpoint per rank (model, optimizer, compressor); `second`, a fresh process, loads it and
-trains the rest. Each rank saves OUTDIR/hvd_<mode>_rank<r>.npz."""
+trains the rest (for UNLOADED settings, also once without the compressor's state). Each rank
+saves OUTDIR/hvd_<mode>_rank<r>.npz."""
 import os
 import sys
 
@@ -16,6 +17,7 @@ from common import straight_or_resumed
 STEPS, WIDTH, LAYERS = 8, 256, 6
 SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11),
             "codes_optimizer": dict(error_feedback=True, rounding="stochastic", seed=5)}
+UNLOADED = ("codes_optimizer",)  # resumed also without the compressor's state: it must end elsewhere
 
 hvd.init()
 rank = hvd.rank()
@@ -36,4 +38,4 @@ def build(setting):
     return net, net, opt, compressor, compressor.close
 
 
-straight_or_resumed(build, SETTINGS, "hvd_", outdir, mode, rank, STEPS, WIDTH)
+straight_or_resumed(build, SETTINGS, "hvd_", outdir, mode, rank, STEPS, WIDTH, UNLOADED)

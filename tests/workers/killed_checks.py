@@ -10,10 +10,13 @@ restart together: see docs/faults.md.)
 Three phases train one after another, each STEPS steps with error feedback and stochastic rounding
 in 4 bits (e3m0), a checkpoint per rank after every step: the DDP hook, FSDP2 over every rank,
 HSDP (FSDP2 inside a host, codes across hosts). With KILL=1, rank KILLED_RANK SIGKILLs itself in
-each phase once (a marker file says it did), during the backward of step KILL_STEP while the
-buckets before it are in flight; torchrun takes the job down and starts every rank again, which
-resumes every phase from its last checkpoint that every rank holds. Each rank saves per phase its
-final parameters to OUTDIR/killed<KILL>_rank<r>.npz.
+each phase once (a marker file, written as it arms the kill, keeps a later attempt from arming it
+again), during the backward of step KILL_STEP while the buckets before it are in flight; torchrun
+takes the job down and starts every rank again, which resumes every phase from its last checkpoint
+that every rank holds. Each rank saves to OUTDIR/killed<KILL>_rank<r>.npz per phase its final
+parameters, the attempt (torchrun's restart count) that trained each step, which shows the kill
+and the step resumed from, and what shows the phase ran on two levels (the DDP hook's host level
+in shared memory, HSDP's replicate group across the hosts).
 """
 import os
 import pathlib
@@ -27,19 +30,19 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_aps
+import hvd_aps._host_memory
 import hvd_aps.ddp
 import hvd_aps.fsdp
-from common import leave_torchrun
+from common import KILL_STEP, KILLED_PHASES as PHASES, KILLED_STEPS as STEPS, leave_torchrun, parameters
 
-PHASES = ("ddp", "fsdp", "hsdp")
-STEPS, KILL_STEP, KILLED_RANK = 5, 3, 1
+KILLED_RANK = 1
 WIDTH, LAYERS = 128, 4
 SETTINGS = dict(error_feedback=True, rounding="stochastic", seed=5)
 
 
 def build(phase):
-    """(net, the module to call, optimizer, compressor, what closes it) of a phase, made alike in
-    every attempt."""
+    """(net, the module to call, optimizer, compressor, what closes it, what shows its levels) of a
+    phase, made alike in every attempt."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     compressor = hvd_aps.APSCompressor("e3m0", **SETTINGS)
@@ -48,6 +51,7 @@ def build(phase):
         state = hvd_aps.ddp.APSState(compressor)
         call.register_comm_hook(state, hvd_aps.ddp.aps_hook)
         close = state.close
+        levels = {"ddp_host_memory": isinstance(state.lane(0, "cpu")[0].local, hvd_aps._host_memory.HostMemory)}
     else:
         mesh, replicate = hvd_aps.fsdp.host_mesh() if phase == "hsdp" else (None, None)
         for layer in net:
@@ -55,7 +59,8 @@ def build(phase):
         fully_shard(net, mesh=mesh)
         hvd_aps.fsdp.apply(net, compressor, replicate_group=replicate)
         call, close = net, compressor.close
-    return net, call, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), compressor, close
+        levels = {"hsdp_hosts": dist.get_world_size(replicate)} if phase == "hsdp" else {}
+    return net, call, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), compressor, close, levels
 
 
 def checkpoint(outdir, phase, step, rank):
@@ -76,30 +81,34 @@ def kill_during_backward(net):
     net[0].register_full_backward_pre_hook(lambda module, grad: os.kill(os.getpid(), signal.SIGKILL))
 
 
-def train(phase, outdir, rank, kill):
-    net, call, opt, compressor, close = build(phase)
-    start = resume_step(outdir, phase, rank)
+def train(phase, outdir, rank, kill) -> dict:
+    """The phase trained (resumed where a checkpoint is) -> its parameters, the attempt that
+    trained each step and its levels' flags."""
+    net, call, opt, compressor, close, levels = build(phase)
+    start, attempts = resume_step(outdir, phase, rank), []
     if start:
         saved = torch.load(checkpoint(outdir, phase, start, rank), weights_only=False)
         net.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         compressor.load_state_dict(saved["compressor"])
+        attempts = saved["attempts"]
     for step in range(start + 1, STEPS + 1):
-        marker = pathlib.Path(outdir) / f"killed_{phase}"
-        if kill and step == KILL_STEP and rank == KILLED_RANK and not marker.exists():
-            marker.touch()
+        armed = pathlib.Path(outdir) / f"armed_{phase}"
+        if kill and step == KILL_STEP and rank == KILLED_RANK and not armed.exists():
+            armed.touch()
             kill_during_backward(net)
         gen = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(8, WIDTH, generator=gen), torch.randn(8, WIDTH, generator=gen)
         opt.zero_grad()
         torch.nn.functional.mse_loss(call(x), y).backward()
         opt.step()
+        attempts = attempts + [int(os.environ["TORCHELASTIC_RESTART_COUNT"])]
         path = checkpoint(outdir, phase, step, rank)
         torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
-                    "compressor": compressor.state_dict()}, path.with_suffix(".tmp"))
+                    "compressor": compressor.state_dict(), "attempts": attempts}, path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)  # a kill never leaves half a checkpoint
     close()
-    return torch.cat([getattr(p, "full_tensor", p.detach)().detach().ravel() for p in net.parameters()]).numpy()
+    return {phase: parameters(net), f"{phase}_attempts": np.array(attempts), **levels}
 
 
 def init_attempt():
@@ -119,7 +128,7 @@ def main():
     init_attempt()
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    out = {phase: train(phase, outdir, rank, kill) for phase in PHASES}
+    out = {key: value for phase in PHASES for key, value in train(phase, outdir, rank, kill).items()}
     np.savez(f"{outdir}/killed{int(kill)}_rank{rank}.npz", **out)
     leave_torchrun()
 

@@ -5,7 +5,9 @@ hvd_aps.keras.DistributedOptimizer), `first` trains half and saves per rank the 
 optimizer's variables and the compressor's state_dict, `second`, a fresh process, loads them and
 trains the rest. Run under horovodrun -np 2 --gloo, or by tests/hosts_run.py as 2 hosts x 2 ranks
 (two levels). The tape takes plain SGD steps (w -= lr * g); fit runs Adam, whose moments and step
-count travel in the optimizer's variables. Each rank saves OUTDIR/tf_<mode>_rank<r>.npz."""
+count travel in the optimizer's variables. For the tape's UNLOADED settings `second` also resumes
+without the compressor's state (the negative control). Each rank saves
+OUTDIR/tf_<mode>_rank<r>.npz."""
 import os
 import pickle
 import sys
@@ -21,19 +23,21 @@ import hvd_aps.keras
 STEPS, WIDTH, LR = 8, 128, 0.05
 EPOCHS, BATCH, BATCHES = 4, 16, 2  # fit: two batches an epoch, each rank its own rows, not shuffled
 SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11)}
+UNLOADED = ("feedback",)  # the tape resumed also without the compressor's state: it must end elsewhere
 
 hvd.init()
 rank = hvd.rank()
 outdir, mode = sys.argv[1], os.environ["HVD_APS_MODE"]
 
 
-def train(setting, steps, checkpoint=None):
+def train(setting, steps, checkpoint=None, compressor_state=True):
     model, compressor = model_and_compressor(setting)
     if checkpoint is not None:
         with open(checkpoint, "rb") as saved:
             weights, state = pickle.load(saved)
         model.set_weights(weights)
-        compressor.load_state_dict(state)
+        if compressor_state:
+            compressor.load_state_dict(state)
     for step in steps:
         gen = np.random.default_rng(1000 * step + rank)
         x, y = gen.normal(size=(16, WIDTH)).astype(np.float32), gen.normal(size=(16, WIDTH)).astype(np.float32)
@@ -73,9 +77,10 @@ def fit(setting, epochs, checkpoint=None):
     return model, (model.get_weights(), [v.numpy() for v in opt.variables], compressor.state_dict())
 
 
-def final_weights(run, prefix, total):
+def final_weights(run, prefix, total, unloaded=()):
     """Each setting's final weights on this rank after `run` (train or fit, which return the model
-    and what a checkpoint holds) over `total` steps or epochs, straight or in this mode's half."""
+    and what a checkpoint holds) over `total` steps or epochs, straight or in this mode's half;
+    `second` also resumes the `unloaded` settings without the compressor's state."""
     weights = {}
     for setting in SETTINGS:
         path = f"{outdir}/{prefix}_{setting}_rank{rank}.pkl"
@@ -87,10 +92,17 @@ def final_weights(run, prefix, total):
                 pickle.dump(checkpoint, saved)
         else:
             model, _ = run(setting, range(total // 2, total), checkpoint=path)
-        weights[setting] = np.concatenate([w.ravel() for w in model.get_weights()])
+            if setting in unloaded:
+                weights[f"{setting}_unloaded"] = flat(run(setting, range(total // 2, total), path, False)[0])
+        weights[setting] = flat(model)
     return weights
 
 
+def flat(model):
+    """A Keras model's weights end to end, one array."""
+    return np.concatenate([w.ravel() for w in model.get_weights()])
+
+
 out = {f"keras_{setting}": w for setting, w in final_weights(fit, "keras", EPOCHS).items()}
-out.update(final_weights(train, "tf", STEPS))
+out.update(final_weights(train, "tf", STEPS, UNLOADED))
 np.savez(f"{outdir}/tf_{mode}_rank{rank}.npz", **out)
