@@ -34,11 +34,16 @@ class Layout:
     the buckets of a compressor's layouts (one per process set) are named apart."""
     buckets: Tuple[Tuple[Entry, ...], ...]
     base: int = 0
-    slots: Dict[str, Tuple[int, int]] = dataclasses.field(init=False, repr=False, compare=False)
+    # key -> (bucket, position in it, position in the layout)
+    slots: Dict[str, Tuple[int, int, int]] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "slots", {e.key: (b, i) for b, bucket in enumerate(self.buckets)
-                                           for i, e in enumerate(bucket)})
+        where = [(b, i) for b, bucket in enumerate(self.buckets) for i in range(len(bucket))]
+        object.__setattr__(self, "slots", {self.buckets[b][i].key: (b, i, k) for k, (b, i) in enumerate(where)})
+
+    @property
+    def count(self) -> int:
+        return len(self.slots)
 
     def fits(self, key: str, size: int) -> bool:
         """Whether a gradient of this key and size has a slot."""

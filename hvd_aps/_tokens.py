@@ -42,7 +42,6 @@ counted in the stats and bytes as every native exchange is (Exchanger.count_nati
 The frameworks come in through adapters (Adapter, declared below): hvd_aps.torch.adapter and
 hvd_aps.tensorflow.adapter, chosen by the tensor's type.
 """
-import contextlib
 import dataclasses
 import functools
 import threading
@@ -51,7 +50,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-from . import _agreed, exchange
+from . import _agreed, _metadata, exchange
 from ._schedule import NATIVE_BYTES
 from ._stages import Bucket
 from .config import Fallback, Policy
@@ -88,6 +87,9 @@ class Adapter(Protocol):
 
     def token(self, tensor, process_set):
         """What Horovod allreduces in place of a gradient sent as codes (token_values)."""
+
+    def tokens(self, like, process_set, count) -> list:
+        """`count` tokens made at once (a step's tokens of a layout's gradients)."""
 
     def call_site(self, frame):
         """The hvd_aps._horovod.Site of a compress() whose caller is `frame` (its key None where
@@ -242,31 +244,42 @@ class Batches:
         self._placed = {}       # (scope, bucket) -> the layout batch filling this step
         self._next = {}         # scope -> the next bucket of its layout to launch
         self._scopes = {}       # scope -> (a gradient of the step, where zeros go; its process set)
+        self._tokens = {}       # scope -> the step's tokens of its layout's gradients, in the layout's order
         self._handed = False    # the step's first decompress() came: its gradients were handed over
 
     def add(self, adapter: Adapter, tensor, site) -> tuple:
         """-> (what Horovod allreduces, Context) for compress(); `site`: hvd_aps._horovod.Site."""
-        with self._lock, self._aborting():
-            if not self._started:
-                self._start(adapter, tensor)
-            self._outstanding += 1
-            key = site.key if site.key not in self._keys else None
-            if self._native or key is None or self._handed:
-                return self._arrive(adapter, tensor, site.process_set)
-            scope = (adapter, _set_key(site.process_set))
-            layout = self._layouts.get(scope)
-            if layout is not None and not layout.fits(key, adapter.numel(tensor)):  # a gradient of another
-                return self._arrive(adapter, tensor, site.process_set)  # model: the metadata check names it
-            self._keys.add(key)
-            self._scopes.setdefault(scope, (tensor, site.process_set))
-            if layout is None:
-                ticket = Ticket(self._generation, tensor, None, 0)
-                entry = _agreed.Entry(key, adapter.label(tensor), adapter.numel(tensor))
-                self._waiting.append(_Waiting(scope, site.process_set, entry, adapter.flatten(tensor), ticket))
-                return adapter.token(tensor, site.process_set), ticket
-            ticket = self._fill(scope, site.process_set, key, adapter.flatten(tensor), tensor)
-            self._launch_ready(scope)
+        with self._lock:
+            try:
+                return self._add(adapter, tensor, site)
+            except BaseException:  # a launch that raises gives the step up as abort() does
+                self._give_up()
+                raise
+
+    def _add(self, adapter: Adapter, tensor, site) -> tuple:
+        if not self._started:
+            self._start(adapter, tensor)
+        self._outstanding += 1
+        key = site.key if site.key not in self._keys else None
+        if self._native or key is None or self._handed:
+            return self._arrive(adapter, tensor, site.process_set)
+        scope = (adapter, _set_key(site.process_set))
+        layout = self._layouts.get(scope)
+        if layout is not None and not layout.fits(key, adapter.numel(tensor)):  # a gradient of another
+            return self._arrive(adapter, tensor, site.process_set)  # model: the metadata check names it
+        self._keys.add(key)
+        if scope not in self._scopes:
+            self._scopes[scope] = (tensor, site.process_set)
+            if layout is not None:  # the step's tokens of this scope, made in one call
+                self._tokens[scope] = adapter.tokens(tensor, site.process_set, layout.count)
+        if layout is None:
+            ticket = Ticket(self._generation, tensor, None, 0)
+            entry = _agreed.Entry(key, adapter.label(tensor), adapter.numel(tensor))
+            self._waiting.append(_Waiting(scope, site.process_set, entry, adapter.flatten(tensor), ticket))
             return adapter.token(tensor, site.process_set), ticket
+        ticket = self._fill(scope, site.process_set, key, adapter.flatten(tensor), tensor)
+        self._launch_ready(scope)
+        return self._tokens[scope][layout.slots[key][2]], ticket
 
     def _start(self, adapter: Adapter, tensor) -> None:
         """The step's first gradient: the schedule's path for the step, the one-at-a-time warning."""
@@ -307,7 +320,7 @@ class Batches:
 
     def _fill(self, scope: tuple, process_set, key: str, flat, like) -> Ticket:
         """Put a gradient in its slot of its scope's layout -> its Ticket."""
-        b, i = self._layouts[scope].slots[key]
+        b, i, _ = self._layouts[scope].slots[key]
         batch = self._placed.get((scope, b)) or self._place(scope, process_set, b)
         batch.flats[i] = flat
         batch.present += 1
@@ -364,8 +377,12 @@ class Batches:
             if len(items) == 1:
                 self._close(self._alone(items[0]))
                 continue
-            seen = adapter.gather([w.entry for w in items], process_set, "hvd_aps.layout")
-            layout = _agreed.agree(seen, self._ex.config.bucket_bytes, base=max(self._named, self._count))
+            config = self._ex.config  # settings first: another bucket_bytes cuts other buckets
+            seen = adapter.gather((config.settings(), [w.entry for w in items]), process_set, "hvd_aps.layout")
+            if any(settings != seen[0][0] for settings, _ in seen):
+                raise _metadata.settings_differ([settings for settings, _ in seen])
+            layout = _agreed.agree([entries for _, entries in seen], config.bucket_bytes,
+                                   base=max(self._named, self._count))
             self._layouts[scope] = layout
             self._named = self._count = layout.base + len(layout.buckets)
             for w in items:
@@ -389,11 +406,14 @@ class Batches:
             if context.generation != self._generation:
                 raise RuntimeError("this gradient's step was abandoned after an error in an earlier exchange: "
                                    "start the step again")
-            with self._aborting():  # the step's gradients are all handed over once one comes back:
-                if not self._handed:  # its last batches go now, beside the others, not when reached
+            try:  # the step's gradients are all handed over once one comes back: its last batches go
+                if not self._handed:  # now, beside the others, not when reached
                     self._hand_over()
                 elif self._open is not None:
                     self._close(self._open)
+            except BaseException:
+                self._give_up()
+                raise
         try:
             if isinstance(context, Passed):
                 out = context.adapter.native_result(reduced, context.like)
@@ -449,15 +469,10 @@ class Batches:
         self._averaged = set()  # the next step's exchanges divide nothing until tokens say Average again
         self._generation += 1
 
-    @contextlib.contextmanager
-    def _aborting(self):
-        """A launch that raises (the lock held) gives the step up as abort() does."""
-        try:
-            yield
-        except BaseException:
-            self._forget()
-            self._ex.abort_step()
-            raise
+    def _give_up(self) -> None:
+        """What abort() does, the lock held."""
+        self._forget()
+        self._ex.abort_step()
 
     def _close(self, batch: _Batch) -> None:
         """No more gradients join `batch`: launch its exchange, or count the framework's allreduce
@@ -470,9 +485,10 @@ class Batches:
                                                       adapter.world(batch.process_set)))
         else:
             batch.bucket = Bucket.whole(batch.name, _keys(batch.name, len(batch.sizes)), batch.labels, batch.sizes)
+            # threaded: the gradients are joined on the exchange's thread, off backward's
+            flat = functools.partial(adapter.join, batch.flats) if adapter.threaded else adapter.join(batch.flats)
             batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical, batch.process_set),
-                                           batch.bucket, adapter.join(batch.flats), adapter.threaded,
-                                           average=batch.reduction.averaged)
+                                           batch.bucket, flat, adapter.threaded, average=batch.reduction.averaged)
             batch.flats = []  # joined: the copies of the gradients can go
             self._launched.append(batch)
         batch.closed = True

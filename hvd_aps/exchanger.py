@@ -84,15 +84,16 @@ class Exchanger:
 
     def bucket(self, levels: exchange.Levels, bucket: Bucket, flat, threaded: bool = True,
                **options) -> "concurrent.futures.Future | Done":
-        """One bucket (its gradients end to end in `flat`) through the driver (hvd_aps.exchange.run,
-        `options` its keywords) -> a Future of its flat results: on the threads where `threaded`
-        (eager torch, so backward goes on), else in the caller's thread (TF's ops, which TF itself
-        runs in parallel)."""
+        """One bucket (its gradients end to end in `flat`, or a callable that joins them where
+        the exchange runs: off the thread that hands the bucket over) through the driver
+        (hvd_aps.exchange.run, `options` its keywords) -> a Future of its flat results: on the
+        threads where `threaded` (eager torch, so backward goes on), else in the caller's thread
+        (TF's ops, which TF itself runs in parallel)."""
         stages = self.stages(levels.cross.world, levels.cross.rank)
         if threaded:
-            return self.submit(exchange.run, stages, bucket, flat, levels, **options)
+            return self.submit(_run, stages, bucket, flat, levels, **options)
         with self.exchange():
-            return Done(exchange.run(stages, bucket, flat, levels, **options))
+            return Done(_run(stages, bucket, flat, levels, **options))
 
     @staticmethod
     def result(future: "concurrent.futures.Future | Done"):
@@ -173,6 +174,10 @@ class Exchanger:
         else:
             self.state.commit()
         self._step.notify_all()
+
+
+def _run(stages, bucket: Bucket, flat, levels: exchange.Levels, **options):
+    return exchange.run(stages, bucket, flat() if callable(flat) else flat, levels, **options)
 
 
 class Done:

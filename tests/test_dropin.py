@@ -32,6 +32,13 @@ def test_an_allreduce_on_a_process_set_is_the_exchange_of_its_ranks_alone(ranks)
         assert np.allclose(ranks[members[0]][f"{scenario}_stock"], np.mean([data[m] for m in members], axis=0))
 
 
+def test_settings_that_cut_other_buckets_are_named_on_every_rank(ranks):
+    for r in ranks:
+        assert str(r["bucket_bytes_differ_error"]).startswith(
+            "ValueError: APSCompressor settings differ between ranks: bucket_bytes: 4096 on rank 0, 8192 on rank 1, "
+            "12288 on rank 2"), str(r["bucket_bytes_differ_error"])
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_codes_train_as_horovods_own_allreduce(ranks, scenario):
     for r in ranks:

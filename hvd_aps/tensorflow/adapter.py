@@ -124,6 +124,10 @@ def token(tensor, process_set=None):
     return tf.constant(_tokens.token_values(hvd.rank() if is_global(process_set) else process_set.rank()))
 
 
+def tokens(like, process_set, count):
+    return [token(like, process_set)] * count  # constants: Horovod's graph allreduce makes a new tensor
+
+
 def finish(total, token_out, like, reduction, ranks):
     """_tokens.apply_op's arithmetic as graph ops (a numpy_function a gradient cost ~0.1 ms each):
     the same divisions and products in float32, the same refusal of a reduction that is no sum.

@@ -169,6 +169,11 @@ def token(tensor, process_set=None):
     return made.clone()
 
 
+def tokens(like, process_set, count):
+    """`count` tokens as rows of one tensor (Horovod reduces each in place), in two calls."""
+    return list(token(like, process_set).expand(count, -1).clone().unbind(0))
+
+
 def finish(total, token_out, like, reduction, ranks):
     reduced = _tokens.apply_op(total, token_out.tolist(), ranks, reduction)
     # shaped before it becomes a tensor: NumPy's reshape costs a fraction of torch's view, per gradient

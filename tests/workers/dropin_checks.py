@@ -49,6 +49,9 @@ for run, make in compressors():
             lambda: hvd.allreduce(x, compression=comp, name="x", process_set=pair).numpy() if rank < 2 else x.numpy())
     outcome(f"allreduce_alone_{run}",
             lambda: hvd.allreduce(x, compression=comp, name="x", process_set=alone).numpy() if rank == 0 else x.numpy())
+# settings that cut other buckets: the layout's agreement names them on every rank
+outcome("bucket_bytes_differ", lambda: train(hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=0,
+                                                                    bucket_bytes=4096 * (1 + rank))))
 hvd.barrier()  # the ranks outside a set wait for its members before it goes
 hvd.remove_process_set(pair)
 shifted = hvd.add_process_set([1, 2])     # added after another was removed (its id may come again)
