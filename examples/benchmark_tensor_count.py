@@ -16,7 +16,9 @@ hvd_aps.torch.DistributedOptimizer, ddp the DDP hook, fsdp FSDP2's reduce-scatte
 module whatever its tensors), tensorflow the one-line compressor in Horovod's TF tape. For each,
 the median step in ms at every tensor count and the cost per tensor: the step's growth from the
 fewest tensors to the most, divided by the tensors added, for codes, for float32, and the
-difference (what the compression itself adds per tensor). Stats on, as users run it.
+difference (what the compression itself adds per tensor), and the same difference for the
+framework's 16-bit peer (Horovod's Compression.fp16, DDP's fp16_compress_hook). Stats on, as users
+run it.
 """
 import argparse
 import json
@@ -32,13 +34,14 @@ HERE = pathlib.Path(__file__).parent
 BIN = pathlib.Path(sys.executable).parent
 RANKS = 2
 LAUNCH_TIMEOUT_S = 900
-# entry point -> (launcher, script, the compressions it times: the framework's own first)
+# entry point -> (launcher, script, the compressions it times: the framework's own, its 16-bit
+# peer, then codes)
 ENTRY_POINTS = {
-    "horovod": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,aps-e4m3"]),
-    "codes": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,codes-e4m3"]),
-    "ddp": ("torchrun", "pytorch_ddp_synthetic_benchmark.py", ["none", "aps-e4m3"]),
-    "fsdp": ("torchrun", "pytorch_fsdp_synthetic_benchmark.py", ["none", "aps-e4m3"]),
-    "tensorflow": ("horovodrun", "tensorflow2_synthetic_benchmark.py", ["none", "aps-e4m3"]),
+    "horovod": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,fp16,aps-e4m3"]),
+    "codes": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,fp16,codes-e4m3"]),
+    "ddp": ("torchrun", "pytorch_ddp_synthetic_benchmark.py", ["none", "fp16", "aps-e4m3"]),
+    "fsdp": ("torchrun", "pytorch_fsdp_synthetic_benchmark.py", ["none", "fp16", "aps-e4m3"]),
+    "tensorflow": ("horovodrun", "tensorflow2_synthetic_benchmark.py", ["none", "fp16", "aps-e4m3"]),
 }
 
 
@@ -106,29 +109,31 @@ def main():
             ms = {t: driver_ms(args.elements, t) for t in counts}
             rows.append({"entry": "driver", "codes_ms": ms})
         else:
-            codes, native = {}, {}
+            codes, native, half = {}, {}, {}
             for t in counts:
                 steps = {}
                 for names in ENTRY_POINTS[entry][2]:
                     steps.update(launch(entry, names, t, args.elements, args))
-                native[t] = steps.pop("none")
+                native[t], half[t] = steps.pop("none"), steps.pop("fp16")
                 codes[t] = next(iter(steps.values()))
-                print(f"[{entry}] {t} tensors: codes {codes[t]:.1f} ms, float32 {native[t]:.1f} ms", flush=True)
-            rows.append({"entry": entry, "codes_ms": codes, "float32_ms": native})
+                print(f"[{entry}] {t} tensors: codes {codes[t]:.1f} ms, float32 {native[t]:.1f} ms, "
+                      f"fp16 {half[t]:.1f} ms", flush=True)
+            rows.append({"entry": entry, "codes_ms": codes, "float32_ms": native, "fp16_ms": half})
         row = rows[-1]
         row["codes_us_per_tensor"] = per_tensor_us(row["codes_ms"])
         if "float32_ms" in row:
             row["float32_us_per_tensor"] = per_tensor_us(row["float32_ms"])
             row["extra_us_per_tensor"] = row["codes_us_per_tensor"] - row["float32_us_per_tensor"]
+            row["fp16_extra_us_per_tensor"] = per_tensor_us(row["fp16_ms"]) - row["float32_us_per_tensor"]
     header = f"{'entry point':>12} " + " ".join(f"{f'{t} tensors':>12}" for t in counts) + \
-        f" {'us/tensor':>10} {'fp32 us/tensor':>15} {'codes - fp32':>13}"
+        f" {'us/tensor':>10} {'fp32 us/tensor':>15} {'codes - fp32':>13} {'fp16 - fp32':>12}"
     print(f"{args.elements} float32 elements in 1..{max(counts)} tensors, {RANKS} ranks; codes step ms "
           f"(float32's in brackets)\n{header}")
     for row in rows:
         cells = " ".join(f"{row['codes_ms'][t]:5.1f}" + (f" ({row['float32_ms'][t]:4.1f})" if "float32_ms" in row
                                                           else " " * 7) for t in counts)
-        native = (f"{row['float32_us_per_tensor']:15.1f} {row['extra_us_per_tensor']:13.1f}" if "float32_ms" in row
-                  else " " * 29)
+        native = (f"{row['float32_us_per_tensor']:15.1f} {row['extra_us_per_tensor']:13.1f} "
+                  f"{row['fp16_extra_us_per_tensor']:12.1f}" if "float32_ms" in row else "")
         print(f"{row['entry']:>12} {cells} {row['codes_us_per_tensor']:10.1f} {native}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -8,6 +8,11 @@ as milliseconds per step.
     python examples/profile_split.py prof.txt --rate 200 --steps 39   # the JSON line's steps_run
 
 (one file per rank: run py-spy through a wrapper that names it by $HOROVOD_RANK or $RANK.)
+--gradients N (the gradients a step hands Horovod): the main thread's time inside Horovod's
+per-gradient calls as well, per step and per gradient (INCLUSIVE: compress(), decompress() and its
+wait for the exchange, Horovod's enqueueing of what compress() returned and its synchronize());
+with --gil PROFILE, a second profile of the same run recorded with py-spy's --gil (only samples
+holding the interpreter), the share of each of those where the main thread held it.
 --steps: the steps the main thread ran (the benchmark's JSON line says: steps_run, the warm-up's,
 the schedule's tuning and the timed ones). Main thread, first match wins: waiting for the
 exchange (a future's result, Horovod's synchronize or poll, a sleep), hvd_aps's Python
@@ -36,6 +41,15 @@ WORKER = [
                                   "torch/distributed/")),  # blocking torch.distributed calls wait inside
     ("Horovod Python", ("horovod/",)),
     ("exchange stages (Python)", ("hvd_aps/",)),
+]
+# (what, pattern groups): a main-thread sample counts where a frame matches each group
+INCLUSIVE = [
+    ("compress()", (("Compressor.compress (",),)),  # APSCompressor's, or Horovod's own compressors'
+    ("decompress()", (("Compressor.decompress (",),)),
+    ("  waiting for the exchange", (("Compressor.decompress (",), ("Future.result", "Condition.wait"))),
+    ("Horovod's enqueueing", (("allreduce_async_ (horovod", "grouped_allreduce_async_ (horovod"),)),
+    ("Horovod's synchronize()", (("synchronize (horovod/torch/mpi_ops",),)),
+    ("backward", (("_engine_run_backward",),)),
 ]
 IDLE = "_worker (concurrent/futures/thread.py"  # innermost: a pool thread with nothing to do
 EXCHANGE_THREADS = re.compile(r"hvd_aps")
@@ -67,11 +81,27 @@ def split(lines):
     return counts
 
 
+def inclusive(lines) -> collections.Counter:
+    """The main thread's step samples inside each INCLUSIVE row."""
+    counts = collections.Counter()
+    for line in lines:
+        stack, _, count = line.rstrip().rpartition(" ")
+        frames = stack.split(";")
+        if frames[0].split(":", 1)[-1].strip() != "MainThread" or not any(STEP_FRAME in f for f in frames):
+            continue
+        for name, groups in INCLUSIVE:
+            if all(any(p in f for f in frames for p in group) for group in groups):
+                counts[name] += int(count)
+    return counts
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile")
     parser.add_argument("--rate", type=float, default=200, help="py-spy's samples per second (-r)")
     parser.add_argument("--steps", type=int, required=True, help="steps run inside benchmark_common.timed")
+    parser.add_argument("--gradients", type=int, help="gradients a step: Horovod's per-gradient calls too")
+    parser.add_argument("--gil", help="a profile of the same run recorded with py-spy's --gil")
     args = parser.parse_args()
     counts = split(open(args.profile))
     for thread in ("main thread", "exchange threads"):
@@ -80,6 +110,14 @@ def main():
         print(f"{thread}: {1e3 * total / args.rate / args.steps:.1f} ms a step")
         for name, n in counter.most_common():
             print(f"  {name:28s} {1e3 * n / args.rate / args.steps:7.1f} ms")
+    if args.gradients:
+        inside, held = inclusive(open(args.profile)), inclusive(open(args.gil)) if args.gil else None
+        print(f"main thread inside, per step and per gradient ({args.gradients} a step)"
+              + (", and the share holding the interpreter" if held is not None else ""))
+        for name, _ in INCLUSIVE:
+            ms = 1e3 * inside[name] / args.rate / args.steps
+            share = f" {held[name] / inside[name]:6.0%}" if held is not None and inside[name] else ""
+            print(f"  {name:28s} {ms:7.1f} ms {1e3 * ms / args.gradients:7.1f} us{share}")
 
 
 if __name__ == "__main__":
