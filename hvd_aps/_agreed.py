@@ -30,9 +30,11 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Buckets of entries, and every key's (bucket, position). `base` numbers the first bucket:
-    the buckets of a compressor's layouts (one per process set) are named apart."""
+    """Buckets of entries, and every key's slot. `base` numbers the first bucket (after the
+    batches of gradients that arrived unnamed in the step that agreed on it), `scope` names the
+    buckets apart from other process sets' (name())."""
     buckets: Tuple[Tuple[Entry, ...], ...]
+    scope: object = None  # the process set's key (hvd_aps._horovod.set_key; None: the global set)
     base: int = 0
     # key -> (bucket, position in it, position in the layout)
     slots: Dict[str, Tuple[int, int, int]] = dataclasses.field(init=False, repr=False, compare=False)
@@ -51,10 +53,16 @@ class Layout:
         return slot is not None and self.buckets[slot[0]][slot[1]].size == size
 
     def name(self, bucket: int) -> str:
-        return f"hvd_aps.{self.base + bucket}"
+        return name(self.scope, self.base + bucket)
 
 
-def cut(entries: Sequence[Entry], bucket_bytes: int, base: int = 0) -> Layout:
+def name(scope, number: int) -> str:
+    """A batch's name, equal on the ranks of its process set and apart from every other set's:
+    the names of the global set's as they always were."""
+    return f"hvd_aps.{number}" if scope is None else f"hvd_aps.set{scope[0]}.{number}"
+
+
+def cut(entries: Sequence[Entry], bucket_bytes: int, scope=None, base: int = 0) -> Layout:
     """Entries in order, a bucket closed where it reaches bucket_bytes (with the entry that got it
     there)."""
     buckets, open_, nbytes = [], [], 0
@@ -66,10 +74,10 @@ def cut(entries: Sequence[Entry], bucket_bytes: int, base: int = 0) -> Layout:
             open_, nbytes = [], 0
     if open_:
         buckets.append(tuple(open_))
-    return Layout(tuple(buckets), base)
+    return Layout(tuple(buckets), scope, base)
 
 
-def agree(seen: List[Sequence[Entry]], bucket_bytes: int, base: int = 0) -> Layout:
+def agree(seen: List[Sequence[Entry]], bucket_bytes: int, scope=None, base: int = 0) -> Layout:
     """The Layout every rank makes from every rank's entries (`seen[r]`, rank r's in the order
     it saw them): the first rank's order, cut. Every rank raises the same error where the ranks
     saw other keys or sizes (another model)."""
@@ -87,4 +95,4 @@ def agree(seen: List[Sequence[Entry]], bucket_bytes: int, base: int = 0) -> Layo
         if other is not None:
             raise ValueError(f"ranks handed different gradients to the exchange: {other} ({first[other].label}) has "
                              f"{first[other].size} elements on rank 0 and {mine[other].size} on rank {rank}")
-    return cut(seen[0], bucket_bytes, base)
+    return cut(seen[0], bucket_bytes, scope, base)

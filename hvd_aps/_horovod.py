@@ -16,6 +16,7 @@ Horovod calls compress(tensor) with the gradient alone; call_site() reads the gr
 and the process set from the Horovod function that called it.
 """
 import dataclasses
+import functools
 import os
 import socket
 import threading
@@ -35,10 +36,11 @@ _HOROVOD_DIR = os.sep + "horovod" + os.sep
 @dataclasses.dataclass(frozen=True)
 class Site:
     """Where Horovod asked for a gradient's compression: its key (the name Horovod negotiates it
-    by, None where the caller gave none) and the process set its allreduce runs on (None: the
-    global set)."""
+    by, None where the caller gave none), the process set its allreduce runs on (None: the
+    global set) and the Horovod optimizer that asked (None: an allreduce function)."""
     key: Optional[str] = None
     process_set: object = None
+    owner: object = None
 
 
 NOWHERE = Site()
@@ -67,15 +69,36 @@ def _site_of(local: dict, element) -> Site:
     owner = local.get("self")
     if owner is not None and hasattr(owner, "_parameter_names"):  # Horovod's DistributedOptimizer
         param = element if element is not None else local.get("p")
-        return Site(owner._parameter_names.get(param), owner.process_set)
+        return Site(owner._parameter_names.get(param), owner.process_set, owner)
+    if "process_set" not in local:  # a Horovod function this reading does not know
+        _warn_unread(tuple(sorted(local)))
+        return NOWHERE
     name, tensors = local.get("name"), local.get("tensors", local.get("tensor_list"))
     if name is not None and element is not None and tensors is not None:  # a named group: name and position
         name = next((f"{name}.{i}" for i, t in enumerate(tensors) if t is element), None)
     return Site(name, local.get("process_set"))
 
 
+@functools.lru_cache(maxsize=1)
+def _warn_unread(names: tuple) -> None:
+    warnings.warn("hvd_aps: compress() was called from a Horovod function whose locals ("
+                  f"{', '.join(names)}) hold no process set: its gradients go by arrival order on the global "
+                  "set (the Horovod version this reads is 0.28.1)", RuntimeWarning, stacklevel=4)
+
+
 def is_global(process_set) -> bool:
     return process_set is None or process_set.process_set_id == 0
+
+
+def included(process_set) -> bool:
+    """Whether this rank belongs to the process set (None: the global set)."""
+    return is_global(process_set) or process_set.included()
+
+
+def set_key(process_set):
+    """A process set as a key (None: the global set): its id and ranks, as a set removed and
+    added again may take an id another held."""
+    return None if is_global(process_set) else (process_set.process_set_id, tuple(process_set.ranks))
 
 
 class HorovodLevels:
@@ -91,7 +114,7 @@ class HorovodLevels:
         """Collective the first time (every rank gathers every rank's host); on a process set
         other than the global one, flat on that set (module docstring)."""
         if not is_global(process_set):
-            key = (process_set.process_set_id, tuple(process_set.ranks))
+            key = set_key(process_set)
             with self._lock:
                 if key not in self._made:
                     self._made[key] = exchange.Levels.flat(self._collectives(process_set))

@@ -3,10 +3,16 @@
 Horovod calls compress(t) on every gradient, allreduces what it returns and hands the result to
 decompress(): torch's optimizer ends with `p.grad.set_(decompress(output, ctx))`, TF's allreduce
 is `decompress(_allreduce(compress(t)), ctx)`, and grouped allreduces compress every tensor first.
-So compress() adds the gradient to the open *batch* and returns a one-element token of 1.0. A
-batch's codes exchange (hvd_aps.exchange, handed to the exchanger) starts once it holds
-bucket_bytes of gradients (torch: on the exchanger's threads, while backward goes on) or at the
-first decompress() that needs it.
+So compress() puts the gradient in a *batch* and returns a one-element token of 1.0. Which
+batch: Horovod's compress(t) gets the gradient alone, so the compressor reads its name and
+process set from the Horovod function that called it (hvd_aps._horovod.call_site). A named
+gradient of horovod.torch (its optimizer's, a named allreduce's) goes to its slot in the buckets
+the ranks of its process set agreed on in their first step (a Layout, hvd_aps._agreed), so a rank
+whose graph skips a parameter, and sends its zeros at synchronize(), still exchanges the buckets
+the others do; the others (unnamed ones; TensorFlow's, whose graph fixes its exchanges when
+traced) join the open batch in the order they arrive. A batch's codes exchange (hvd_aps.exchange,
+handed to the exchanger, every collective on the gradient's process set) starts once it is full
+(torch: on the exchanger's threads, while backward goes on) or at the step's first decompress().
 
 Horovod reduces the token with the op and the pre/postscale factors it applies to a gradient
 (`gradient_predivide_factor`, Average's 1/N), so its value tells decompress() what to do with the
@@ -26,15 +32,13 @@ TensorFlow's adapter never learns: a graph fixes its exchanges when it is traced
 
 A step is every batch handed out until each of its gradients came back through decompress():
 then the step ends (hvd_aps.exchanger: it commits residuals, step counts, the schedule's
-timings) and the next step names its batches hvd_aps.0, hvd_aps.1, ... again, so names repeat
-from step to step (Horovod's response cache, reused buffers) and match across ranks that hand
-compress() the same tensors in the same order (the metadata allreduce catches ranks that do
-not). Gradients Horovod names (its optimizer's, a named allreduce's) are not batched in the order
-they arrive but in the buckets the ranks agreed on in their first step (Batches, hvd_aps._agreed),
-so a rank whose graph skips a parameter, and sends its zeros at synchronize(), still exchanges
-the buckets the others do. Every collective runs on the process set Horovod reduces the gradient
-on (hvd_aps._horovod.call_site). A step whose exchange raises is abandoned: nothing it did is kept, its other gradients'
-decompress() raise too, and the next compress() starts a fresh step with the same names.
+timings) and the next step names its batches alike (hvd_aps._agreed.name: per process set, the
+layout's buckets first), so names repeat from step to step (Horovod's response cache, reused
+buffers) and match across the ranks of a set (the metadata allreduce catches ranks that hand
+over other tensors). A step whose exchange raises is abandoned: nothing it did is kept, its other
+gradients' decompress() raise too, and the next compress() starts a fresh step with the same
+names. One Horovod optimizer owns a compressor: a second one's first step would look like the
+end of the first's.
 With policy="auto", a batch whose schedule settled on the framework's own allreduce is not
 batched at all: its gradients go back to Horovod as they are (or cast to the fallback dtype),
 counted in the stats and bytes as every native exchange is (Exchanger.count_native).
@@ -50,7 +54,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-from . import _agreed, _metadata, exchange
+from . import _agreed, _horovod, _metadata, exchange
 from ._schedule import NATIVE_BYTES
 from ._stages import Bucket
 from .config import Fallback, Policy
@@ -88,15 +92,10 @@ class Adapter(Protocol):
     def token(self, tensor, process_set):
         """What Horovod allreduces in place of a gradient sent as codes (token_values)."""
 
-    def tokens(self, like, process_set, count) -> list:
-        """`count` tokens made at once (a step's tokens of a layout's gradients)."""
-
     def call_site(self, frame):
         """The hvd_aps._horovod.Site of a compress() whose caller is `frame` (its key None where
-        the framework's gradients must go in the order they arrive)."""
-
-    def included(self, process_set) -> bool:
-        """Whether this rank belongs to the process set (None: the global set)."""
+        the framework's gradients go in the order they arrive: TensorFlow, whose graph fixes its
+        exchanges when traced)."""
 
     def world(self, process_set) -> int:
         """The ranks Horovod's allreduce spans on the process set."""
@@ -104,11 +103,6 @@ class Adapter(Protocol):
     def levels(self, hierarchical, process_set) -> exchange.Levels:
         """The exchange's groups on the process set (collective on first use)."""
 
-    def gather(self, obj, process_set, name) -> list:
-        """Every rank's picklable `obj`, in rank order (eagerly: the layout's agreement)."""
-
-    def zeros(self, like, count):
-        """`count` float32 zeros where `like` lies: a gradient a rank did not hand over."""
 
     def forget_groups(self) -> None: ...
 
@@ -132,6 +126,20 @@ class Adapter(Protocol):
         """wire="values": (what Horovod allreduces, decompress_values' context)."""
 
     def decompress_values(self, tensor, ctx, exchanger): ...
+
+
+@runtime_checkable
+class LayoutAdapter(Adapter, Protocol):
+    """An adapter whose call_site gives keys (horovod.torch): what the agreed layouts need too."""
+
+    def tokens(self, like, process_set, count) -> list:
+        """`count` tokens made at once (a step's tokens of a layout's gradients)."""
+
+    def gather(self, obj, process_set, name) -> list:
+        """Every rank's picklable `obj`, in rank order (eagerly: the layout's agreement)."""
+
+    def zeros(self, like, count):
+        """`count` float32 zeros where `like` lies: a gradient a rank did not hand over."""
 
 
 def adapter_of(tensor) -> "Adapter | None":
@@ -170,7 +178,6 @@ class _Batch:
     sizes: list = dataclasses.field(default_factory=list)
     nbytes: int = 0      # float32 bytes of the gradients in it
     present: int = 0     # a layout's batch: how many of its gradients are in
-    closed: bool = False  # no more gradients join it: launched, or (native) counted
     future: object = None  # the exchange's Future (exchanger.bucket), once launched
     bucket: object = None  # its Bucket (hvd_aps._stages), once launched
     parts: Optional[list] = None  # the exchange's results per gradient, once split
@@ -229,7 +236,7 @@ class Batches:
     def __init__(self, exchanger):
         self._ex, self._lock = exchanger, threading.Lock()
         self._layouts = {}  # scope -> its agreed Layout
-        self._named = 0     # buckets the layouts name: the first name free for other batches
+        self._free = {}     # scope -> the first number its layout leaves free for arriving batches
         self._generation = 0
         # the last step's one gradient, where its step was that one gradient alone (see _end_step)
         self._lone = None
@@ -237,9 +244,10 @@ class Batches:
         self._new_step()
 
     def _new_step(self) -> None:
-        self._open, self._count, self._outstanding, self._launched = None, self._named, 0, []
+        self._open, self._outstanding, self._launched = None, 0, []
         self._native = self._started = None
-        self._keys = set()      # the keys handed over this step (a repeated key goes by arrival)
+        self._counts = {}       # scope -> the number the next batch of arriving gradients takes
+        self._keys = set()      # (scope, key) handed over this step (a repeated one goes by arrival)
         self._waiting = []      # _Waiting gradients of scopes with no layout yet
         self._placed = {}       # (scope, bucket) -> the layout batch filling this step
         self._next = {}         # scope -> the next bucket of its layout to launch
@@ -260,14 +268,14 @@ class Batches:
         if not self._started:
             self._start(adapter, tensor)
         self._outstanding += 1
-        key = site.key if site.key not in self._keys else None
+        scope = (adapter, _horovod.set_key(site.process_set))
+        key = site.key if (scope, site.key) not in self._keys else None
         if self._native or key is None or self._handed:
             return self._arrive(adapter, tensor, site.process_set)
-        scope = (adapter, _set_key(site.process_set))
         layout = self._layouts.get(scope)
-        if layout is not None and not layout.fits(key, adapter.numel(tensor)):  # a gradient of another
-            return self._arrive(adapter, tensor, site.process_set)  # model: the metadata check names it
-        self._keys.add(key)
+        if layout is not None and not layout.fits(key, adapter.numel(tensor)):  # not in the layout: by
+            return self._arrive(adapter, tensor, site.process_set)  # arrival, as on every rank alike
+        self._keys.add((scope, key))
         if scope not in self._scopes:
             self._scopes[scope] = (tensor, site.process_set)
             if layout is not None:  # the step's tokens of this scope, made in one call
@@ -312,10 +320,12 @@ class Batches:
         if self._open is not None and (self._open.adapter is not adapter or self._open.process_set is not process_set):
             self._close(self._open)
         if self._open is None:
-            name = f"hvd_aps.{self._count}"
+            scope = (adapter, _horovod.set_key(process_set))
+            number = self._counts.get(scope, self._free.get(scope, 0))
+            self._counts[scope] = number + 1
+            name = _agreed.name(scope[1], number)
             self._open = _Batch(name, adapter, self._native, process_set,
                                 reduction=Reduction(averaged=name in self._averaged))
-            self._count += 1
         return self._open
 
     def _fill(self, scope: tuple, process_set, key: str, flat, like) -> Ticket:
@@ -352,7 +362,8 @@ class Batches:
         zeros for them (as Horovod sends a parameter no hook saw), and everything launches."""
         self._handed = True
         self._learn()
-        for scope, (like, process_set) in self._scopes.items():
+        for scope in sorted(self._scopes, key=_scope_order):  # every rank launches the scopes alike
+            like, process_set = self._scopes[scope]
             if scope not in self._layouts:  # its one gradient went alone
                 continue
             for b in range(self._next.get(scope, 0), len(self._layouts[scope].buckets)):
@@ -372,7 +383,8 @@ class Batches:
         for waiting in self._waiting:
             scopes.setdefault(waiting.scope, []).append(waiting)
         self._waiting = []
-        for scope, items in scopes.items():
+        for scope in sorted(scopes, key=_scope_order):  # every rank gathers on the sets in one order
+            items = scopes[scope]
             adapter, process_set = scope[0], items[0].process_set
             if len(items) == 1:
                 self._close(self._alone(items[0]))
@@ -381,10 +393,11 @@ class Batches:
             seen = adapter.gather((config.settings(), [w.entry for w in items]), process_set, "hvd_aps.layout")
             if any(settings != seen[0][0] for settings, _ in seen):
                 raise _metadata.settings_differ([settings for settings, _ in seen])
-            layout = _agreed.agree([entries for _, entries in seen], config.bucket_bytes,
-                                   base=max(self._named, self._count))
+            # after the numbers this step's arriving batches of the scope took
+            base = self._counts.get(scope, self._free.get(scope, 0))
+            layout = _agreed.agree([entries for _, entries in seen], config.bucket_bytes, scope[1], base)
             self._layouts[scope] = layout
-            self._named = self._count = layout.base + len(layout.buckets)
+            self._free[scope] = self._counts[scope] = base + len(layout.buckets)
             for w in items:
                 placed = self._fill(scope, process_set, w.entry.key, w.flat, w.ticket.like)
                 w.ticket.batch, w.ticket.index = placed.batch, placed.index
@@ -426,9 +439,16 @@ class Batches:
             self.abort()
             raise
         with self._lock:
+            if context.generation != self._generation:  # abandoned meanwhile (another thread's error)
+                raise RuntimeError("this gradient's step was abandoned after an error in another exchange of it: "
+                                   "start the step again")
             self._outstanding -= 1
             if self._outstanding == 0:  # the step is over
-                out = self._end_step(context, out)
+                try:
+                    out = self._end_step(context, out)
+                except BaseException:  # an exchange no gradient waited for (zeros alone) raised
+                    self._give_up()
+                    raise
         return out
 
     def _parts(self, batch: _Batch) -> list:
@@ -460,7 +480,7 @@ class Batches:
         """The world changed (Horovod elastic): a rank that joins has no layout, so every rank
         agrees anew at its next step."""
         with self._lock:
-            self._layouts, self._named = {}, 0
+            self._layouts, self._free = {}, {}
             self._forget()
 
     def _forget(self) -> None:
@@ -489,19 +509,16 @@ class Batches:
             flat = functools.partial(adapter.join, batch.flats) if adapter.threaded else adapter.join(batch.flats)
             batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical, batch.process_set),
                                            batch.bucket, flat, adapter.threaded, average=batch.reduction.averaged)
-            batch.flats = []  # joined: the copies of the gradients can go
+            batch.flats = []  # the join holds them
             self._launched.append(batch)
-        batch.closed = True
         if self._open is batch:
             self._open = None
 
 
-def _set_key(process_set):
-    """A process set as a dict key (None: the global set): sets removed and added again may
-    reuse an id for other ranks."""
-    if process_set is None or process_set.process_set_id == 0:
-        return None
-    return process_set.process_set_id, tuple(process_set.ranks)
+def _scope_order(scope: tuple) -> tuple:
+    """Scopes sorted alike on every rank: by framework, then the global set first, then by set."""
+    adapter, key = scope
+    return adapter.__name__, key is not None, key or ()
 
 
 @functools.lru_cache(maxsize=None)

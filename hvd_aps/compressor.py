@@ -16,7 +16,7 @@ import secrets
 import sys
 from typing import Optional, Union
 
-from . import _tokens
+from . import _horovod, _tokens
 from ._schedule import Schedule
 from ._state import ExchangeState
 from ._stats import STATS_SAMPLE, StatsRecorder, TensorStats
@@ -105,6 +105,13 @@ class APSCompressor:
         self.config, self.exchanger = config, Exchanger(config, state, stats)
         self._batches = _tokens.Batches(self.exchanger)
         self._serves = None  # the optimizer, DDP model or FSDP2 model this compressor was given to
+        self._horovod_owner = None  # the Horovod optimizer compressing through it, once one has
+
+    def _claim_for(self, optimizer) -> None:
+        """The first Horovod optimizer to compress through this compressor owns it: a second one's
+        first step would be taken for the end of the first's (its gradients sent as zeros)."""
+        self.claim(f"Horovod's DistributedOptimizer over {type(optimizer).__name__} (id {id(optimizer):#x})")
+        self._horovod_owner = optimizer
 
     def claim(self, user: str) -> None:
         """Give this compressor to `user` (hvd_aps.torch.DistributedOptimizer, APSState, fsdp.apply
@@ -146,7 +153,9 @@ class APSCompressor:
         if small or adapter.is_empty(tensor):
             return _tokens.pass_through(adapter, tensor, self.exchanger)
         site = adapter.call_site(sys._getframe(1))
-        if not adapter.included(site.process_set):  # Horovod's own allreduce refuses it, as stock
+        if site.owner is not self._horovod_owner and site.owner is not None:
+            self._claim_for(site.owner)
+        if not _horovod.included(site.process_set):  # Horovod's own allreduce refuses it, as stock
             return tensor, None
         if self.config.wire == "values":
             return adapter.compress_values(tensor, self.exchanger, site.process_set)

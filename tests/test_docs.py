@@ -51,7 +51,7 @@ def test_the_plan_the_readme_shows_is_what_plan_prints():
     assert run.stdout.strip() == "\n".join(lines).strip()
 
 
-def test_names():
+def defined_tests():
     """{test file name: the names of the test functions in it}."""
     names = {}
     for path in sorted((ROOT / "tests").glob("test_*.py")):
@@ -77,7 +77,7 @@ def cited_tests(text):
 
 
 def test_every_test_a_page_cites_exists():
-    names = test_names()
+    names = defined_tests()
     every = set().union(*names.values())
     missing = []
     for page in [README, *sorted((ROOT / "docs").rglob("*.md"))]:

@@ -12,7 +12,7 @@ from test_ddp import launch_ddp_checks
 # most about 0.1, and the codes' relative error of about 2^-4 on each step's gradient stays well
 # under this
 TOLERANCE = 2e-3
-SCENARIOS = ["unused", "alone", "disjoint", "pair", "shifted"]
+SCENARIOS = ["unused", "alone", "disjoint", "pair", "shifted", "zero_filled"]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,12 @@ def test_an_allreduce_on_a_process_set_is_the_exchange_of_its_ranks_alone(ranks)
         assert np.allclose(ranks[members[0]][f"{scenario}_stock"], np.mean([data[m] for m in members], axis=0))
 
 
+def test_a_second_horovod_optimizer_is_refused_on_every_rank(ranks):
+    for r in ranks:
+        assert "first_owner" in r and str(r["second_owner_error"]).startswith(
+            "ValueError: this APSCompressor already serves Horovod's DistributedOptimizer over SGD")
+
+
 def test_settings_that_cut_other_buckets_are_named_on_every_rank(ranks):
     for r in ranks:
         assert str(r["bucket_bytes_differ_error"]).startswith(
@@ -49,7 +55,7 @@ def test_codes_train_as_horovods_own_allreduce(ranks, scenario):
 
 
 @pytest.mark.parametrize("scenario, members", [("unused", [0, 1, 2]), ("pair", [0, 1]), ("allreduce_pair", [0, 1]),
-                                               ("shifted", [1, 2])])
+                                               ("shifted", [1, 2]), ("zero_filled", [0, 1, 2])])
 def test_every_rank_of_a_set_ends_with_the_same_parameters(ranks, scenario, members):
     members = [ranks[m] for m in members]
     assert all(r[f"{scenario}_codes"].tobytes() == members[0][f"{scenario}_codes"].tobytes() for r in members)
@@ -71,3 +77,23 @@ def test_ddp_with_codes_trains_as_ddp_alone(ddp_ranks, scenario):
         assert np.abs(codes - stock).max() <= TOLERANCE * max(1.0, np.abs(stock).max()), scenario
     if scenario != "ddp_join":  # the rank that joined early took one step fewer
         assert ddp_ranks[0][f"{scenario}_codes"].tobytes() == ddp_ranks[1][f"{scenario}_codes"].tobytes()
+
+
+@pytest.fixture(scope="module")
+def tf_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tfdropin")
+    horovodrun("tf_dropin_checks.py", tmp, ranks=3, timeout=300)
+    return load(tmp, "tfdropin", 3)
+
+
+@pytest.mark.parametrize("scenario, members", [("tf_none", [0, 1, 2]), ("tf_pair", [0, 1])])
+def test_tensorflows_tape_with_codes_trains_as_with_horovods_own(tf_ranks, scenario, members):
+    """A variable no rank uses (its gradient None everywhere), and the tape on a process set
+    without the last rank (found in AutoGraph's conversion of Horovod's function)."""
+    members = [tf_ranks[m] for m in members]
+    for r in members:
+        errors = {run: str(r.get(f"{scenario}_{run}_error", "")) for run in ("stock", "codes")}
+        assert errors == {"stock": "", "codes": ""}, errors
+        stock, codes = r[f"{scenario}_stock"], r[f"{scenario}_codes"]
+        assert np.abs(codes - stock).max() <= TOLERANCE * max(1.0, np.abs(stock).max()), scenario
+    assert all(r[f"{scenario}_codes"].tobytes() == members[0][f"{scenario}_codes"].tobytes() for r in members)

@@ -3,14 +3,17 @@ collectives for the exchange driver (one object per process set), with the host 
 tf.numpy_function, so the same code runs eagerly and inside tf.function (TF traces
 compress/decompress once: nothing per step lives in Python attributes of the trace). No APS math
 here."""
-import dataclasses
-
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
 from .. import _horovod, _metadata, _tokens, _values, codec, exchange
 from .._horovod import HorovodLevels, is_global
+
+
+# frames above compress() looked at for Horovod's process set: AutoGraph's converted_call and
+# its helpers lie between compress() and the converted Horovod function
+TRACED_CALL_DEPTH = 12
 
 
 class HorovodCollectives(exchange.Collectives):
@@ -57,22 +60,19 @@ def levels(hierarchical, process_set=None) -> exchange.Levels:
 
 def call_site(frame):
     """The process set of a compress() call, without a key: a graph fixes its exchanges when it
-    is traced, so its gradients go in batches in the order it hands them over."""
-    return dataclasses.replace(_horovod.call_site(frame), key=None)
+    is traced, so its gradients go in batches in the order it hands them over. Traced, Horovod's
+    function is AutoGraph's conversion of it, some frames up (DistributedGradientTape traces its
+    allreduces even when eager): the nearest frame holding a `process_set` gives it."""
+    for _ in range(TRACED_CALL_DEPTH):
+        if frame is None:
+            break
+        process_set = frame.f_locals.get("process_set")
+        if hasattr(process_set, "process_set_id"):
+            return _horovod.Site(None, process_set)
+        frame = frame.f_back
+    return _horovod.NOWHERE
 
 
-def included(process_set) -> bool:
-    return is_global(process_set) or process_set.included()
-
-
-def gather(obj, process_set, name):
-    """Every rank's `obj`, eagerly (a graph's steps never agree on a layout: call_site)."""
-    with tf.init_scope():
-        return hvd.allgather_object(obj, name=name, process_set=process_set or hvd.global_process_set)
-
-
-def zeros(like, count):
-    return tf.zeros([count], tf.float32)
 
 
 def forget_groups() -> None:
@@ -122,10 +122,6 @@ def join(flats):
 
 def token(tensor, process_set=None):
     return tf.constant(_tokens.token_values(hvd.rank() if is_global(process_set) else process_set.rank()))
-
-
-def tokens(like, process_set, count):
-    return [token(like, process_set)] * count  # constants: Horovod's graph allreduce makes a new tensor
 
 
 def finish(total, token_out, like, reduction, ranks):

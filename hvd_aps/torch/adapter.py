@@ -95,10 +95,6 @@ def world(process_set=None):
 call_site = _horovod.call_site  # a gradient's name and process set, from Horovod's calling frame
 
 
-def included(process_set) -> bool:
-    return is_global(process_set) or process_set.included()
-
-
 def gather(obj, process_set, name):
     """Every rank's `obj` (picklable), in rank order of the process set: Horovod's own
     allgather_object spans every rank, and a process set's ranks cannot ask the others."""
@@ -160,18 +156,23 @@ def join(flats):
 
 
 def token(tensor, process_set=None):
-    """A copy of this rank's token on the gradient's device (Horovod reduces it in place), made
-    once per rank (in the process set) and device: every gradient of every step asks."""
-    key = (hvd.rank() if is_global(process_set) else process_set.rank(), tensor.device)
-    made = _TOKENS.get(key)
-    if made is None:
-        made = _TOKENS[key] = torch.tensor(_tokens.token_values(key[0]), device=tensor.device)
-    return made.clone()
+    """A copy of this rank's token on the gradient's device (Horovod reduces it in place)."""
+    return _token(process_set, tensor.device).clone()
 
 
 def tokens(like, process_set, count):
-    """`count` tokens as rows of one tensor (Horovod reduces each in place), in two calls."""
-    return list(token(like, process_set).expand(count, -1).clone().unbind(0))
+    """`count` tokens as rows of one tensor (Horovod reduces each in place), in one copy."""
+    return list(_token(process_set, like.device).expand(count, -1).contiguous().unbind(0))
+
+
+def _token(process_set, device):
+    """This rank's token (its rank in the process set) on `device`, made once per rank and
+    device: every gradient of every step asks."""
+    key = (hvd.rank() if is_global(process_set) else process_set.rank(), device)
+    made = _TOKENS.get(key)
+    if made is None:
+        made = _TOKENS[key] = torch.tensor(_tokens.token_values(key[0]), device=device)
+    return made
 
 
 def finish(total, token_out, like, reduction, ranks):

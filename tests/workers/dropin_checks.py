@@ -18,7 +18,8 @@ rank, out = hvd.rank(), {}
 def compressors():
     """(run name, a fresh compression) for each way a scenario runs."""
     return [("stock", lambda: hvd.Compression.none),
-            ("codes", lambda: hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=0))]
+            # 4 KiB buckets: a layout of several buckets, launched in its order as they fill
+            ("codes", lambda: hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=0, bucket_bytes=4096))]
 
 
 def train(compression, both=False, process_set=hvd.global_process_set, **options):
@@ -49,9 +50,18 @@ for run, make in compressors():
             lambda: hvd.allreduce(x, compression=comp, name="x", process_set=pair).numpy() if rank < 2 else x.numpy())
     outcome(f"allreduce_alone_{run}",
             lambda: hvd.allreduce(x, compression=comp, name="x", process_set=alone).numpy() if rank == 0 else x.numpy())
+# one compressor given to two Horovod optimizers: the second is refused at its first gradient
+shared = hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=0)
+outcome("first_owner", lambda: train(shared))
+outcome("second_owner", lambda: train(shared))
 # settings that cut other buckets: the layout's agreement names them on every rank
 outcome("bucket_bytes_differ", lambda: train(hvd_aps.APSCompressor(hvd_aps.e4m3, min_elements=0,
                                                                     bucket_bytes=4096 * (1 + rank))))
+# a layout's gradient no rank hands over in a step (every rank alike, so Horovod goes on): zeros
+for run, make in compressors():
+    comp, a, b = make(), torch.full((3000,), 1.0 + rank), torch.full((2000,), 2.0)
+    hvd.grouped_allreduce([a, b], compression=comp, name="z")  # the layout: z.0, z.1
+    outcome(f"zero_filled_{run}", lambda: hvd.grouped_allreduce([a], compression=comp, name="z")[0].numpy())
 hvd.barrier()  # the ranks outside a set wait for its members before it goes
 hvd.remove_process_set(pair)
 shifted = hvd.add_process_set([1, 2])     # added after another was removed (its id may come again)
