@@ -13,8 +13,8 @@ gradient goes to its slot by key, and a bucket is exchanged once its last gradie
 import dataclasses
 from typing import Dict, List, Sequence, Tuple
 
-# float32 bytes a gradient element takes in a bucket
-FLOAT32_BYTES = 4
+from .perf import FLOAT32_BYTES
+
 # keys named in an error message (a model of thousands of tensors would fill a screen)
 NAMED = 8
 

@@ -217,7 +217,6 @@ class Passed(Context):
 class _Waiting:
     """A named gradient of a step with no layout yet for its scope (hvd_aps._agreed)."""
     scope: tuple
-    process_set: object
     entry: _agreed.Entry
     flat: object
     ticket: Ticket
@@ -283,9 +282,9 @@ class Batches:
         if layout is None:
             ticket = Ticket(self._generation, tensor, None, 0)
             entry = _agreed.Entry(key, adapter.label(tensor), adapter.numel(tensor))
-            self._waiting.append(_Waiting(scope, site.process_set, entry, adapter.flatten(tensor), ticket))
+            self._waiting.append(_Waiting(scope, entry, adapter.flatten(tensor), ticket))
             return adapter.token(tensor, site.process_set), ticket
-        ticket = self._fill(scope, site.process_set, key, adapter.flatten(tensor), tensor)
+        ticket = Ticket(self._generation, tensor, *self._fill(scope, key, adapter.flatten(tensor)))
         self._launch_ready(scope)
         return self._tokens[scope][layout.slots[key][2]], ticket
 
@@ -328,21 +327,20 @@ class Batches:
                                 reduction=Reduction(averaged=name in self._averaged))
         return self._open
 
-    def _fill(self, scope: tuple, process_set, key: str, flat, like) -> Ticket:
-        """Put a gradient in its slot of its scope's layout -> its Ticket."""
+    def _fill(self, scope: tuple, key: str, flat) -> tuple:
+        """Put a gradient in its slot of its scope's layout -> (its batch, its index there)."""
         b, i, _ = self._layouts[scope].slots[key]
-        batch = self._placed.get((scope, b)) or self._place(scope, process_set, b)
+        batch = self._placed.get((scope, b)) or self._place(scope, b)
         batch.flats[i] = flat
         batch.present += 1
-        return Ticket(self._generation, like, batch, i)
+        return batch, i
 
-    def _place(self, scope: tuple, process_set, b: int) -> _Batch:
+    def _place(self, scope: tuple, b: int) -> _Batch:
         """Bucket b of the scope's layout, as this step's batch (empty)."""
         layout = self._layouts[scope]
         entries, name = layout.buckets[b], layout.name(b)
-        batch = _Batch(name, scope[0], None, process_set, flats=[None] * len(entries),
+        batch = _Batch(name, scope[0], None, self._scopes[scope][1], flats=[None] * len(entries),
                        labels=[e.label for e in entries], sizes=[e.size for e in entries],
-                       nbytes=_agreed.FLOAT32_BYTES * sum(e.size for e in entries),
                        reduction=Reduction(averaged=name in self._averaged))
         self._placed[(scope, b)] = batch
         return batch
@@ -363,11 +361,11 @@ class Batches:
         self._handed = True
         self._learn()
         for scope in sorted(self._scopes, key=_scope_order):  # every rank launches the scopes alike
-            like, process_set = self._scopes[scope]
             if scope not in self._layouts:  # its one gradient went alone
                 continue
+            like = self._scopes[scope][0]
             for b in range(self._next.get(scope, 0), len(self._layouts[scope].buckets)):
-                batch = self._placed.get((scope, b)) or self._place(scope, process_set, b)
+                batch = self._placed.get((scope, b)) or self._place(scope, b)
                 for i, size in enumerate(batch.sizes):
                     if batch.flats[i] is None:
                         batch.flats[i] = scope[0].zeros(like, size)
@@ -384,8 +382,7 @@ class Batches:
             scopes.setdefault(waiting.scope, []).append(waiting)
         self._waiting = []
         for scope in sorted(scopes, key=_scope_order):  # every rank gathers on the sets in one order
-            items = scopes[scope]
-            adapter, process_set = scope[0], items[0].process_set
+            items, (adapter, _), process_set = scopes[scope], scope, self._scopes[scope][1]
             if len(items) == 1:
                 self._close(self._alone(items[0]))
                 continue
@@ -399,17 +396,14 @@ class Batches:
             self._layouts[scope] = layout
             self._free[scope] = self._counts[scope] = base + len(layout.buckets)
             for w in items:
-                placed = self._fill(scope, process_set, w.entry.key, w.flat, w.ticket.like)
-                w.ticket.batch, w.ticket.index = placed.batch, placed.index
+                w.ticket.batch, w.ticket.index = self._fill(scope, w.entry.key, w.flat)
 
     def _alone(self, waiting: _Waiting) -> _Batch:
         """A batch of the one gradient that waited."""
-        adapter = waiting.scope[0]
-        if self._open is not None:
+        if self._open is not None:  # not joined to the open batch: closed at once, on its own
             self._close(self._open)
-        batch = self._open_batch(adapter, waiting.process_set)
+        batch = self._open_batch(waiting.scope[0], self._scopes[waiting.scope][1])
         batch.flats, batch.labels, batch.sizes = [waiting.flat], [waiting.entry.label], [waiting.entry.size]
-        batch.nbytes = _agreed.FLOAT32_BYTES * waiting.entry.size
         waiting.ticket.batch = batch
         return batch
 

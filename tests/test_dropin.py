@@ -15,6 +15,15 @@ TOLERANCE = 2e-3
 SCENARIOS = ["unused", "alone", "disjoint", "pair", "shifted", "zero_filled"]
 
 
+def assert_trained_alike(saved: dict, scenario: str) -> None:
+    """A rank's stock and codes runs of `scenario` both trained (no error), to within the codes'
+    error of each other."""
+    errors = {run: str(saved.get(f"{scenario}_{run}_error", "")) for run in ("stock", "codes")}
+    assert errors == {"stock": "", "codes": ""}, errors
+    stock, codes = saved[f"{scenario}_stock"], saved[f"{scenario}_codes"]
+    assert np.abs(codes - stock).max() <= TOLERANCE * max(1.0, np.abs(stock).max()), scenario
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dropin")
@@ -48,10 +57,7 @@ def test_settings_that_cut_other_buckets_are_named_on_every_rank(ranks):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_codes_train_as_horovods_own_allreduce(ranks, scenario):
     for r in ranks:
-        errors = {run: str(r.get(f"{scenario}_{run}_error", "")) for run in ("stock", "codes")}
-        assert errors == {"stock": "", "codes": ""}, errors
-        stock, codes = r[f"{scenario}_stock"], r[f"{scenario}_codes"]
-        assert np.abs(codes - stock).max() <= TOLERANCE * max(1.0, np.abs(stock).max()), scenario
+        assert_trained_alike(r, scenario)
 
 
 @pytest.mark.parametrize("scenario, members", [("unused", [0, 1, 2]), ("pair", [0, 1]), ("allreduce_pair", [0, 1]),
@@ -71,10 +77,7 @@ def test_ddp_with_codes_trains_as_ddp_alone(ddp_ranks, scenario):
     """find_unused_parameters with a head one rank uses, static_graph, gradient_as_bucket_view,
     and join() with one batch fewer on rank 1."""
     for r in ddp_ranks:
-        errors = {run: str(r.get(f"{scenario}_{run}_error", "")) for run in ("stock", "codes")}
-        assert errors == {"stock": "", "codes": ""}, errors
-        stock, codes = r[f"{scenario}_stock"], r[f"{scenario}_codes"]
-        assert np.abs(codes - stock).max() <= TOLERANCE * max(1.0, np.abs(stock).max()), scenario
+        assert_trained_alike(r, scenario)
     if scenario != "ddp_join":  # the rank that joined early took one step fewer
         assert ddp_ranks[0][f"{scenario}_codes"].tobytes() == ddp_ranks[1][f"{scenario}_codes"].tobytes()
 
@@ -92,8 +95,5 @@ def test_tensorflows_tape_with_codes_trains_as_with_horovods_own(tf_ranks, scena
     without the last rank (found in AutoGraph's conversion of Horovod's function)."""
     members = [tf_ranks[m] for m in members]
     for r in members:
-        errors = {run: str(r.get(f"{scenario}_{run}_error", "")) for run in ("stock", "codes")}
-        assert errors == {"stock": "", "codes": ""}, errors
-        stock, codes = r[f"{scenario}_stock"], r[f"{scenario}_codes"]
-        assert np.abs(codes - stock).max() <= TOLERANCE * max(1.0, np.abs(stock).max()), scenario
+        assert_trained_alike(r, scenario)
     assert all(r[f"{scenario}_codes"].tobytes() == members[0][f"{scenario}_codes"].tobytes() for r in members)
