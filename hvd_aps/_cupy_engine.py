@@ -8,6 +8,7 @@ import importlib.resources
 import cupy
 import numpy as np
 
+from . import _device
 from ._tables import SAMPLE_SUMS
 from .codec import packed_size
 
@@ -123,28 +124,33 @@ def _amax_from_bits(result):
     return np.where(bits >= 0x7F800000, np.float32(np.inf), bits.view(np.float32)).astype(np.float32)
 
 
-# Block tables (hvd_aps._tables): one launch per stage, one thread block per table row ----------
-@functools.lru_cache(maxsize=1024)
-def _rows(blocks):
-    """A table's rows on the device, copied once per table (tables are made once per layout)."""
-    return cupy.asarray(blocks.rows)
+# Block tables (hvd_aps._tables): one launch per stage, one thread block per table row, on the
+# current stream; what they return stays on the device -----------------------------------------
+def _rows(blocks, like):
+    """A table's rows on the current device, copied once per table (tables are made once per layout)."""
+    return _device.on_device(blocks.rows, like)
 
 
 def _launch_rows(name, blocks, *args):
     _module().get_function(name)((blocks.count,), (_THREADS,), args)
 
 
+def _peaks(bits):
+    """float32 maxima from a kernel's max of |x| bits, on the device: +inf for any NaN/Inf."""
+    return cupy.where(bits >= 0x7F800000, cupy.float32(np.inf), bits.view(cupy.float32))
+
+
 def table_amax(x, blocks):
     peaks = cupy.zeros(blocks.count, cupy.uint32)
     if blocks.count:
-        _launch_rows("hvd_table_amax", blocks, x, _rows(blocks), peaks)
-    return _amax_from_bits(peaks)
+        _launch_rows("hvd_table_amax", blocks, x, _rows(blocks, x), peaks)
+    return _peaks(peaks)
 
 
 def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual=None):
     if blocks.count:
         stochastic = rounding == "stochastic"
-        _launch_rows("hvd_table_encode", blocks, x, _rows(blocks), message, *_fmt_args(fmt), np.int32(saturate),
+        _launch_rows("hvd_table_encode", blocks, x, _rows(blocks, x), message, *_fmt_args(fmt), np.int32(saturate),
                      cupy.asarray(shifts, cupy.int32), np.int32(stochastic),
                      cupy.asarray(seeds, cupy.uint64) if stochastic else cupy.zeros(1, cupy.uint64),
                      residual if residual is not None else np.uint64(0))
@@ -154,14 +160,14 @@ def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, res
 def table_sum(rows, fmt, blocks, shifts, out):
     peaks = cupy.zeros(blocks.count, cupy.uint32)
     if blocks.count:
-        _launch_rows("hvd_table_sum", blocks, rows, np.int64(rows.strides[0]), np.int32(rows.shape[0]), _rows(blocks),
-                     out, *_fmt_args(fmt), cupy.asarray(shifts, cupy.int32), peaks)
-    return _amax_from_bits(peaks)
+        _launch_rows("hvd_table_sum", blocks, rows, np.int64(rows.strides[0]), np.int32(rows.shape[0]),
+                     _rows(blocks, rows), out, *_fmt_args(fmt), cupy.asarray(shifts, cupy.int32), peaks)
+    return _peaks(peaks)
 
 
 def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), stream=False):
     if blocks.count:
-        _launch_rows("hvd_table_decode", blocks, message, _rows(blocks), out, *_fmt_args(fmt),
+        _launch_rows("hvd_table_decode", blocks, message, _rows(blocks, message), out, *_fmt_args(fmt),
                      cupy.asarray(shifts, cupy.int32), np.float32(divisor))
     return out
 
@@ -169,7 +175,7 @@ def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), strea
 def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
     sums = cupy.zeros((blocks.count, SAMPLE_SUMS), cupy.float64)
     if blocks.count:
-        _launch_rows("hvd_table_stats", blocks, x, message, _rows(blocks), cupy.asarray(first, cupy.int64),
+        _launch_rows("hvd_table_stats", blocks, x, message, _rows(blocks, x), cupy.asarray(first, cupy.int64),
                      cupy.asarray(step, cupy.int64), *_fmt_args(fmt), cupy.asarray(shifts, cupy.int32),
                      cupy.asarray(limits, cupy.float32), sums)
     return sums

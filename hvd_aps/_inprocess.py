@@ -39,7 +39,7 @@ class ThreadCollectives(exchange.Eager):
             self.group.barrier.wait()
 
     def max_allreduce(self, vector, name):
-        return self._everyone(name, vector, lambda parts: np.max(parts, axis=0))
+        return self._everyone(name, vector, lambda parts: array_module(vector).stack(parts).max(axis=0))
 
     def allreduce(self, values, name):
         def total(parts):  # in rank order: the same bits on every rank

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from . import _arrays, _device
 from ._schedule import ENTRIES as TIMING, UNMEASURED
 
 TAIL = 4  # signature, -signature, resumed, -resumed
@@ -28,6 +29,19 @@ def vector(config, amaxes, sizes, errors=(), timing=(UNMEASURED,) * TIMING, resu
     sizes = np.asarray(sizes, np.float64)
     return np.concatenate([np.asarray(amaxes, np.float64), sizes, -sizes, np.asarray(errors, np.float64),
                            np.asarray(timing, np.float64), [config.signature, -config.signature, resumed, -resumed]])
+
+
+def with_amaxes(vector: np.ndarray, tensors: np.ndarray, peaks):
+    """The vector with peaks[k] as tensor tensors[k]'s amax, where the peaks lie: on a device,
+    the vector goes there (one upload) and the maxima never leave it, so the Max-allreduce runs
+    on the device and its result is the one read a bucket makes."""
+    xp = _arrays.array_module(peaks)
+    if xp is np:
+        vector[tensors] = peaks
+        return vector
+    placed = xp.asarray(vector)
+    placed[_device.on_device(tensors, peaks)] = peaks
+    return placed
 
 
 def read(config, agreed, sizes, labels, world: Optional[int] = None) -> tuple:

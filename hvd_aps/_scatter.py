@@ -17,10 +17,11 @@ A rank sends (N-1)/N of its codes once: half an allreduce's traffic and codec wo
 held NaN/Inf on any rank is left out of the codes and comes back NaN to its owner.
 """
 import dataclasses
+import functools
 
 import numpy as np
 
-from . import _arrays, _metadata, _tables, codec
+from . import _arrays, _device, _metadata, _tables, codec
 from ._layout import BLOCK
 from ._stages import corrected, formats_and_shifts, hybrid_error, limits
 from ._state import SEND
@@ -134,43 +135,47 @@ class ScatterExchange:
         splits = [int(s) for s in a.lane_bytes.sum(axis=1)]
         message = self.state.buffers.get((a.name, "send"), sum(splits), np.uint8, xp)
         ends = np.cumsum(a.lane_bytes.ravel())[a.lane_bytes.ravel() > 0] - 1
-        message[ends] = 0  # a reused buffer's unused high bits
+        message[_device.on_device(ends, message)] = 0  # a reused buffer's unused high bits
         residual = (self.state.next_residual((a.name, SEND, 0), a.rows.size, xp)
                     if self.config.error_feedback else None)
         if residual is not None:
             residual.fill(0)  # blocks left out (NaN/Inf) restart from zero
         flat, engine = a.rows.reshape(-1), codec.engine_for(a.rows)
-        sums = np.zeros((self.world, _tables.SAMPLE_SUMS))
+        shifts_here = xp.asarray(a.shifts.astype(np.int32))  # one upload, where the rows lie
         step = _arrays.sample_stride(n, self.stats.sample)  # a row's sample: its elements 0, step, 2 step, ...
+        parts = []  # per lane that sent: (each block's row, its sample sums where the rows lie)
         for send, fmt in zip(a.send, self.fmts):
             if not send.count:
                 continue
-            shifts = a.shifts[send.tensor]
+            shifts = _device.take(shifts_here, send.tensor)
             engine.table_encode(flat, fmt, send, shifts, self.config.rounding,
-                                None if a.seed is None else np.full(send.count, a.seed, np.uint64),
+                                None if a.seed is None else xp.full(send.count, a.seed, np.uint64),
                                 self.config.saturate, message, residual)
             if self.stats.enabled:
                 first = (-(send.rows[:, _tables.INDEX] - send.segment * n)) % step
-                block_sums = _arrays.to_numpy(engine.table_stats(flat, message, fmt, send, shifts, first,
-                                                                 np.full(send.count, step), limits(fmt, shifts)))
-                sums += np.stack([np.bincount(send.segment, weights=block_sums[:, j], minlength=self.world)
-                                  for j in range(block_sums.shape[1])], axis=1)
-        self._record(a, step, sums)
+                parts.append((send.segment, engine.table_stats(flat, message, fmt, send, shifts,
+                                                               _device.on_device(first, flat),
+                                                               xp.full(send.count, step, np.int64),
+                                                               limits(fmt, shifts))))
+        if any(a.last[r] is not None for r in range(self.world)):  # a row all NaN/Inf records nothing
+            self.stats.record_bucket_later(a.name, [sums for _, sums in parts],
+                                           functools.partial(self._stats, a, step, [row for row, _ in parts]))
         self.stats.record_sent(sum(splits) - splits[self.rank])
         return message, splits
 
-    def _record(self, a: ScatterAgreement, step: int, sums: np.ndarray) -> None:
-        """Each row's stats, where it sent any codes (a row all NaN/Inf records nothing)."""
+    def _stats(self, a: ScatterAgreement, step: int, rows: list, block_sums: list) -> BucketStats:
+        """Each row's stats where it sent any codes, from every lane's per-block sample sums (on
+        the host by now) of the blocks of `rows`."""
+        sums = np.zeros((self.world, _tables.SAMPLE_SUMS))
+        for row, part in zip(rows, block_sums):
+            sums += np.stack([np.bincount(row, weights=part[:, j], minlength=self.world)
+                              for j in range(part.shape[1])], axis=1)
         sent = [r for r in range(self.world) if a.last[r] is not None]
-        if not self.stats.enabled or not sent:
-            return
         elements = sum(np.bincount(send.segment, weights=send.rows[:, _tables.COUNT], minlength=self.world)
                        for send in a.send)[sent].astype(np.int64)
-        stats = BucketStats.of_sums([f"{a.name}[{r}]" for r in sent], [a.last[r][0] for r in sent],
-                                    [a.last[r][1] for r in sent], elements, np.full(len(sent), float(step)),
-                                    sums[sent], a.carried[sent], np.ones(len(sent), bool))
-        for i, r in enumerate(sent):
-            self.stats.record(f"{a.name}[{r}]", stats.row(i))
+        return BucketStats.of_sums([f"{a.name}[{r}]" for r in sent], [a.last[r][0] for r in sent],
+                                   [a.last[r][1] for r in sent], elements, np.full(len(sent), float(step)),
+                                   sums[sent], a.carried[sent], np.ones(len(sent), bool))
 
     def reduce(self, a: ScatterAgreement, received, out) -> object:
         """The N received copies of this rank's row -> their float32 sum (divided by `divisor`) in `out`."""
@@ -179,7 +184,8 @@ class ScatterExchange:
         engine = codec.engine_for(received)
         for mine, fmt in zip(a.mine, self.fmts):
             if mine.count:
-                engine.table_sum(rows, fmt, mine, a.shifts[mine.tensor], out)
+                engine.table_sum(rows, fmt, mine, _arrays.array_module(out).asarray(a.shifts[mine.tensor].astype(np.int32)),
+                                 out)
         if a.divisor != 1:
             out /= np.float32(a.divisor)
         self.state.exchanged([a.name])

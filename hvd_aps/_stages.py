@@ -32,12 +32,11 @@ from typing import Optional
 
 import numpy as np
 
-from . import _arrays, _layout, _metadata, _tables, codec, scaling
+from . import _arrays, _device, _layout, _metadata, _tables, codec, scaling
 from ._layout import Segment
 from ._state import OWNER, SEND
 from ._stats import BucketStats
 
-_SHIFT = np.dtype("<i2")  # re-encode exponents on the wire
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # ranges are summed in float32: no x N headroom needed
 HYBRID_SAMPLE = 4096  # elements per tensor the hybrid policy's error estimate looks at
 # Buckets whose results are larger than this are decoded past the caches (the host engine's
@@ -123,15 +122,16 @@ class Agreement:
     data: object        # flat: what is encoded (with error feedback: gradient + residual)
     out: object         # flat: where the results go
     shifts: np.ndarray  # per tensor, for the format it travels in
+    shifts_here: object  # the same where the data lies (int32: what the engines read)
     fallback: np.ndarray  # held segments of tensors with a NaN/Inf somewhere: NaN on every rank
     count: int          # chunks
     divisor: float      # N for an average, 1 for a sum
-    seeds: Optional[np.ndarray]        # per tensor: stochastic rounding's seed of this rank's encode
-    owner_seeds: Optional[np.ndarray]  # per tensor: the shard owner's re-encode seed
+    seeds: Optional[object]        # per tensor, where the data lies: stochastic rounding's seed of this rank's encode
+    owner_seeds: Optional[object]  # per tensor, where the data lies: the shard owner's re-encode seed
     residual: object    # error feedback: where this step's send residuals go (flat like data), else None
     owner_residuals: list  # error feedback: per lane, where this step's owner residuals go (this rank's shard)
     lanes_of: tuple     # per tensor: its lane, -1 in the fallback (alike on every rank)
-    sums: Optional[np.ndarray] = None  # the stats' sample sums per held segment
+    sums: Optional[list] = None  # the stats' sample sums: (held segment of each block, per-block sums) per stage call
     committed: Optional[list] = None   # error feedback: per lane, the committed owner residuals (read at reduce)
     bytes_sent: int = 0
     lock: object = dataclasses.field(default_factory=threading.Lock)  # graph stages may run at once
@@ -173,9 +173,12 @@ def hybrid_error(config, x, amax: float, world: int, stride: int = 1) -> float:
     return float(xp.minimum(error, 1).mean())
 
 
-def limits(fmt, shifts) -> np.ndarray:
-    """The largest magnitude `fmt` carries at each exponent, as float32 (the stats' saturation)."""
-    return np.ldexp(np.float64(fmt.max), -np.asarray(shifts, np.int64)).astype(np.float32)
+def limits(fmt, shifts):
+    """The largest magnitude `fmt` carries at each exponent, as float32 (the stats' saturation),
+    where the shifts lie."""
+    xp = _xp(shifts)
+    shifts = xp.asarray(shifts)
+    return xp.ldexp(xp.full(shifts.shape, fmt.max, xp.float64), -shifts.astype(xp.int32)).astype(xp.float32)
 
 
 class CodesExchange:
@@ -195,15 +198,16 @@ class CodesExchange:
         `data`: the held segments end to end, one flat float32 array."""
         data = self._corrected(bucket, data)
         held = bucket.held()
-        peaks = _tables.segment_max(_arrays.to_numpy(codec.engine_for(data).table_amax(data, held.blocks)), held)
-        amaxes, errors = np.zeros(len(bucket.sizes)), np.zeros(len(bucket.sizes))
-        amaxes[held.tensor] = peaks
-        if self.config.hybrid is not None:
+        peaks = _tables.segment_max(codec.engine_for(data).table_amax(data, held.blocks), held)
+        errors = np.zeros(len(bucket.sizes))
+        if self.config.hybrid is not None:  # its choice is made on the host: the maxima read here
+            host_peaks = _arrays.to_numpy(peaks)
             for k, (tensor, a, b) in enumerate(zip(held.tensor, held.offsets[:-1], held.offsets[1:])):
-                errors[tensor] = self._sampled_error(data[a:b], peaks[k])
-        vector = _metadata.vector(self.config, amaxes, bucket.sizes, errors if self.config.hybrid is not None else (),
+                errors[tensor] = self._sampled_error(data[a:b], host_peaks[k])
+        vector = _metadata.vector(self.config, np.zeros(len(bucket.sizes)), bucket.sizes,
+                                  errors if self.config.hybrid is not None else (),
                                   self.state.schedule.entries(bucket.name), self.state.resumed_world)
-        return vector, data
+        return _metadata.with_amaxes(vector, held.tensor, peaks), data
 
     # 2. agreement ---------------------------------------------------------------------------------
     def agree(self, bucket: Bucket, agreed, data, out, divisor: float, xp, candidate: int,
@@ -227,17 +231,17 @@ class CodesExchange:
         lanes_of = np.where(finite, wide.astype(np.int64), -1)
         plan = self._plan(bucket, lanes_of[held.tensor], count, padded)
         stochastic = self.config.rounding == "stochastic"
-        a = Agreement(bucket, plan, data, out, shifts, fallback, count, divisor,
-                      self._seeds(bucket, self.seed_rank, SEND) if stochastic else None,
-                      self._seeds(bucket, -1, OWNER) if stochastic else None, None, [], tuple(lanes_of.tolist()))
+        a = Agreement(bucket, plan, data, out, shifts, _here(shifts.astype(np.int32), xp), fallback, count, divisor,
+                      self._seeds(bucket, self.seed_rank, SEND, xp) if stochastic else None,
+                      self._seeds(bucket, -1, OWNER, xp) if stochastic else None, None, [], tuple(lanes_of.tolist()))
         if self.config.error_feedback:
             self._feedback(a, xp)
         if self.stats.enabled:
-            a.sums = np.zeros((len(held.tensor), _tables.SAMPLE_SUMS))
+            a.sums = []
         return a
 
-    def _seeds(self, bucket: Bucket, rank: int, side: str) -> np.ndarray:
-        return np.array([self.state.seed_for(rank, key, side) for key in bucket.keys], np.uint64)
+    def _seeds(self, bucket: Bucket, rank: int, side: str, xp):
+        return _here(np.array([self.state.seed_for(rank, key, side) for key in bucket.keys], np.uint64), xp)
 
     def _feedback(self, a: Agreement, xp) -> None:
         """Error feedback: where this step's send residuals go (the fallback's restart from zero),
@@ -329,30 +333,24 @@ class CodesExchange:
         xp = _xp(a.out)
         message = self.state.buffers.get((a.bucket.name, "send", chunk), plan.send_bytes, np.uint8, xp)
         if plan.clear_send.size:  # a reused buffer would send last step's bits in a stream's unused high bits
-            message[plan.clear_send] = 0
+            message[_device.on_device(plan.clear_send, message)] = 0
         engine = codec.engine_for(a.data)
         for n, (lc, fmt) in enumerate(zip(plan.lanes, a.plan.fmts)):
             send = lc.send
             if not send.count:
                 continue
-            shifts = a.shifts[send.tensor]
+            shifts = _device.take(a.shifts_here, send.tensor)
             engine.table_encode(a.data, fmt, send, shifts, self.config.rounding,
-                                None if a.seeds is None else a.seeds[send.tensor], self.config.saturate, message,
-                                a.residual)
+                                None if a.seeds is None else _device.take(a.seeds, send.tensor), self.config.saturate,
+                                message, a.residual)
             if a.sums is not None:
-                first, step = a.plan.samples[chunk][n]
+                first, step = (_device.on_device(c, message) for c in a.plan.samples[chunk][n])
                 sums = engine.table_stats(a.data, message, fmt, send, shifts, first, step, limits(fmt, shifts))
-                self._add_sums(a, send.segment, _arrays.to_numpy(sums))
+                with a.lock:
+                    a.sums.append((send.segment, sums))
         with a.lock:
             a.bytes_sent += sum(plan.splits) - plan.splits[self.rank]
         return message, plan.splits
-
-    @staticmethod
-    def _add_sums(a: Agreement, segment: np.ndarray, sums: np.ndarray) -> None:
-        per_segment = np.stack([np.bincount(segment, weights=sums[:, j], minlength=len(a.sums))
-                                for j in range(sums.shape[1])], axis=1)
-        with a.lock:
-            a.sums += per_segment
 
     # 4. reduce: sum and re-encode this rank's range ---------------------------------------------
     def reduce(self, a: Agreement, chunk: int, received) -> object:
@@ -363,26 +361,26 @@ class CodesExchange:
         rows = received.reshape(self.world, plan.row_bytes)
         message = self.state.buffers.get((a.bucket.name, "reduced", chunk), plan.reduced_bytes, np.uint8, xp)
         if plan.clear_reduced.size:  # unused high bits of the last code byte, and the padding
-            message[plan.clear_reduced] = 0
+            message[_device.on_device(plan.clear_reduced, message)] = 0
         engine = codec.engine_for(received)
         for n, (lc, fmt) in enumerate(zip(plan.lanes, a.plan.fmts)):
             lo, hi = lc.range
             if hi == lo:
                 continue
             total = self.state.buffers.get((a.bucket.name, "sum", n, chunk), hi - lo, np.float32, xp)
-            peaks = engine.table_sum(rows, fmt, lc.reduce, a.shifts[lc.reduce.tensor], total)
+            peaks = engine.table_sum(rows, fmt, lc.reduce, _device.take(a.shifts_here, lc.reduce.tensor), total)
             residual = self._owner_residual(a, n, lo, hi)
             if residual is not None:  # the owner's re-encode loses bits too
                 total += residual[0]
                 peaks = engine.table_amax(total, lc.reduce)
-            peaks = _arrays.to_numpy(peaks)
-            shifts = (scaling.shifts_for(peaks, 1, fmt) if self.config.scaling == "aps"
-                      else np.zeros(peaks.size, np.int64))
-            engine.table_encode(total, fmt, lc.reencode, shifts, self.config.rounding,
-                                None if a.owner_seeds is None else a.owner_seeds[lc.reencode.tensor],
+            # each block's exponent from its own max, where the sums lie: no host round trip
+            shifts = (scaling.shifts_where(peaks, 1, fmt) if self.config.scaling == "aps"
+                      else xp.zeros(peaks.size, np.int64))
+            engine.table_encode(total, fmt, lc.reencode, shifts.astype(np.int32), self.config.rounding,
+                                None if a.owner_seeds is None else _device.take(a.owner_seeds, lc.reencode.tensor),
                                 self.config.saturate, message, None if residual is None else residual[1])
-            exponents = shifts.astype(_SHIFT).view(np.uint8)
-            message[lc.exponent_start:lc.exponent_start + exponents.size] = xp.asarray(exponents)
+            exponents = shifts.astype(_tables.EXPONENT).view(np.uint8)
+            message[lc.exponent_start:lc.exponent_start + exponents.size] = exponents
         with a.lock:
             a.bytes_sent += int(message.size) * (self.world - 1)
         return message
@@ -405,31 +403,38 @@ class CodesExchange:
         """Every owner's reduced range of a chunk -> its place in the results."""
         engine = codec.engine_for(gathered)
         for lc, fmt in zip(a.plan.chunks[chunk].lanes, a.plan.fmts):
-            if lc.finish.count:
-                exponents = _arrays.to_numpy(gathered[lc.exponents]).view(_SHIFT)
+            if lc.finish.count:  # each block's exponent read from the message where it lies
+                exponents = _device.take(gathered, lc.exponents).view(_tables.EXPONENT)
                 engine.table_decode(gathered, fmt, lc.finish, exponents, a.out, np.float32(a.divisor), a.stream)
 
     def done(self, a: Agreement):
         """After the last chunk: the results (the flat `out`), the stats and bytes recorded, the
         tensors' exchange noted for the step's commit."""
         if a.sums is not None:
-            self._record(a)
+            self.stats.record_bucket_later(a.bucket.name, [sums for _, sums in a.sums],
+                                           functools.partial(self._bucket_stats, a.bucket, a.plan, a.shifts, a.lanes_of,
+                                                             [segment for segment, _ in a.sums]))
         self.stats.record_sent(a.bytes_sent)
         self.state.exchanged(a.bucket.keys)
         return a.out
 
-    def _record(self, a: Agreement) -> None:
-        """The bucket's stats, one row per held segment: the sample scaled up by its stride."""
-        bucket, held = a.bucket, a.bucket.held()
+    def _bucket_stats(self, bucket: Bucket, plan: Plan, shifts: np.ndarray, lanes_of: tuple, segments: list,
+                      block_sums: list) -> BucketStats:
+        """The bucket's stats, one row per held segment: the sample scaled up by its stride, from
+        every stage call's per-block sums (on the host by now) of the blocks of `segments`."""
+        held = bucket.held()
+        sums = np.zeros((len(held.tensor), _tables.SAMPLE_SUMS))
+        for segment, part in zip(segments, block_sums):
+            sums += np.stack([np.bincount(segment, weights=part[:, j], minlength=len(sums))
+                              for j in range(part.shape[1])], axis=1)
         sizes = np.diff(held.offsets)
-        lanes = np.asarray(a.lanes_of)[held.tensor]
+        lanes = np.asarray(lanes_of)[held.tensor]
         finite = lanes >= 0
         steps = np.array([_arrays.sample_stride(int(n), self.stats.sample) for n in sizes], np.float64)
-        fmts = [str(a.plan.fmts[lane]) if lane >= 0 else str(self.fmts[0]) for lane in lanes.tolist()]
-        stats = BucketStats.of_sums([bucket.labels[t] for t in held.tensor.tolist()], fmts,
-                                    np.where(finite, a.shifts[held.tensor], 0), sizes, steps, a.sums,
-                                    np.where(finite, a.plan.carried, 0), finite)
-        self.stats.record_bucket(bucket.name, stats)
+        fmts = [str(plan.fmts[lane]) if lane >= 0 else str(self.fmts[0]) for lane in lanes.tolist()]
+        return BucketStats.of_sums([bucket.labels[t] for t in held.tensor.tolist()], fmts,
+                                   np.where(finite, shifts[held.tensor], 0), sizes, steps, sums,
+                                   np.where(finite, plan.carried, 0), finite)
 
     # helpers --------------------------------------------------------------------------------------
     def _sampled_error(self, x, amax: float) -> float:
@@ -449,6 +454,11 @@ class CodesExchange:
 
 def _xp(x):
     return _arrays.array_module(x)
+
+
+def _here(host: np.ndarray, xp):
+    """A host array where the data lies (one upload per agreement for a device)."""
+    return host if xp is np else xp.asarray(host)
 
 
 def corrected(state, buffer_key: tuple, residual_key: tuple, x):

@@ -122,11 +122,18 @@ class StatsRecorder:
 
     def reset(self) -> None:
         with self._lock:
-            self._last, self._buckets, self.total, self.bytes_sent = {}, {}, TensorStats(), 0
+            self._last, self._buckets, self._total, self.bytes_sent, self._later = {}, {}, TensorStats(), 0, {}
+
+    @property
+    def total(self) -> TensorStats:
+        """Every TensorStats recorded since reset(), summed."""
+        self.settle()
+        return self._total
 
     @property
     def last(self) -> dict:
         """label -> the last TensorStats recorded for it (buckets' rows made now)."""
+        self.settle()
         with self._lock:
             for bucket in self._buckets.values():
                 self._rows_of(bucket)
@@ -136,17 +143,19 @@ class StatsRecorder:
     def record(self, label: str, stats: "TensorStats | None") -> None:
         if not self.enabled or stats is None:
             return
+        self.settle()  # what came before, first
         with self._lock:
             for name in [n for n, b in self._buckets.items() if label in b.labels]:  # theirs came first
                 self._rows_of(self._buckets.pop(name))
             self._last[label] = stats
-            self.total = self.total + stats
+            self._total = self._total + stats
 
     def record_bucket(self, name: str, stats: BucketStats) -> None:
         """A bucket's exchange, as one BucketStats under the bucket's `name` (its rows replace the
         last step's of that name; rows are made when `last` is read)."""
         if not self.enabled:
             return
+        self.settle()
         total = stats.total()
         with self._lock:
             earlier = self._buckets.pop(name, None)
@@ -156,7 +165,32 @@ class StatsRecorder:
                 self._last.update((label, None) for label in stats.labels if label not in self._last)  # places
             self._buckets[name] = stats
             if stats.labels:
-                self.total = self.total + total
+                self._total = self._total + total
+
+    def record_bucket_later(self, name: str, parts: list, make) -> None:
+        """A bucket's exchange whose sample sums (`parts`: arrays where the exchange ran) are read
+        later: make(parts on the host) -> its BucketStats, recorded when the stats are read or
+        when the bucket comes back (the next step), every bucket waiting then in one copy. On a
+        device that is one read per step, not one per bucket, and none while the bucket runs."""
+        if not self.enabled:
+            return
+        with self._lock:
+            due = name in self._later
+        if due:
+            self.settle()
+        with self._lock:
+            self._later[name] = (parts, make)
+
+    def settle(self) -> None:
+        """Record every bucket waiting in record_bucket_later, in the order they came."""
+        with self._lock:
+            later, self._later = self._later, {}
+        if not later:
+            return
+        host = _arrays.host_copies([part for parts, _ in later.values() for part in parts])
+        for name, (parts, make) in later.items():
+            self.record_bucket(name, make(host[:len(parts)]))
+            host = host[len(parts):]
 
     def _rows_of(self, bucket: BucketStats) -> None:
         for i, label in enumerate(bucket.labels):

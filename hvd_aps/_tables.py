@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from . import _arrays, _device
 from ._layout import Layout
 
 SRC, COUNT, BASE, POS, INDEX = range(5)
@@ -22,7 +23,7 @@ COLUMNS = 5
 # what table_stats sums per block (ops/host.c's HVD_STATS): samples, nonzero inputs, nonzero values
 # sent, inputs beyond the format's limit, (sent - input)^2 and input^2
 SAMPLE_SUMS = 6
-_EXPONENT = np.dtype("<i2")  # re-encode exponents on the wire
+EXPONENT = np.dtype("<i2")  # re-encode exponents on the wire, each block's after its codes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -117,8 +118,17 @@ def held(segments: tuple) -> Held:
     return Held(blocks, whole.offsets, tensor, first)
 
 
-def segment_max(peaks: np.ndarray, held_: Held) -> np.ndarray:
-    """Per segment, the max of its blocks' peaks (0 for a segment of no elements)."""
+def segment_max(peaks, held_: Held):
+    """Per segment, the max of its blocks' peaks (0 for a segment of no elements), where the
+    peaks lie (float64 on the host, float32 on a device)."""
+    xp = _arrays.array_module(peaks)
+    if xp is not np:  # maxima of |x| (+inf for NaN/Inf) order as their bits do: an integer max
+        import cupyx
+        out = xp.zeros(len(held_.tensor), xp.float32)
+        if held_.blocks.count:
+            cupyx.scatter_max(out.view(xp.uint32), _device.on_device(held_.blocks.segment, peaks),
+                              peaks.view(xp.uint32))
+        return out
     out = np.zeros(len(held_.tensor), np.float64)
     has = held_.first >= 0
     if has.any():
@@ -193,7 +203,7 @@ def chunk_plans(lanes: list, fmts: list, layouts: list, chunks: list, segments: 
         ranges = [chunks[n][c] for n in range(len(lanes))]  # per lane, per owner
         parts = _part_sizes(lanes, fmts, ranges)  # (world, lanes)
         at = np.concatenate([[0], np.cumsum(parts.ravel())])
-        reduced = [[fmt.packed_size(hi - lo) + _EXPONENT.itemsize * layouts[n].blocks_in(lo, hi)
+        reduced = [[fmt.packed_size(hi - lo) + EXPONENT.itemsize * layouts[n].blocks_in(lo, hi)
                     for n, (fmt, (lo, hi)) in enumerate(zip(fmts, (ranges[m][r] for m in range(len(lanes)))))]
                    for r in range(world)]
         lens = [max(reduced[r][n] for r in range(world)) for n in range(len(lanes))] if padded else None
@@ -236,7 +246,7 @@ def _lane_chunk(lane, fmt, layout, ranges, data_offsets, rank, n, lane_count, pa
         starts, counts, src, tensor, index, seg = _lane_blocks(lane, layout, olo, ohi, data_offsets)
         base = int(owner_at[r]) + int(sum(owner_lens[r][:n]))
         finish.append((src, counts, np.full(len(starts), base), starts - olo, index, tensor, seg))
-        first = base + fmt.packed_size(ohi - olo) + _EXPONENT.itemsize * np.arange(len(starts))
+        first = base + fmt.packed_size(ohi - olo) + EXPONENT.itemsize * np.arange(len(starts))
         exponents.append(np.stack([first, first + 1], axis=1).ravel())
     finish = Blocks.of(*(np.concatenate(col) for col in zip(*finish)))
     return LaneChunk(send, reduce, reencode, finish, np.concatenate(exponents).astype(np.int64), (lo, hi), codes_bytes,

@@ -89,6 +89,9 @@ class Adapter(Protocol):
     def join(self, flats):
         """flatten()'s arrays end to end in one flat array: a batch's bucket."""
 
+    def place(self, tensor):
+        """Where a threaded exchange of this gradient runs (hvd_aps._device.Place), None: anywhere."""
+
     def token(self, tensor, process_set):
         """What Horovod allreduces in place of a gradient sent as codes (token_values)."""
 
@@ -291,7 +294,7 @@ class Batches:
     def _start(self, adapter: Adapter, tensor) -> None:
         """The step's first gradient: the schedule's path for the step, the one-at-a-time warning."""
         self._started = True
-        self._native = self._ex.state.schedule.native_dtype()
+        self._native = self._ex.native_dtype()
         if self._lone not in (None, adapter.label(tensor)):
             _warn_one_by_one()
         check_fallback(self._ex.config, adapter, tensor)
@@ -502,7 +505,8 @@ class Batches:
             # threaded: the gradients are joined on the exchange's thread, off backward's
             flat = functools.partial(adapter.join, batch.flats) if adapter.threaded else adapter.join(batch.flats)
             batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical, batch.process_set),
-                                           batch.bucket, flat, adapter.threaded, average=batch.reduction.averaged)
+                                           batch.bucket, flat, adapter.threaded, adapter.place(batch.flats[0]),
+                                           average=batch.reduction.averaged)
             batch.flats = []  # the join holds them
             self._launched.append(batch)
         if self._open is batch:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from . import _arrays, _host_memory, _metadata, exchange
+from . import _arrays, _device, _host_memory, _metadata, exchange
 from ._stages import Bucket
 from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
@@ -48,7 +48,7 @@ class TorchDistributedCollectives(exchange.AsyncEager):
     def max_allreduce(self, vector, name):
         t = self._tensor(vector)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t.cpu().numpy()
+        return _arrays.as_array(t)
 
     def allreduce(self, values, name):
         t = self._tensor(values)
@@ -244,26 +244,32 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         future = _native(state, bucket, spec, native)
         state.handed_over(bucket.is_last())
         return future
-    future = torch.futures.Future()
+    # on CUDA: the stream DDP calls the hook on, which the exchange's work joins, and a Future
+    # whose completion DDP's stream waits for as an event, not the host
+    place = _device.place_of(buffer)
+    future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
     levels, thread = state.lane(index, buffer.device)
 
     def run():
-        stages = exchanger.stages(levels.cross.world, levels.cross.rank)
-        # the bucket's buffer is its gradients end to end: a float32 one is read and decoded into
-        # in place (each element read before its result is written), others through a float32 copy
-        in_place = buffer.dtype == torch.float32
-        array = _arrays.as_array(buffer.view(-1) if in_place else buffer.view(-1).to(torch.float32))
-        mean = exchange.run(stages, spec, array, levels, out=array, average=True)
-        if not in_place:
-            buffer.view(-1).copy_(torch.from_dlpack(mean))
+        with _device.entered(place):
+            stages = exchanger.stages(levels.cross.world, levels.cross.rank)
+            # the bucket's buffer is its gradients end to end: a float32 one is read and decoded
+            # into in place (each element read before its result is written), others through a
+            # float32 copy
+            in_place = buffer.dtype == torch.float32
+            array = _arrays.as_array(buffer.view(-1) if in_place else buffer.view(-1).to(torch.float32))
+            mean = exchange.run(stages, spec, array, levels, out=array, average=True)
+            if not in_place:
+                buffer.view(-1).copy_(torch.from_dlpack(mean))
         state.counted()
         return buffer
 
     def settle(done):
-        if done.exception() is not None:
-            future.set_exception(done.exception())
-        else:
-            future.set_result(done.result())
+        with _device.entered(place):  # the Future's event is recorded on the exchange's stream
+            if done.exception() is not None:
+                future.set_exception(done.exception())
+            else:
+                future.set_result(done.result())
 
     exchanger.submit(run, executor=thread).add_done_callback(settle)  # after the step has counted it done
     state.handed_over(bucket.is_last())

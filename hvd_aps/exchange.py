@@ -243,7 +243,7 @@ def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = 
         return (vector,)
 
     vector, = levels.world.stage(metadata, [data], [np.float64])
-    agreed = levels.world.max_allreduce(vector, f"{bucket.name}.meta")
+    agreed = _read(levels.world.max_allreduce(vector, f"{bucket.name}.meta"))
     _check_settings(levels.world, stages.config, agreed, bucket.name)
 
     def agree(agreed):
@@ -270,6 +270,12 @@ def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = 
             schedule.estimate_native(bucket.name, sum(bucket.sizes), levels.world.world // per_host, per_host)
             schedule.placed(bucket.name, handed, ended)
     return result
+
+
+def _read(agreed):
+    """The agreed metadata on the host: where the exchange runs on a device, the one read a
+    bucket makes (formats, chunks and checks are the host's; everything after stays there)."""
+    return _arrays.to_numpy(agreed) if _arrays.is_array(agreed) else agreed
 
 
 def _check_settings(coll: Collectives, config, agreed, name: str) -> None:
@@ -330,7 +336,7 @@ def reduce_scatter(stages, name: str, rows, coll: Collectives, out, divisor: flo
     """The codes reduce-scatter (hvd_aps._scatter): rows (world, n) float32, row r for rank r ->
     `out` (n float32), this rank's row summed over the ranks and divided by `divisor`. Eager."""
     vector, rows = stages.metadata(name, rows)
-    agreed = coll.max_allreduce(vector, f"{name}.meta")
+    agreed = _read(coll.max_allreduce(vector, f"{name}.meta"))
     _check_settings(coll, stages.config, agreed, name)
     agreement = stages.agree(name, agreed, rows, divisor)
     send, splits = stages.begin(agreement)

@@ -26,7 +26,7 @@ import contextlib
 import threading
 from typing import Callable, Optional
 
-from . import codec, exchange
+from . import _device, codec, exchange
 from ._scatter import ScatterExchange
 from ._stages import Bucket, CodesExchange
 from ._state import ExchangeState
@@ -83,17 +83,18 @@ class Exchanger:
         return future
 
     def bucket(self, levels: exchange.Levels, bucket: Bucket, flat, threaded: bool = True,
-               **options) -> "concurrent.futures.Future | Done":
+               place: Optional[_device.Place] = None, **options) -> "concurrent.futures.Future | Done":
         """One bucket (its gradients end to end in `flat`, or a callable that joins them where
         the exchange runs: off the thread that hands the bucket over) through the driver
         (hvd_aps.exchange.run, `options` its keywords) -> a Future of its flat results: on the
         threads where `threaded` (eager torch, so backward goes on), else in the caller's thread
-        (TF's ops, which TF itself runs in parallel)."""
+        (TF's ops, which TF itself runs in parallel); on a device at `place` (the stream the
+        gradients were made on)."""
         stages = self.stages(levels.cross.world, levels.cross.rank)
         if threaded:
-            return self.submit(_run, stages, bucket, flat, levels, **options)
+            return self.submit(_run, stages, bucket, flat, levels, place, **options)
         with self.exchange():
-            return Done(_run(stages, bucket, flat, levels, **options))
+            return Done(_run(stages, bucket, flat, levels, place, **options))
 
     @staticmethod
     def result(future: "concurrent.futures.Future | Done"):
@@ -176,8 +177,9 @@ class Exchanger:
         self._step.notify_all()
 
 
-def _run(stages, bucket: Bucket, flat, levels: exchange.Levels, **options):
-    return exchange.run(stages, bucket, flat() if callable(flat) else flat, levels, **options)
+def _run(stages, bucket: Bucket, flat, levels: exchange.Levels, place, **options):
+    with _device.entered(place):
+        return exchange.run(stages, bucket, flat() if callable(flat) else flat, levels, **options)
 
 
 class Done:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import _arrays, _metadata, exchange
+from . import _arrays, _device, _metadata, exchange
 from ._stages import Bucket
 from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
@@ -65,18 +65,20 @@ class APSReduceScatter(ReduceScatter):
             raise ValueError(f"APSReduceScatter averages itself: FSDP must pass ReduceOp.SUM (use hvd_aps.fsdp.apply, "
                              f"which sets set_force_sum_reduction_for_comms and set_gradient_divide_factor), got {op}")
         coll, stages = self._exchange(group, input_tensor.device)
-        schedule = self.compressor.state.schedule
-        schedule.unchunked(self.name)
-        rows = input_tensor.detach().to(torch.float32).reshape(coll.world, -1)
-        out = torch.empty(output_tensor.numel(), dtype=torch.float32, device=output_tensor.device)
-        with _backward_step(self.compressor):
-            native = schedule.native_dtype()
-            if native is not None:
-                self._native(rows, out, group, native)
-            else:
-                exchange.reduce_scatter(stages, self.name, _arrays.as_array(rows), coll, _arrays.as_array(out),
-                                        coll.world)
-        output_tensor.copy_(out.view(output_tensor.shape))
+        self.compressor.state.schedule.unchunked(self.name)
+        # on CUDA, everything on the stream FSDP called on (its reduce-scatter stream), where it
+        # reads the output next
+        with _device.entered(_device.place_of(input_tensor)):
+            rows = input_tensor.detach().to(torch.float32).reshape(coll.world, -1)
+            out = torch.empty(output_tensor.numel(), dtype=torch.float32, device=output_tensor.device)
+            with _backward_step(self.compressor):
+                native = self.compressor.exchanger.native_dtype()
+                if native is not None:
+                    self._native(rows, out, group, native)
+                else:
+                    exchange.reduce_scatter(stages, self.name, _arrays.as_array(rows), coll, _arrays.as_array(out),
+                                            coll.world)
+            output_tensor.copy_(out.view(output_tensor.shape))
         return None
 
     def _exchange(self, group, device) -> tuple:
@@ -115,7 +117,7 @@ class CrossHostHook:
         flat = reduce_output.detach().reshape(-1)
         values = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
         bucket = Bucket.whole(self.name, [self.name], [self.name], [values.numel()])
-        with _backward_step(self.compressor):
+        with _backward_step(self.compressor), _device.entered(_device.place_of(reduce_output)):
             array = _arrays.as_array(values)
             exchange.run(stages, bucket, array, exchange.Levels.flat(coll), out=array, divisor=self.world)
         if values is not flat:

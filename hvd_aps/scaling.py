@@ -18,6 +18,7 @@ The rule is CPD's (Han et al., arXiv 1911.08907) with three changes:
 """
 import numpy as np
 
+from ._arrays import array_module
 from .formats import FloatFormat
 
 
@@ -37,11 +38,20 @@ def shifts_for(amaxes, world_size, fmt, sum_max=None):
     amaxes = np.asarray(amaxes, dtype=np.float64)
     if np.any(amaxes < 0):
         raise ValueError("amax must be >= 0 (it is a max of absolute values)")
-    usable = np.isfinite(amaxes) & (amaxes > 0)
-    amax = np.where(usable, amaxes, 1.0)
+    return shifts_where(amaxes, world_size, fmt, sum_max)
+
+
+def shifts_where(amaxes, world_size: int, fmt: FloatFormat, sum_max=None):
+    """shifts_for computed where `amaxes` lie (NumPy or CuPy: maxima the exchange found on the
+    device stay there), with the same float64 arithmetic, so the same shifts bit for bit. The
+    caller vouches for the arguments: maxima of absolute values, a FloatFormat."""
+    xp = array_module(amaxes)
+    amaxes = amaxes.astype(xp.float64)
+    usable = xp.isfinite(amaxes) & (amaxes > 0)
+    amax = xp.where(usable, amaxes, 1.0)
     # both bounds at once: the largest s under the smaller limit is the largest under both
-    s = _largest_shift(amax, min(fmt.max, _term_limit(world_size, fmt, sum_max)))
-    return np.where(usable, s, 0)
+    s = _largest_shift(xp, amax, min(fmt.max, _term_limit(world_size, fmt, sum_max)))
+    return xp.where(usable, s, 0)
 
 
 def _term_limit(world_size, fmt, sum_max):
@@ -55,11 +65,11 @@ def _term_limit(world_size, fmt, sum_max):
     return min(relative, absolute) if absolute > 0 else relative
 
 
-def _largest_shift(peak, limit):
+def _largest_shift(xp, peak, limit):
     """Largest integer s with peak * 2**s <= limit (exact: float64 products of float32 values and
     small integers, and powers of two)."""
-    _, exp = np.frexp(limit / peak)
-    s = exp.astype(np.int64) - 1  # floor(log2(limit / peak)), up to the division's last-bit error
-    s += np.ldexp(peak, s + 1) <= limit
-    s -= np.ldexp(peak, s) > limit
+    _, exp = xp.frexp(limit / peak)
+    s = exp.astype(xp.int64) - 1  # floor(log2(limit / peak)), up to the division's last-bit error
+    s += xp.ldexp(peak, (s + 1).astype(xp.int32)) <= limit
+    s -= xp.ldexp(peak, s.astype(xp.int32)) > limit
     return s

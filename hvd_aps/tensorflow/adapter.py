@@ -124,6 +124,11 @@ def token(tensor, process_set=None):
     return tf.constant(_tokens.token_values(hvd.rank() if is_global(process_set) else process_set.rank()))
 
 
+def place(tensor):
+    """TensorFlow runs the exchange's ops itself, on its own streams."""
+    return None
+
+
 def finish(total, token_out, like, reduction, ranks):
     """_tokens.apply_op's arithmetic as graph ops (a numpy_function a gradient cost ~0.1 ms each):
     the same divisions and products in float32, the same refusal of a reduction that is no sum.

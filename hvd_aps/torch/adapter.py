@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from .. import _arrays, _horovod, _metadata, _tokens, _values, codec, exchange
+from .. import _arrays, _device, _horovod, _metadata, _tokens, _values, codec, exchange
 from .._horovod import HorovodLevels, is_global
 
 # hvd.synchronize() spins (std::this_thread::yield, taking the GIL back on every turn): two
@@ -153,6 +153,11 @@ def join(flats):
     """One float32 copy of the batch's gradients end to end (Horovod's gradients lie apart), in
     one call, as the codec's array."""
     return _arrays.as_array(_flatten_dense_tensors([_as_dtype(t, torch.float32) for t in flats]))
+
+
+def place(tensor):
+    """A CUDA gradient's exchange runs on its device, on the stream current where it was handed over."""
+    return _device.place_of(tensor)
 
 
 def token(tensor, process_set=None):

@@ -16,7 +16,7 @@ import horovod.torch as hvd
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .. import _arrays, _layout
+from .. import _arrays, _device, _layout
 from .._stages import Bucket
 from ..compressor import APSCompressor
 from .adapter import label, levels, reducible, wait
@@ -89,8 +89,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               [label(g) for g in grads], [g.numel() for g in grads])
         lv = levels(self._compression.config.hierarchical)  # anew after an elastic reset
         array = _arrays.as_array(flat)
-        self._futures[b] = self._compression.exchanger.bucket(lv, bucket, array, out=array,
-                                                              average=self._op == hvd.Average)
+        self._futures[b] = self._compression.exchanger.bucket(lv, bucket, array, place=_device.place_of(flat),
+                                                              out=array, average=self._op == hvd.Average)
         self._targets[b] = flat
 
     def synchronize(self):

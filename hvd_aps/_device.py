@@ -1,0 +1,117 @@
+"""Where the exchange's device work runs, and what it keeps on the device between steps.
+
+A framework hands the exchange a bucket on a stream of its own: DDP calls its comm hook on the
+stream backward runs on, FSDP2 its reduce-scatter and all-reduce hooks on streams it made for
+them. The exchange's CuPy kernels, allocations and DLPack hand-offs run on that stream and device
+(`Place`, taken where the framework calls, entered in whichever thread launches), so they are
+ordered after the gradients they read and before whatever the framework queues after the hook,
+without a host wait, and never land on device 0 from a thread whose device was never set.
+
+Host arrays the stages index the device with (a table's tensor column, a message's exponent
+bytes) are copied to the device once and kept (`on_device`): tables are made once per bucket
+layout, so in steady state a stage uploads nothing.
+"""
+import collections
+import contextlib
+import dataclasses
+import threading
+from typing import Optional
+
+import numpy as np
+
+from . import _arrays
+
+COPIES_KEPT = 4096  # device copies of host index arrays: a few per chunk and lane of every bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """A CUDA device and the stream (a cudaStream_t as an int) the framework handed the exchange,
+    with the framework's own stream object where it has one (torch: its collectives and copies
+    must run on that stream too)."""
+    device: int
+    stream: int
+    torch_stream: object = None
+
+
+def place_of(tensor) -> Optional[Place]:
+    """Where a torch tensor's exchange runs: its device and the stream current there in the
+    calling thread (the framework's); None for a tensor off CUDA."""
+    if not getattr(tensor, "is_cuda", False):
+        return None
+    import torch
+    stream = torch.cuda.current_stream(tensor.device)
+    return Place(tensor.device.index, stream.cuda_stream, stream)
+
+
+@contextlib.contextmanager
+def entered(place: Optional[Place]):
+    """Inside: CuPy's (and with a torch stream, torch's) current device and stream are the
+    place's in this thread, and CuPy allocates from torch's caching allocator, so the two
+    pools never compete for the device's memory. No place: nothing changes."""
+    if place is None:
+        yield
+        return
+    import cupy
+    with contextlib.ExitStack() as stack:
+        if place.torch_stream is not None:
+            import torch
+            stack.enter_context(torch.cuda.device(place.device))
+            stack.enter_context(torch.cuda.stream(place.torch_stream))
+            stack.enter_context(cupy.cuda.using_allocator(_torch_allocation))
+        stack.enter_context(cupy.cuda.Device(place.device))
+        stack.enter_context(cupy.cuda.ExternalStream(place.stream, place.device))
+        yield
+
+
+class _TorchBlock:
+    """Memory from torch's caching allocator, given back when CuPy drops its last pointer."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __del__(self):
+        if self.ptr:
+            import torch
+            torch.cuda.caching_allocator_delete(self.ptr)
+
+
+def _torch_allocation(size: int):
+    """CuPy's allocator inside `entered`: `size` bytes from torch's caching allocator, on the
+    current device and stream."""
+    import cupy
+    import torch
+    device = cupy.cuda.Device().id
+    ptr = torch.cuda.caching_allocator_alloc(size, device, cupy.cuda.get_current_stream().ptr) if size else 0
+    memory = cupy.cuda.UnownedMemory(ptr, size, _TorchBlock(ptr), device)
+    return cupy.cuda.MemoryPointer(memory, 0)
+
+
+_copies = collections.OrderedDict()  # (id of the host array, device) -> (host array, its device copy)
+_copies_lock = threading.Lock()
+
+
+def on_device(host: np.ndarray, like):
+    """`host` as an array of `like`'s kind: itself for NumPy, else its copy on the current
+    device, made once and kept while the host array lives in the cache (held, so its id is not
+    reused)."""
+    xp = _arrays.array_module(like)
+    if xp is np:
+        return host
+    key = (id(host), xp.cuda.Device().id)
+    with _copies_lock:
+        kept = _copies.get(key)
+        if kept is not None:
+            _copies.move_to_end(key)
+            return kept[1]
+    copy = xp.asarray(host)
+    with _copies_lock:
+        _copies[key] = (host, copy)
+        while len(_copies) > COPIES_KEPT:
+            _copies.popitem(last=False)
+    return copy
+
+
+def take(values, index: np.ndarray):
+    """values[index] where `values` lies, with the host index array copied there once."""
+    return values[on_device(index, values)]
