@@ -32,12 +32,13 @@ def allgather_object(obj):
     return gathered
 
 
-def shard(model, reshard, mesh=None, reduce_dtype=None):
+def shard(model, reshard, mesh=None, reduce_dtype=None, param_dtype=None):
     """fully_shard every block (its children that hold parameters and run a forward of their own:
     transformer blocks, the MLP's layers; not a ParameterList, whose parameters its parent uses),
-    then the root, on `mesh` (None: every rank), reducing in `reduce_dtype` (None: the parameters'
-    float32)."""
-    options = dict(reshard_after_forward=reshard, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
+    then the root, on `mesh` (None: every rank), computing in `param_dtype` and reducing in
+    `reduce_dtype` (None: the parameters' float32)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    options = dict(reshard_after_forward=reshard, mesh=mesh, mp_policy=policy)
     blocks = getattr(model, "blocks", model)
     for child in blocks.children():
         if any(True for _ in child.parameters()) and not isinstance(child, torch.nn.ParameterList):

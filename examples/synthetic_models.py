@@ -87,16 +87,18 @@ class BasicBlock(torch.nn.Module):
 
 
 class ResNet18(torch.nn.Module):
-    def __init__(self, classes=1000):
+    """ResNet-18; `width` the first stage's channels (64; the smoke runs' stand-ins take fewer)."""
+
+    def __init__(self, classes=1000, width=64):
         super().__init__()
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(64),
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, width, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(width),
                                         torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
-        layers, cin = [], 64
-        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers, cin = [], width
+        for cout, stride in ((width, 1), (2 * width, 2), (4 * width, 2), (8 * width, 2)):
             layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
             cin = cout
         self.layers = torch.nn.Sequential(*layers)
-        self.fc = torch.nn.Linear(512, classes)
+        self.fc = torch.nn.Linear(8 * width, classes)
 
     def forward(self, x):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
@@ -122,6 +124,46 @@ class LanguageModel(Transformer):
 
     def forward(self, tokens):
         return self.head(super().forward(self.embed(tokens)))
+
+
+class CausalBlock(torch.nn.Module):
+    """GPT-2's block: pre-LayerNorm causal self-attention through torch's fused
+    scaled_dot_product_attention (as transformers' GPT-2 runs it with its sdpa attention, so a step
+    costs about what a real GPT-2 step does), then a tanh-GELU MLP. No mask buffer: DDP would
+    broadcast it."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(approximate="tanh"),
+                                       torch.nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = (t.reshape(batch, length, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(width, dim=-1))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(torch.nn.Module):
+    """GPT-2's shape without its weights: token and position embeddings, `layers` CausalBlocks, a
+    final LayerNorm and the LM head tied to the token embedding (GPT-2 small: vocab 50257, width
+    768, 12 heads, 12 layers, 1024 positions: 124M parameters)."""
+
+    def __init__(self, vocab, width, heads, layers, positions):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Embedding(positions, width)
+        self.blocks = torch.nn.Sequential(*[CausalBlock(width, heads) for _ in range(layers)])
+        self.ln = torch.nn.LayerNorm(width)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[-1], device=tokens.device))
+        return F.linear(self.ln(self.blocks(x)), self.embed.weight)
 
 
 def lm_loss(logits, targets):
