@@ -112,7 +112,11 @@ class Adapter(Protocol):
     def finish(self, total, token_out, like, reduction: "Reduction", ranks: int):
         """The exchanged sum `total` (float32 flat) over `ranks` ranks as Horovod's op left
         `token_out`, in the gradient's shape and dtype (apply_op: with `reduction` where the op
-        is known now)."""
+        is known now; or, where the batch averaged already, the token left in reduction.unread
+        for the step's end to check)."""
+
+    def read_tokens(self, tokens: list) -> list:
+        """The reduced tokens' values on the host, in one read (where finish leaves any unread)."""
 
     def at_step_end(self, out, end_step, results):
         """`out` (the step's last result) once `end_step` ran after every one of `results`."""
@@ -161,9 +165,11 @@ def _adapter_of_type(kind: type):
 @dataclasses.dataclass
 class Reduction:
     """Whether a batch's exchange averaged its sums (learned from the batch of the same name in
-    the step before), and for each of its tokens whether it said Average."""
+    the step before), for each of its tokens whether it said Average, and the tokens of an
+    averaged batch not read yet (`unread`: (token, ranks), checked when the step ends)."""
     averaged: bool = False
     said_average: list = dataclasses.field(default_factory=list)
+    unread: list = dataclasses.field(default_factory=list)
 
     def all_average(self) -> bool:
         """Every token said Average (and one came): the next step's batch of this name averages."""
@@ -459,6 +465,7 @@ class Batches:
         """End the step (after every exchange of it, in a graph too) and restart the naming."""
         launched = self._launched
         results = [self._ex.result(batch.future) for batch in launched]
+        _check_unread(launched)
         self._averaged = {batch.name for batch in launched if batch.reduction.all_average()}
         # a step of one gradient, then one of another: Horovod hands them over one at a time
         alone = len(launched) == 1 and len(launched[0].sizes) == 1
@@ -560,6 +567,35 @@ class Cast:
         self.like = like
 
 
+def _said(token, world: int, reduction: Optional[Reduction]) -> tuple:
+    """(scale, whether it is an average) of a reduced token, checked to be a sum of tokens and,
+    where the batch averaged already, an average; recorded in `reduction`."""
+    scale, ranks = float(token[0]), float(token[1])
+    if abs(ranks - scale * (world - 1) / 2) > TOKEN_TOLERANCE * max(1.0, abs(scale) * world * world):
+        raise ValueError(NOT_A_SUM)
+    average = abs(scale - 1.0) <= TOKEN_TOLERANCE
+    if reduction is not None:
+        reduction.said_average.append(average)
+        if reduction.averaged and not average:
+            raise RuntimeError("APSCompressor averaged these sums as the same gradients' allreduce did in the "
+                               "step before, and this allreduce does not average (op Sum or other pre/postscale "
+                               "factors): this step is abandoned on every rank and the next one runs as this "
+                               "op asks. Use one APSCompressor for each reduction.")
+    return scale, average
+
+
+def _check_unread(launched: list) -> None:
+    """The step's tokens left unread (averaged batches: their results needed none), read in one
+    go and checked as apply_op checks each: on a device, one read a step instead of one a
+    gradient."""
+    unread = [(batch.reduction, ranks) for batch in launched for _, ranks in batch.reduction.unread]
+    if not unread:
+        return
+    values = launched[0].adapter.read_tokens([token for batch in launched for token, _ in batch.reduction.unread])
+    for (reduction, ranks), token in zip(unread, values):
+        _said(token, ranks, reduction)
+
+
 def token_values(rank: int) -> np.ndarray:
     """What compress() hands Horovod to reduce in place of the gradient."""
     return np.array([1.0, rank], np.float32)
@@ -570,19 +606,9 @@ def apply_op(total, token, world: int, reduction: Optional[Reduction] = None):
     left it, from the reduced token: average (divided by N in float32, as every codes path
     divides), sum, or sum times the factor Horovod applied. With `reduction`, what the token says
     is recorded there, and sums its exchange already averaged come back as they are."""
-    scale, ranks = float(token[0]), float(token[1])
-    if abs(ranks - scale * (world - 1) / 2) > TOKEN_TOLERANCE * max(1.0, abs(scale) * world * world):
-        raise ValueError(NOT_A_SUM)
-    average = abs(scale - 1.0) <= TOKEN_TOLERANCE
-    if reduction is not None:
-        reduction.said_average.append(average)
-        if reduction.averaged:
-            if not average:
-                raise RuntimeError("APSCompressor averaged these sums as the same gradients' allreduce did in the "
-                                   "step before, and this allreduce does not average (op Sum or other pre/postscale "
-                                   "factors): this step is abandoned on every rank and the next one runs as this "
-                                   "op asks. Use one APSCompressor for each reduction.")
-            return total
+    scale, average = _said(token, world, reduction)
+    if reduction is not None and reduction.averaged:
+        return total
     if average:
         total /= np.float32(world)
     elif abs(scale - world) > TOKEN_TOLERANCE * world:
