@@ -33,3 +33,12 @@ def same_bits(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     nan = np.isnan(a) & np.isnan(b) & (np.signbit(a) == np.signbit(b))
     return (a.view(np.uint32) == b.view(np.uint32)) | nan
+
+
+@pytest.fixture
+def counting_cupy():
+    """The counting stand-in for CuPy (tests/counting_cupy.py) installed as `cupy` for the test:
+    yields its Counts."""
+    import counting_cupy as standin
+    with standin.installed() as counts:
+        yield counts

@@ -1,0 +1,906 @@
+"""A counting stand-in for CuPy: the package's GPU path (hvd_aps/_cupy_engine.py, ops/kernels.cu and
+the exchange's array operations) runs on a machine without a GPU, and every device-to-host read,
+host-to-device upload, allocation, CuPy operation and kernel launch is recorded with the package
+frames that caused it.
+
+Device memory is NumPy memory: an `ndarray` here wraps a NumPy array and passes for CuPy's (its
+type's module starts with "cupy", which is how hvd_aps._arrays tells them). As CuPy's, it refuses
+implicit conversion to NumPy and host arrays as operands, so a read or an upload the package does
+not spell out fails instead of passing unseen. `RawModule` parses the `extern "C"` kernels'
+signatures from the source it is given, checks every launch's arguments against them (a pointer
+takes a device array of the pointee's dtype on the launch's device, a scalar the NumPy scalar of
+its C type) and runs the kernel's twin from hvd_aps._numpy_engine (bit for bit with ops/fpcodec.h)
+on the memory the pointers reach, writing what the kernel writes.
+
+Use `installed()` (or the `counting_cupy` fixture of conftest.py): it makes this stand-in `cupy`,
+`cupy.cuda`, `cupy.cuda.runtime` and `cupyx` for the package and yields the `Counts`.
+"""
+import contextlib
+import dataclasses
+import functools
+import itertools
+import operator
+import os
+import re
+import sys
+import threading
+import types
+from collections import Counter
+
+import numpy as np
+
+import hvd_aps
+from hvd_aps import _numpy_engine
+from hvd_aps._tables import BASE, COLUMNS, COUNT, INDEX, POS, SAMPLE_SUMS, SRC, Blocks
+from hvd_aps.formats import IEEE, FloatFormat
+
+_PACKAGE = os.path.dirname(os.path.abspath(hvd_aps.__file__)) + os.sep
+_REPO = os.path.dirname(os.path.dirname(_PACKAGE))
+_HERE = os.path.abspath(__file__)
+DEVICE_COUNT = 8  # devices runtime.getDeviceCount() reports: enough for one per thread rank
+
+
+# What happened on the device ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One device event. stack: the package frames that caused it, innermost first ("hvd_aps/x.py:12
+    fn"), or where none was on the stack the caller's own frame."""
+    kind: str    # read, upload, alloc, op (CuPy's own kernels), launch (a RawModule kernel)
+    name: str    # what: "get", "__float__", "asarray", "setitem", a kernel's name, ...
+    nbytes: int
+    stack: tuple
+    rank: object  # the tag of the thread it happened in (Counts.rank)
+    stream: int = None  # ops and launches: the stream's handle and the device they ran on
+    device: int = None
+    grid: tuple = None  # launches
+    block: tuple = None
+
+    @property
+    def where(self) -> str:
+        return " <- ".join(self.stack[:3])
+
+
+KINDS = {"read": "reads", "upload": "uploads", "alloc": "allocations", "op": "ops", "launch": "launches"}
+
+
+class Counts:
+    """The device events since reset(), from every thread. Tag a thread's events with rank()."""
+
+    def __init__(self):
+        self._lock, self._tag, self.events = threading.Lock(), threading.local(), []
+
+    def reset(self) -> None:
+        with self._lock:
+            self.events = []
+
+    @contextlib.contextmanager
+    def rank(self, tag):
+        """This thread's events tagged `tag` (a thread rank)."""
+        before, self._tag.value = getattr(self._tag, "value", None), tag
+        try:
+            yield
+        finally:
+            self._tag.value = before
+
+    def record(self, kind: str, name: str, nbytes: int = 0, **device) -> None:
+        event = Event(kind, name, int(nbytes), _stack(), getattr(self._tag, "value", None), **device)
+        with self._lock:
+            self.events.append(event)
+
+    def of(self, kind: str, rank=None) -> list:
+        """The events of one kind (of one rank's thread, where given)."""
+        with self._lock:
+            return [e for e in self.events if e.kind == kind and (rank is None or e.rank == rank)]
+
+    @property
+    def reads(self) -> list:
+        return self.of("read")
+
+    @property
+    def uploads(self) -> list:
+        return self.of("upload")
+
+    @property
+    def allocations(self) -> list:
+        return self.of("alloc")
+
+    @property
+    def ops(self) -> list:
+        return self.of("op")
+
+    @property
+    def launches(self) -> list:
+        return self.of("launch")
+
+    def summary(self, rank=None) -> str:
+        """Each kind's count and bytes, then each distinct (kind, name, frames) with how often."""
+        lines, seen = [], Counter()
+        for kind, label in KINDS.items():
+            events = self.of(kind, rank)
+            lines.append(f"{label:11} {len(events):6d}  {sum(e.nbytes for e in events):10d} bytes")
+            seen.update((kind, e.name, e.where) for e in events)
+        lines += [f"  {n:5d} x {kind:6} {name:18} {where}" for (kind, name, where), n in sorted(seen.items())]
+        return "\n".join(lines)
+
+
+COUNTS = Counts()
+
+
+def _stack() -> tuple:
+    frames, caller = [], None
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_PACKAGE):
+            frames.append(f"{os.path.relpath(name, _REPO)}:{frame.f_lineno} {frame.f_code.co_name}")
+        elif caller is None and name != _HERE:
+            caller = f"{os.path.relpath(name, _REPO)}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return tuple(frames) or (caller,)
+
+
+# Devices and streams: current values of a thread, as CuPy's ----------------------------------------
+class DeviceSynchronized(RuntimeError):
+    """A read inside cupyx.allow_synchronize(False)."""
+
+
+class Stream:
+    """A CUDA stream: `ptr` its handle (0: the null stream); current in a thread inside `with`."""
+    _handles = itertools.count(0x1000, 0x10)
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+        self.ptr = 0 if null else next(Stream._handles)
+
+    def __enter__(self):
+        _current.streams.append(_current.stream)
+        _current.stream = self
+        return self
+
+    def __exit__(self, *exc):
+        _current.stream = _current.streams.pop()
+
+    def use(self):
+        _current.stream = self
+        return self
+
+    def synchronize(self) -> None:
+        """Work on this stand-in is done when it returns."""
+
+
+class ExternalStream(Stream):
+    """A stream made elsewhere (a framework's), known by its handle."""
+
+    def __init__(self, ptr: int, device_id: int = -1):
+        self.ptr = int(ptr)
+
+
+class Device:
+    """A CUDA device by number (default: the current one); current in a thread inside `with`."""
+
+    def __init__(self, device=None):
+        self.id = _current.device if device is None else int(device)
+        if not 0 <= self.id < DEVICE_COUNT:
+            raise ValueError(f"no device {self.id}: the stand-in has {DEVICE_COUNT}")
+
+    def __enter__(self):
+        _current.devices.append(_current.device)
+        _current.device = self.id
+        return self
+
+    def __exit__(self, *exc):
+        _current.device = _current.devices.pop()
+
+    def use(self) -> None:
+        _current.device = self.id
+
+    def synchronize(self) -> None:
+        """Work on this stand-in is done when it returns."""
+
+
+Stream.null = Stream(null=True)
+
+
+class _Current(threading.local):
+    """A thread's current device and stream (and those its `with` blocks will restore), and
+    whether it may read (cupyx.allow_synchronize)."""
+
+    def __init__(self):
+        self.device, self.stream, self.devices, self.streams, self.synchronize = 0, Stream.null, [], [], True
+
+
+_current = _Current()
+
+
+def get_current_stream(device_id: int = -1) -> Stream:
+    return _current.stream
+
+
+@contextlib.contextmanager
+def allow_synchronize(allow: bool):
+    """cupyx.allow_synchronize: inside (allow False), any read raises DeviceSynchronized."""
+    before, _current.synchronize = _current.synchronize, allow
+    try:
+        yield
+    finally:
+        _current.synchronize = before
+
+
+def _on_device() -> dict:
+    return {"stream": _current.stream.ptr, "device": _current.device}
+
+
+# Arrays ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MemoryPointer:
+    """A device address: the allocation it lies in (a NumPy array's memory) and its place."""
+    owner: np.ndarray
+    ptr: int
+    device_id: int
+
+    def __add__(self, offset: int) -> "MemoryPointer":
+        return MemoryPointer(self.owner, self.ptr + int(offset), self.device_id)
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _memory(pointer: MemoryPointer, dtype, count: int) -> np.ndarray:
+    """`count` elements of `dtype` from a device address on, as a kernel reaches them through a
+    pointer; an IndexError where they would run past the allocation."""
+    dtype = np.dtype(dtype)
+    offset = pointer.ptr - _address(pointer.owner)
+    if offset < 0 or offset + count * dtype.itemsize > pointer.owner.nbytes:
+        raise IndexError(f"{count} {dtype} at byte {offset} of an allocation of {pointer.owner.nbytes} bytes")
+    return np.ndarray((count,), dtype, buffer=pointer.owner, offset=offset)
+
+
+def _read(name: str, nbytes: int) -> None:
+    if not _current.synchronize:
+        raise DeviceSynchronized(f"{name}: a device-to-host read inside cupyx.allow_synchronize(False)")
+    COUNTS.record("read", name, nbytes)
+
+
+class ndarray:
+    """A device array: a NumPy array standing for device memory, on one device."""
+
+    def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
+        """CuPy's constructor: a new allocation, or a view of the memory at `memptr`."""
+        if memptr is None:
+            a = np.empty(shape, dtype, order=order)
+            COUNTS.record("alloc", "ndarray", a.nbytes)
+        else:  # NumPy checks the view lies inside the allocation
+            a = np.ndarray(shape, dtype, buffer=memptr.owner, offset=memptr.ptr - _address(memptr.owner),
+                           strides=strides)
+        self._a, self._device = a, _current.device if memptr is None else memptr.device_id
+
+    # what an array is
+    shape = property(lambda self: self._a.shape)
+    size = property(lambda self: self._a.size)
+    dtype = property(lambda self: self._a.dtype)
+    itemsize = property(lambda self: self._a.itemsize)
+    ndim = property(lambda self: self._a.ndim)
+    nbytes = property(lambda self: self._a.nbytes)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: self._a.flags)
+
+    @property
+    def data(self) -> MemoryPointer:
+        return MemoryPointer(_root(self._a), _address(self._a), self._device)
+
+    @property
+    def device(self) -> Device:
+        return Device(self._device)
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:  # no read: a failing assertion's message leaves the counts as they are
+        return f"counting_cupy.ndarray(shape={self.shape}, dtype={self.dtype}, device={self._device})"
+
+    # reads
+    def get(self, stream=None, order="C", out=None):
+        _read("get", self.nbytes)
+        return self._a.copy()
+
+    def item(self):
+        _read("item", self.itemsize)
+        return self._a.item()
+
+    def tolist(self):
+        _read("tolist", self.nbytes)
+        return self._a.tolist()
+
+    def __float__(self):
+        _read("__float__", self.itemsize)
+        return float(self._a)
+
+    def __int__(self):
+        _read("__int__", self.itemsize)
+        return int(self._a)
+
+    def __bool__(self):
+        _read("__bool__", self.itemsize)
+        return bool(self._a)
+
+    def __index__(self):
+        _read("__index__", self.itemsize)
+        return operator.index(self._a)
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
+
+    # DLPack: the NumPy memory's, so torch.from_dlpack gives a CPU tensor sharing it
+    def __dlpack__(self, *args, **kwargs):
+        return self._a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+    # indexing
+    def __getitem__(self, index):
+        index = _index(index)
+        result = self._a[index]
+        if not isinstance(result, np.ndarray):  # CuPy keeps an element on the device, as a 0-d array
+            result = self._a[(index if isinstance(index, tuple) else (index,)) + (Ellipsis,)]
+        return _result(result, [self], "getitem")
+
+    def __setitem__(self, index, value):
+        self._a[_index(index)] = _value(value)
+        COUNTS.record("op", "setitem", **_on_device())
+
+    # views and copies
+    def view(self, dtype=None):
+        return _wrap(self._a.view() if dtype is None else self._a.view(dtype), self._device)
+
+    def reshape(self, *shape, order="C"):
+        return _result(self._a.reshape(*shape, order=order), [self], "reshape")
+
+    def ravel(self, order="C"):
+        return _result(self._a.ravel(order), [self], "ravel")
+
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return _result(self._a.astype(dtype, order=order), [self], "astype")
+
+    def copy(self, order="C"):
+        return _result(self._a.copy(order), [self], "copy")
+
+    def fill(self, value) -> None:
+        self._a.fill(_value(value))
+        COUNTS.record("op", "fill", **_on_device())
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """NumPy's ufuncs on device arrays run on the device, as CuPy's do."""
+        name = ufunc.__name__ if method == "__call__" else f"{ufunc.__name__}.{method}"
+        return _device_call(name, getattr(ufunc, method), inputs, kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        """NumPy's functions on device arrays run on the device, as CuPy's do."""
+        return _device_call(func.__name__, func, args, kwargs)
+
+
+ndarray.__module__ = "cupy._core.core"  # what hvd_aps._arrays._is_cupy looks at
+
+
+def _reduction(name: str):
+    function = getattr(np, name)
+    return lambda self, *args, **kwargs: _device_call(name, function, (self,) + args, kwargs)
+
+
+def _operator(ufunc, reflected: bool = False, inplace: bool = False):
+    def method(self, other):
+        if inplace:
+            return _device_call(ufunc.__name__, ufunc, (self, other), {"out": self})
+        return _device_call(ufunc.__name__, ufunc, (other, self) if reflected else (self, other), {})
+    return method
+
+
+for _name in ("max", "min", "sum", "mean", "any", "all"):
+    setattr(ndarray, _name, _reduction(_name))
+for _name, _ufunc in [("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("truediv", np.true_divide),
+                      ("floordiv", np.floor_divide), ("mod", np.remainder), ("pow", np.power),
+                      ("lshift", np.left_shift), ("rshift", np.right_shift), ("and", np.bitwise_and),
+                      ("or", np.bitwise_or), ("xor", np.bitwise_xor)]:
+    setattr(ndarray, f"__{_name}__", _operator(_ufunc))
+    setattr(ndarray, f"__r{_name}__", _operator(_ufunc, reflected=True))
+    setattr(ndarray, f"__i{_name}__", _operator(_ufunc, inplace=True))
+for _name, _ufunc in [("eq", np.equal), ("ne", np.not_equal), ("lt", np.less), ("le", np.less_equal),
+                      ("gt", np.greater), ("ge", np.greater_equal)]:
+    setattr(ndarray, f"__{_name}__", _operator(_ufunc))
+for _name, _ufunc in [("neg", np.negative), ("pos", np.positive), ("abs", np.absolute), ("invert", np.invert)]:
+    setattr(ndarray, f"__{_name}__", lambda self, ufunc=_ufunc: _device_call(ufunc.__name__, ufunc, (self,), {}))
+ndarray.__hash__ = None  # unhashable, as NumPy's and CuPy's arrays are
+del _name, _ufunc
+
+
+def _wrap(a: np.ndarray, device: int = None) -> ndarray:
+    array = object.__new__(ndarray)
+    array._a, array._device = a, _current.device if device is None else device
+    return array
+
+
+def _result(result, inputs: list, name: str):
+    """A NumPy result of an operation on device arrays, on the device: an input itself, a view of
+    one, or a new allocation (counted, with the operation that made it). Tuples element by
+    element; scalars as 0-d arrays, as CuPy's results are."""
+    if isinstance(result, tuple):
+        return tuple(_result(r, inputs, name) for r in result)
+    if not isinstance(result, (np.ndarray, np.generic, int, float, bool)):
+        return result
+    for array in inputs:
+        if result is array._a:
+            return array
+    if isinstance(result, np.ndarray) and any(_root(result) is _root(a._a) for a in inputs):
+        return _wrap(result, inputs[0]._device)
+    result = np.asarray(result)
+    COUNTS.record("op", name, **_on_device())
+    COUNTS.record("alloc", name, result.nbytes)
+    return _wrap(result)
+
+
+def _unwrap(x, inputs: list):
+    """An operand as NumPy sees it: a device array's memory (noted in `inputs`); a host array
+    refused, as CuPy refuses it (0-d ones pass, as scalars)."""
+    if isinstance(x, ndarray):
+        inputs.append(x)
+        return x._a
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(item, inputs) for item in x)
+    if isinstance(x, np.ndarray):
+        if x.ndim:
+            raise TypeError(f"Unsupported type {type(x)}")
+        return x[()]
+    return x
+
+
+def _device_call(name: str, function, args, kwargs):
+    """NumPy's `function` as CuPy's: on device arrays, into `out` or a new one (counted)."""
+    inputs = []
+    args = _unwrap(tuple(args), inputs)
+    kwargs = {k: _unwrap(v, inputs) for k, v in kwargs.items()}
+    result = function(*args, **kwargs)
+    if kwargs.get("out") is not None:
+        COUNTS.record("op", name, **_on_device())
+    return _result(result, inputs, name)
+
+
+def _host(x, name: str):
+    """Host data bound for the device (an index, a value): a NumPy copy, counted as an upload."""
+    host = np.array(x)
+    COUNTS.record("upload", name, host.nbytes)
+    return host
+
+
+def _index(index):
+    """An index as NumPy takes it: device arrays' memory, host arrays and lists uploaded."""
+    if isinstance(index, tuple):
+        return tuple(_index(i) for i in index)
+    if isinstance(index, ndarray):
+        return index._a
+    if isinstance(index, list) or isinstance(index, np.ndarray) and index.ndim:
+        return _host(index, "index")
+    return index
+
+
+def _value(value):
+    """A value written into a device array: a device array's memory, host arrays uploaded."""
+    if isinstance(value, ndarray):
+        return value._a
+    if isinstance(value, list) or isinstance(value, np.ndarray) and value.ndim:
+        return _host(value, "value")
+    return value
+
+
+# cupy's functions -----------------------------------------------------------------------------------
+def _allocated(name: str, a: np.ndarray) -> ndarray:
+    COUNTS.record("alloc", name, a.nbytes)
+    return _wrap(a)
+
+
+def _uploaded(name: str, data, dtype) -> ndarray:
+    host = np.array(data, dtype=dtype, copy=True)
+    COUNTS.record("upload", name, host.nbytes)
+    return _allocated(name, host)
+
+
+def _like(a):
+    """What a *_like function takes its shape and dtype from."""
+    return a._a if isinstance(a, ndarray) else a
+
+
+def asarray(a, dtype=None, order=None, *, blocking=False) -> ndarray:
+    if isinstance(a, ndarray):
+        return a.astype(a.dtype if dtype is None else dtype, copy=False)
+    return _uploaded("asarray", a, dtype)
+
+
+def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0) -> ndarray:
+    if isinstance(obj, ndarray):
+        return obj.astype(obj.dtype if dtype is None else dtype, copy=copy)
+    return _uploaded("array", obj, dtype)
+
+
+def ascontiguousarray(a, dtype=None) -> ndarray:
+    if not isinstance(a, ndarray):
+        return _uploaded("ascontiguousarray", np.ascontiguousarray(a), dtype)
+    return _device_call("ascontiguousarray", np.ascontiguousarray, (a,), {"dtype": dtype})
+
+
+def asnumpy(a, stream=None, order="C", out=None, blocking=True) -> np.ndarray:
+    if not isinstance(a, ndarray):
+        return np.asarray(a)
+    _read("asnumpy", a.nbytes)
+    return a._a.copy()
+
+
+def from_dlpack(x) -> ndarray:
+    """A device array sharing x's memory: x a device array, or a CPU tensor standing for a
+    device's (this stand-in's device memory is host memory). No copy, not counted."""
+    return x.view() if isinstance(x, ndarray) else _wrap(np.from_dlpack(x))
+
+
+def empty(shape, dtype=float, order="C") -> ndarray:
+    return _allocated("empty", np.empty(shape, dtype, order))
+
+
+def zeros(shape, dtype=float, order="C") -> ndarray:
+    return _allocated("zeros", np.zeros(shape, dtype, order))
+
+
+def ones(shape, dtype=float, order="C") -> ndarray:
+    return _allocated("ones", np.ones(shape, dtype, order))
+
+
+def full(shape, fill_value, dtype=None, order="C") -> ndarray:
+    return _allocated("full", np.full(shape, _value(fill_value), dtype, order))
+
+
+def empty_like(a, dtype=None, order="K", shape=None) -> ndarray:
+    return _allocated("empty_like", np.empty_like(_like(a), dtype, order, shape=shape))
+
+
+def zeros_like(a, dtype=None, order="K", shape=None) -> ndarray:
+    return _allocated("zeros_like", np.zeros_like(_like(a), dtype, order, shape=shape))
+
+
+def ones_like(a, dtype=None, order="K", shape=None) -> ndarray:
+    return _allocated("ones_like", np.ones_like(_like(a), dtype, order, shape=shape))
+
+
+def full_like(a, fill_value, dtype=None, order="K", shape=None) -> ndarray:
+    return _allocated("full_like", np.full_like(_like(a), _value(fill_value), dtype, order, shape=shape))
+
+
+def arange(start, stop=None, step=None, dtype=None) -> ndarray:
+    return _allocated("arange", np.arange(start, stop, step, dtype=dtype))
+
+
+def scatter_add(a: ndarray, slices, value) -> None:
+    """cupyx.scatter_add: a[slices] += value, repeated indices adding up (np.add.at)."""
+    np.add.at(a._a, _index(slices), _value(value))
+    COUNTS.record("op", "scatter_add", **_on_device())
+
+
+def scatter_max(a: ndarray, slices, value) -> None:
+    np.maximum.at(a._a, _index(slices), _value(value))
+    COUNTS.record("op", "scatter_max", **_on_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_attribute(name: str):
+    """cupy.<name> for what is not defined here: NumPy's dtypes and constants as they are, its
+    functions run on the device (device arrays in and out, host arrays refused)."""
+    target = getattr(np, name)
+    if isinstance(target, type) or not callable(target):
+        return target
+    return functools.wraps(target)(lambda *args, **kwargs: _device_call(name, target, args, kwargs))
+
+
+# Kernels --------------------------------------------------------------------------------------------
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
+_PARAMETER = re.compile(r"\s*(?:const\s+)?([\w\s]+?)\s*(\*?)\s*(\w+)\s*")
+_C_TYPES = {"float": np.float32, "double": np.float64, "unsigned char": np.uint8, "unsigned short": np.uint16,
+            "int": np.int32, "unsigned int": np.uint32, "long long": np.int64, "unsigned long long": np.uint64}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    name: str
+    dtype: np.dtype  # the C type, or the pointee's
+    pointer: bool
+
+
+def signatures(code: str) -> dict:
+    """Every `extern "C"` kernel of CUDA source: name -> its Parameters."""
+    kernels = {}
+    for name, parameters in _KERNEL.findall(code):
+        parsed = []
+        for text in parameters.split(","):
+            c_type, star, parameter = _PARAMETER.fullmatch(text).groups()
+            parsed.append(Parameter(parameter, np.dtype(_C_TYPES[" ".join(c_type.split())]), bool(star)))
+        kernels[name] = tuple(parsed)
+    return kernels
+
+
+class RawModule:
+    """CUDA source as CuPy compiles it: each `extern "C"` kernel launched through its NumPy twin."""
+
+    def __init__(self, code: str = None, options: tuple = (), **kwargs):
+        self.code, self.options, self._kernels = code, tuple(options), signatures(code)
+
+    def get_function(self, name: str) -> "RawKernel":
+        if name not in self._kernels:
+            raise LookupError(f"no kernel {name!r} in the module's source")
+        if name not in _TWINS:
+            raise NotImplementedError(f"kernel {name!r} has no NumPy twin in counting_cupy")
+        return RawKernel(name, self._kernels[name])
+
+
+class RawKernel:
+    def __init__(self, name: str, parameters: tuple):
+        self.name, self.parameters = name, parameters
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream: Stream = None) -> None:
+        """Checks the arguments against the signature, records the launch (on `stream`, else the
+        thread's current one) and runs the twin."""
+        grid, block = tuple(np.atleast_1d(grid).tolist()), tuple(np.atleast_1d(block).tolist())
+        if len(args) != len(self.parameters):
+            raise TypeError(f"{self.name} takes {len(self.parameters)} arguments, got {len(args)}")
+        if min(grid) < 1 or not 1 <= int(np.prod(block)) <= 1024:
+            raise ValueError(f"{self.name}: grid {grid}, block {block}")
+        values = {p.name: self._argument(p, a) for p, a in zip(self.parameters, args)}
+        COUNTS.record("launch", self.name, stream=(stream or _current.stream).ptr, device=_current.device,
+                      grid=grid, block=block)
+        with np.errstate(all="ignore"):  # a kernel's NaN and overflow raise nothing
+            _TWINS[self.name](Launch(grid, values))
+
+    def _argument(self, parameter: Parameter, arg):
+        if parameter.pointer:
+            if isinstance(arg, ndarray):
+                if arg.dtype != parameter.dtype or arg._device != _current.device:
+                    raise TypeError(f"{self.name}: {parameter.name} takes {parameter.dtype} on device "
+                                    f"{_current.device}, got {arg.dtype} on device {arg._device}")
+                return arg.data, parameter.dtype
+            if isinstance(arg, np.generic) and arg.dtype.kind in "iu" and arg == 0:
+                return None  # a null pointer
+        elif isinstance(arg, np.generic) and arg.dtype == parameter.dtype:
+            return int(arg) if parameter.dtype.kind in "iu" else arg
+        raise TypeError(f"{self.name}: {parameter.name} takes {'a device array of ' * parameter.pointer}"
+                        f"{parameter.dtype}, got {type(arg).__name__} {getattr(arg, 'dtype', '')}")
+
+
+class Launch:
+    """One launch's grid and arguments, as its twin reads them: scalars by name, the memory
+    behind a pointer by name and element count."""
+
+    def __init__(self, grid: tuple, values: dict):
+        self.grid, self.values = grid, values
+
+    def __getitem__(self, name: str):
+        return self.values[name]
+
+    def memory(self, name: str, count: int):
+        """`count` elements at pointer `name` (None for a null pointer)."""
+        if self.values[name] is None:
+            return None
+        pointer, dtype = self.values[name]
+        return _memory(pointer, dtype, count)
+
+    def rows(self, name: str, ranks: int, stride: int, width: int) -> np.ndarray:
+        """`ranks` rows of `width` bytes, `stride` bytes apart, from pointer `name` on."""
+        flat = self.memory(name, (ranks - 1) * stride + width if ranks else 0)
+        return np.lib.stride_tricks.as_strided(flat, (ranks, width), (stride, 1))
+
+    @property
+    def fmt(self) -> FloatFormat:
+        fmt = FloatFormat(self["e"], self["m"], "ieee" if self["policy"] == IEEE else "fn")
+        if fmt.policy != self["policy"]:
+            raise ValueError(f"policy {self['policy']} does not go with e{self['e']}m{self['m']}")
+        return fmt
+
+    @property
+    def rounding(self) -> str:
+        return "stochastic" if self["stochastic"] else "nearest"
+
+
+def _magnitudes(x: np.ndarray) -> np.ndarray:
+    """The bits of |x|: their integer order is the magnitudes', every NaN above Inf."""
+    return x.view(np.uint32) & np.uint32(0x7FFFFFFF)
+
+
+def _encode(k: Launch) -> None:
+    n = k["n"]
+    _numpy_engine.encode(k.memory("x", n), k.fmt, k["shift"], k.rounding, k["seed"], k["saturate"],
+                         out=k.memory("out", n))
+
+
+def _decode(k: Launch) -> None:
+    n, ranks, fmt, shift = k["n"], k["ranks"], k.fmt, k["shift"]
+    codes, out = k.memory("codes", ranks * n).reshape(ranks, n), k.memory("out", n)
+    if not k["accumulate"]:  # the first rank's value as it is (0.0 + -0.0 would lose a sign)
+        _numpy_engine.decode(codes[0], fmt, shift, np.float32, out=out)
+        codes = codes[1:]
+    _numpy_engine.decode_accumulate(codes, fmt, shift, out=out)
+
+
+def _pack(k: Launch) -> None:
+    packed, out = _numpy_engine.pack(k.memory("codes", k["n"]), k["bits"]), k.memory("out", k["bytes"])
+    out.fill(0)
+    out[:packed.size] = packed[:out.size]
+
+
+def _unpack(k: Launch) -> None:
+    n, bits = k["n"], k["bits"]
+    out = k.memory("out", n)
+    out[:] = _numpy_engine.unpack(k.memory("packed", -(-n * bits // 8)), bits, n, out.dtype)
+
+
+def _amax_bits(k: Launch) -> None:
+    result = k.memory("result", 1)
+    result[0] = max(result[0], _magnitudes(k.memory("x", k["n"])).max(initial=0))
+
+
+def _amax_blocks(k: Launch) -> None:
+    n, block = k["n"], k["block"]
+    np.maximum.at(k.memory("peaks", -(-n // block)), np.arange(n) // block, _magnitudes(k.memory("x", n)))
+
+
+def _encode_row(k: Launch) -> None:
+    n, pos, block, fmt = k["n"], k["pos"], k["block"], k.fmt
+    _numpy_engine.encode_into(k.memory("x", n), fmt, k.memory("shifts", -(-n // block)), block, k.rounding,
+                              k["seed"], k["saturate"], k.memory("row", fmt.packed_size(pos + n)), pos, k["offset"])
+
+
+def _sum_rows(k: Launch) -> None:
+    lo, n, block, fmt = k["lo"], k["n"], k["block"], k.fmt
+    out = k.memory("out", n)
+    _numpy_engine.sum_rows(k.rows("rows", k["ranks"], k["stride"], fmt.packed_size(lo + n)), fmt, lo, lo + n,
+                           k["shift"], block, out)
+    np.maximum.at(k.memory("peaks", -(-n // block)), np.arange(n) // block, _magnitudes(out))
+
+
+def _decode_row(k: Launch) -> None:
+    lo, n, block, fmt = k["lo"], k["n"], k["block"], k.fmt
+    _numpy_engine.decode_row(k.memory("row", fmt.packed_size(lo + n)), fmt, lo, lo + n,
+                             k.memory("shifts", -(-n // block)), block, k.memory("out", n), k["divisor"])
+
+
+# Table kernels: one thread block per row of a (blocks, COLUMNS) int64 table on the device
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    """A table kernel's rows as the NumPy engine's table functions take them (Blocks), each
+    element's row and place in the float32 arrays, and the `elements` of those arrays they reach."""
+    blocks: Blocks
+    block: np.ndarray
+    source: np.ndarray
+    elements: int
+
+    @classmethod
+    def of(cls, k: Launch) -> "_Table":
+        count = k.grid[0]
+        rows = k.memory("table", count * COLUMNS).reshape(count, COLUMNS)
+        blocks = Blocks.of(rows[:, SRC], rows[:, COUNT], rows[:, BASE], rows[:, POS], rows[:, INDEX], 0, 0)
+        block = np.repeat(np.arange(count), rows[:, COUNT])
+        source = rows[block, SRC] + np.arange(blocks.elements) - blocks.starts[:-1][block]
+        return cls(blocks, block, source, int(source.max(initial=-1)) + 1)
+
+    def bytes(self, fmt: FloatFormat) -> int:
+        """The bytes of the streams the rows' codes reach (BASE + their packed POS + COUNT codes)."""
+        rows = self.blocks.rows[self.blocks.rows[:, COUNT] > 0]
+        return int((rows[:, BASE] + -(-(rows[:, POS] + rows[:, COUNT]) * fmt.bits // 8)).max(initial=0))
+
+    def peaks(self, k: Launch, values: np.ndarray) -> None:
+        """peaks[b] = max(itself, the bits of max |values| over row b's elements)."""
+        np.maximum.at(k.memory("peaks", self.blocks.count), self.block, _magnitudes(values[self.source]))
+
+
+def _table_amax(k: Launch) -> None:
+    table = _Table.of(k)
+    table.peaks(k, k.memory("x", table.elements))
+
+
+def _table_encode(k: Launch) -> None:
+    fmt, table = k.fmt, _Table.of(k)
+    count = table.blocks.count
+    _numpy_engine.table_encode(k.memory("x", table.elements), fmt, table.blocks, k.memory("shifts", count), k.rounding,
+                               k.memory("seeds", count if k["stochastic"] else 0), k["saturate"],
+                               k.memory("message", table.bytes(fmt)), k.memory("res", table.elements))
+
+
+def _table_sum(k: Launch) -> None:
+    fmt, table = k.fmt, _Table.of(k)
+    out = k.memory("out", table.elements)
+    _numpy_engine.table_sum(k.rows("rows", k["ranks"], k["stride"], table.bytes(fmt)), fmt, table.blocks,
+                            k.memory("shifts", table.blocks.count), out)
+    table.peaks(k, out)
+
+
+def _table_decode(k: Launch) -> None:
+    fmt, table = k.fmt, _Table.of(k)
+    _numpy_engine.table_decode(k.memory("message", table.bytes(fmt)), fmt, table.blocks,
+                               k.memory("shifts", table.blocks.count), k.memory("out", table.elements), k["divisor"])
+
+
+def _table_stats(k: Launch) -> None:
+    fmt, table = k.fmt, _Table.of(k)
+    count = table.blocks.count
+    sums = _numpy_engine.table_stats(k.memory("x", table.elements), k.memory("message", table.bytes(fmt)), fmt,
+                                     table.blocks, k.memory("shifts", count), k.memory("first", count),
+                                     k.memory("step", count), k.memory("limits", count))
+    k.memory("sums", count * SAMPLE_SUMS)[:] = sums.ravel()
+
+
+_TWINS = {"hvd_encode_u8": _encode, "hvd_encode_u16": _encode, "hvd_decode_u8": _decode, "hvd_decode_u16": _decode,
+          "hvd_pack_u8": _pack, "hvd_pack_u16": _pack, "hvd_unpack_u8": _unpack, "hvd_unpack_u16": _unpack,
+          "hvd_amax_bits": _amax_bits, "hvd_amax_blocks": _amax_blocks, "hvd_encode_row": _encode_row,
+          "hvd_sum_rows": _sum_rows, "hvd_decode_row": _decode_row, "hvd_table_amax": _table_amax,
+          "hvd_table_encode": _table_encode, "hvd_table_sum": _table_sum, "hvd_table_decode": _table_decode,
+          "hvd_table_stats": _table_stats}
+
+
+# The modules ----------------------------------------------------------------------------------------
+def _module(name: str, doc: str, **attributes) -> types.ModuleType:
+    module = types.ModuleType(name, doc)
+    module.__dict__.update(attributes)
+    return module
+
+
+runtime = _module("cupy.cuda.runtime", "CUDA's runtime calls the package makes.",
+                  getDevice=lambda: _current.device, setDevice=lambda device: Device(device).use(),
+                  getDeviceCount=lambda: DEVICE_COUNT,
+                  getDeviceProperties=lambda device: {"name": b"counting_cupy stand-in"})
+cuda = _module("cupy.cuda", "Devices, streams and memory.", Device=Device, Stream=Stream, ExternalStream=ExternalStream,
+               get_current_stream=get_current_stream, MemoryPointer=MemoryPointer, runtime=runtime)
+cupyx = _module("cupyx", "cupyx's scatter functions and synchronisation guard.", scatter_add=scatter_add,
+                scatter_max=scatter_max, allow_synchronize=allow_synchronize, DeviceSynchronized=DeviceSynchronized)
+cupy = _module("cupy", __doc__, ndarray=ndarray, asarray=asarray, array=array, ascontiguousarray=ascontiguousarray,
+               asnumpy=asnumpy, from_dlpack=from_dlpack, empty=empty, zeros=zeros, ones=ones, full=full,
+               empty_like=empty_like, zeros_like=zeros_like, ones_like=ones_like, full_like=full_like, arange=arange,
+               RawModule=RawModule, cuda=cuda, __getattr__=_numpy_attribute)
+_MODULES = {"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupyx": cupyx}
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def installed():
+    """The stand-in as CuPy while inside: hvd_aps._cupy_engine imports anew against it, and
+    everything (a real CuPy's modules included) is as it was afterwards. Yields COUNTS, reset."""
+    names = list(_MODULES) + ["hvd_aps._cupy_engine"]
+    saved = {name: sys.modules.get(name, _ABSENT) for name in names}
+    engine = hvd_aps.__dict__.pop("_cupy_engine", _ABSENT)  # `from . import _cupy_engine` looks here first
+    sys.modules.update(_MODULES)
+    sys.modules.pop("hvd_aps._cupy_engine", None)
+    COUNTS.reset()
+    try:
+        yield COUNTS
+    finally:
+        hvd_aps.__dict__.pop("_cupy_engine", None)
+        if engine is not _ABSENT:
+            hvd_aps._cupy_engine = engine
+        for name, module in saved.items():
+            if module is _ABSENT:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def peek(a) -> np.ndarray:
+    """A copy of a device array's memory for a test's own checks, not counted as a read."""
+    return a._a.copy() if isinstance(a, ndarray) else np.array(a)
+
+
+def on_device(a: np.ndarray) -> ndarray:
+    """A copy of host data on the current device, not counted: what a collective delivers."""
+    return _wrap(np.array(a, copy=True))

@@ -1,0 +1,398 @@
+"""The package's GPU path (hvd_aps/_cupy_engine.py, ops/kernels.cu and the exchange's device arrays)
+on the counting stand-in for CuPy (counting_cupy.py), on a machine without a GPU: bit for bit as
+the host engine on NumPy arrays, and what one steady-state step of a bucket reads, uploads,
+allocates and launches per rank (`pytest -s` prints the table)."""
+import contextlib
+import dataclasses
+import functools
+import importlib.resources
+import sys
+import threading
+import types
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import counting_cupy as standin
+import hvd_aps
+from counting_cupy import cupy as cp
+from hvd_aps import _arrays, _inprocess, codec, exchange
+from hvd_aps._stages import Bucket
+
+FORMATS = ["e4m3", "e5m2", "e3m0", "e2m1fn"]  # e3m0 and e2m1fn: 4-bit codes, two a byte
+TENSORS, CHUNKS = (1, 10, 1000), (1, 8)
+# a bucket's, however many tensors share them: every owner's part of each of 8 chunks at least one
+# re-encode block (hvd_aps._layout.BLOCK) on 2 ranks, so no chunk's stage has nothing to launch
+ELEMENTS = 1 << 15
+STEPS = 3  # two to warm up, one counted
+
+
+def assert_same(got, want):
+    """A device result holding the host's bytes."""
+    assert isinstance(got, standin.ndarray), type(got)
+    got = standin.peek(got)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+# The codec ------------------------------------------------------------------------------------------
+def codec_inputs(fmt, shift: int, n: int = 3000) -> np.ndarray:
+    """float32 inputs that take every path of an encode at `shift`: each value of the format's grid
+    (subnormals included) and each tie between neighbours (to the even code), of both signs;
+    float32 subnormals, signed zeros, NaN, Inf and overflow; a spread over float32's exponents."""
+    fmt = hvd_aps.FloatFormat.parse(fmt)
+    grid = hvd_aps.decode(np.arange(1 << fmt.bits, dtype=fmt.code_dtype), fmt, shift=shift).astype(np.float64)
+    grid = np.unique(np.abs(grid[np.isfinite(grid)]))
+    ties = (grid[:-1] + grid[1:]) / 2
+    rng = np.random.default_rng(0)
+    with np.errstate(over="ignore"):
+        spread = rng.standard_normal(n) * np.exp2(rng.uniform(-150, 129, n))
+    specials = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45, 1e-40, 3e38, 1.5 * fmt.max * 2.0 ** -shift]
+    with np.errstate(over="ignore"):
+        return np.concatenate([grid, -grid, ties, -ties, specials, spread]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_the_codec_on_device_arrays_gives_the_host_engines_bits(counting_cupy, fmt, rounding):
+    """encode, decode, quantize, decode_sum, pack and unpack, amax and amax_blocks at APS shifts
+    of both signs: the kernels' twins on device arrays against the compiled host engine."""
+    for shift in (0, 5, -3):
+        x = codec_inputs(fmt, shift)
+        options = dict(rounding=rounding, seed=7, shift=shift)
+        codes = hvd_aps.encode(x, fmt, **options)
+        assert_same(hvd_aps.encode(cp.asarray(x), fmt, **options), codes)
+        assert_same(hvd_aps.decode(cp.asarray(codes), fmt, shift=shift), hvd_aps.decode(codes, fmt, shift=shift))
+        assert_same(hvd_aps.quantize(cp.asarray(x), fmt, **options), hvd_aps.quantize(x, fmt, **options))
+        ranks = np.stack([codes, codes[::-1], codes])
+        assert_same(codec.decode_sum(cp.asarray(ranks), fmt, shift=shift), codec.decode_sum(ranks, fmt, shift=shift))
+        packed = hvd_aps.pack(codes, fmt)
+        assert_same(hvd_aps.pack(cp.asarray(codes), fmt), packed)
+        assert_same(hvd_aps.unpack(cp.asarray(packed), fmt, codes.size), codes)
+        assert codec.amax(cp.asarray(x)) == codec.amax(x)
+        assert codec.amax_blocks(cp.asarray(x), 256).tobytes() == codec.amax_blocks(x, 256).tobytes()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_packed_rows_on_device_arrays_give_the_host_engines_bits(counting_cupy, fmt, rounding):
+    """encode_into (pieces at odd code positions, then blocks at their own exponents), decode_sum_rows
+    over rows lying apart, decode_row and codes_at: the row kernels' twins against the host engine."""
+    x = codec_inputs(fmt, 2)
+    n, block = x.size, 512
+    shifts = np.random.default_rng(1).integers(-3, 6, -(-(n + 5) // block))
+    size = codec.packed_size(n + 5, fmt)
+    rows = {"host": np.zeros((3, size + 4), np.uint8), "device": cp.zeros((3, size + 4), np.uint8)}
+    for where, xp in (("host", np), ("device", cp)):
+        for r in range(2):
+            for a, b in [(0, 7), (7, n // 2), (n // 2, n)]:
+                codec.encode_into(xp.asarray(x[a:b]), fmt, rows[where][r, 2:2 + size], 5 + a, rounding, seed=r,
+                                  shift=2, index=a)
+        codec.encode_into(xp.asarray(x), fmt, rows[where][2, 2:2 + size], 5, rounding, seed=9,
+                          shift=shifts[:-(-n // block)], block=block)
+    assert_same(rows["device"], rows["host"])
+    host, device = rows["host"][:, 2:2 + size], rows["device"][:, 2:2 + size]
+    want, want_peak = codec.decode_sum_rows(host, fmt, 3, n, shift=2)
+    got, peak = codec.decode_sum_rows(device, fmt, 3, n, shift=2)
+    assert_same(got, want)
+    assert peak == want_peak
+    want, want_peaks = codec.decode_sum_rows(host, fmt, 3, n, shift=2, block=block)
+    got, peaks = codec.decode_sum_rows(device, fmt, 3, n, shift=2, block=block)
+    assert_same(got, want)
+    assert peaks.tobytes() == want_peaks.tobytes()
+    options = dict(shift=shifts[:-(-(n - 3) // block)], block=block, divisor=3)
+    assert_same(codec.decode_row(device[2], fmt, 3, n, **options), codec.decode_row(host[2], fmt, 3, n, **options))
+    positions = np.arange(0, n, 7)
+    assert_same(codec.codes_at(device[1], fmt, positions), codec.codes_at(host[1], fmt, positions))
+
+
+# The exchange ---------------------------------------------------------------------------------------
+class DeviceCollectives(_inprocess.ThreadCollectives):
+    """Thread ranks' collectives that move device memory as NCCL does: nothing they do counts as
+    the package's reads, uploads or allocations."""
+
+    def max_allreduce(self, vector, name):
+        return self._everyone(name, vector, lambda parts: _like(vector, np.max([_bytes(p) for p in parts], axis=0)))
+
+    def alltoall(self, send, splits, name):
+        def mine(parts):
+            cuts = [np.concatenate([[0], np.cumsum(_bytes(s))]) for _, s in parts]
+            pieces = [_bytes(m)[c[self.rank]:c[self.rank + 1]] for (m, _), c in zip(parts, cuts)]
+            return _like(send, np.concatenate(pieces))
+        return self._everyone(name, (send, splits), mine)
+
+    def allgather(self, message, name):
+        return self._everyone(name, message, lambda parts: _like(message, np.concatenate([_bytes(p) for p in parts])))
+
+
+def _bytes(a) -> np.ndarray:
+    return standin.peek(a)
+
+
+def _like(given, result: np.ndarray):
+    """A collective's result where its input was: on this thread's device, or on the host."""
+    return standin.on_device(result) if isinstance(given, standin.ndarray) else result
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One bucket's exchange: ELEMENTS float32 in `tensors` tensors over `world` ranks, cut into
+    `chunks` chunks, averaged; feedback: error feedback with stochastic rounding."""
+    fmt: str = "e4m3"
+    tensors: int = 10
+    chunks: int = 1
+    world: int = 2
+    feedback: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.fmt}-{self.tensors}t-{self.chunks}c-w{self.world}{'-ef-sr' if self.feedback else ''}"
+
+    def bucket(self) -> Bucket:
+        rng = np.random.default_rng(self.tensors)
+        cuts = np.sort(rng.choice(np.arange(1, ELEMENTS), self.tensors - 1, replace=False))
+        sizes = np.diff(np.concatenate([[0], cuts, [ELEMENTS]]))
+        keys = [f"t{i}" for i in range(self.tensors)]
+        return Bucket.whole(f"bucket-{self.tensors}", keys, keys, sizes)
+
+    def grads(self, step: int, rank: int) -> np.ndarray:
+        """A rank's gradients of one step, each tensor at its own scale."""
+        rng = np.random.default_rng([step, rank])
+        scales = 10.0 ** rng.uniform(-6, 0, self.tensors)
+        return (rng.standard_normal(ELEMENTS) * np.repeat(scales, self.bucket().sizes)).astype(np.float32)
+
+    def compressors(self) -> list:
+        chunk_bytes = 0 if self.chunks == 1 else 4 * ELEMENTS // self.chunks
+        return [hvd_aps.APSCompressor(self.fmt, chunk_bytes=chunk_bytes, error_feedback=self.feedback,
+                                      rounding="stochastic" if self.feedback else "nearest", seed=5)
+                for _ in range(self.world)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """STEPS steps of an exchange: results[step][rank] (NumPy copies), every rank's stats table
+    and, on device arrays, the stream handle each rank ran on."""
+    results: list
+    stats: list
+    streams: list
+
+
+def run_exchange(case: Case, counts: standin.Counts = None, spread: bool = False) -> Run:
+    """The case's exchange, one thread a rank: on NumPy arrays over the package's own thread
+    collectives, or (given the stand-in's `counts`) on device arrays, each rank on a stream of its
+    own on device 0 (spread: rank r on device r), the counts reset before the last step."""
+    world, bucket, compressors = case.world, case.bucket(), case.compressors()
+    if counts is None:
+        levels = _inprocess.flat_levels(world)
+    else:
+        group = _inprocess.Group(world)
+        levels = [exchange.Levels.flat(DeviceCollectives(group, r)) for r in range(world)]
+    last_step = threading.Barrier(world, action=None if counts is None else counts.reset)
+    run = Run([[None] * world for _ in range(STEPS)], [None] * world, [None] * world)
+
+    def rank(r):
+        stages = compressors[r].exchanger.stages(world, r)
+        with contextlib.ExitStack() as on:
+            if counts is not None:
+                on.enter_context(cp.cuda.Device(r if spread else 0))
+                run.streams[r] = on.enter_context(cp.cuda.Stream()).ptr
+                on.enter_context(counts.rank(r))
+            for step in range(STEPS):
+                flat = case.grads(step, r) if counts is None else cp.asarray(case.grads(step, r))
+                if step == STEPS - 1:
+                    last_step.wait()
+                run.results[step][r] = standin.peek(exchange.run(stages, bucket, flat, levels[r], average=True))
+                compressors[r].state.commit()
+        run.stats[r] = compressors[r].stats_table()
+
+    run_ranks(rank, world, [levels[0].world.group.barrier, last_step])
+    return run
+
+
+def run_ranks(rank, world: int, barriers: list) -> None:
+    """rank(r) on a thread a rank; a rank that raises breaks the `barriers`, so the others stop at
+    once, and its error is raised (not one of the broken barriers it left behind)."""
+    errors = []
+
+    def run(r):
+        try:
+            rank(r)
+        except BaseException as error:
+            errors.append(error)
+            for barrier in barriers:
+                barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCounts:
+    """What one rank's steady-state step of one bucket did on the device."""
+    reads: int
+    uploads: int
+    allocations: int
+    ops: int       # CuPy's own kernels: elementwise, fill, indexing
+    launches: int  # ops/kernels.cu's
+    chunks: int
+    frames: tuple  # where each read happened: its package frames
+    placed: frozenset  # (stream, device) of every op and launch
+
+    @classmethod
+    def of(cls, counts: standin.Counts, rank: int, chunks: int) -> "StepCounts":
+        of = functools.partial(counts.of, rank=rank)
+        return cls(len(of("read")), len(of("upload")), len(of("alloc")), len(of("op")), len(of("launch")), chunks,
+                   tuple(e.where for e in of("read")), frozenset((e.stream, e.device) for e in of("op") + of("launch")))
+
+    @property
+    def launches_per_chunk(self) -> float:
+        return self.launches / self.chunks
+
+
+@functools.lru_cache(maxsize=None)
+def steady_counts(case: Case) -> tuple:
+    """The case on device arrays -> (its Run, each rank's StepCounts of the last step). Kept: the
+    bit-exact and the counting tests share the runs. The stand-in must be installed."""
+    run = run_exchange(case, standin.COUNTS)
+    return run, [StepCounts.of(standin.COUNTS, r, case.chunks) for r in range(case.world)]
+
+
+CASES = [Case(fmt, tensors, chunks, feedback=feedback) for fmt in ("e4m3", "e2m1fn") for tensors in TENSORS
+         for chunks in CHUNKS for feedback in (False, True)] + [Case("e4m3", 10, 8, world=4, feedback=True)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_exchange_on_device_arrays_gives_the_host_engines_bits(counting_cupy, case):
+    """exchange.run on device arrays: every step's results as the same exchange's on NumPy arrays
+    with the host engine, alike on every rank, and the same stats."""
+    want, (got, _) = run_exchange(case), steady_counts(case)
+    for step in range(STEPS):
+        for rank in range(case.world):
+            assert got.results[step][rank].tobytes() == want.results[step][rank].tobytes(), (step, rank)
+            assert got.results[step][rank].tobytes() == got.results[step][0].tobytes(), (step, rank)
+    assert got.stats == want.stats
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """At most `fixed` + `per_chunk` x chunks a step."""
+    fixed: int
+    per_chunk: int
+
+    def __call__(self, chunks: int) -> int:
+        return self.fixed + self.per_chunk * chunks
+
+
+# What one rank's steady-state step of one bucket does on the device today (e4m3, world 2, stats
+# on, whatever the tensor count): lower these as the device path stops reading to the host and
+# uploading what could stay on the device. READS: assert 0 once it reads nothing.
+READS = Bound(1, 3)         # the metadata's maxima; per chunk: the stats' sums, the sums' maxima, the exponents
+UPLOADS = Bound(0, 11)      # per chunk: exponents, seeds and stats' arguments, index arrays
+ALLOCATIONS = Bound(1, 14)  # each upload's, and the maxima's and sums' arrays
+LAUNCHES = Bound(1, 5)      # the maxima; per chunk: encode, stats, sum, re-encode, decode
+
+
+def counts_table() -> dict:
+    """{(format, feedback, tensors, chunks): rank 0's StepCounts}, printed as a table."""
+    table = {(fmt, feedback, t, c): steady_counts(Case(fmt, t, c, feedback=feedback))[1][0]
+             for fmt, feedback in (("e4m3", False), ("e2m1fn", True)) for t in TENSORS for c in CHUNKS}
+    print("\nOne steady-state step of one bucket, per rank (world 2; ef-sr: error feedback, stochastic rounding)")
+    print(f"{'format':>12} {'tensors':>7} {'chunks':>6} {'reads':>5} {'uploads':>7} {'allocs':>6} {'ops':>4} "
+          f"{'launches':>8} {'per chunk':>9}")
+    for (fmt, feedback, t, c), n in table.items():
+        print(f"{fmt + '-ef-sr' * feedback:>12} {t:7d} {c:6d} {n.reads:5d} {n.uploads:7d} {n.allocations:6d} "
+              f"{n.ops:4d} {n.launches:8d} {n.launches_per_chunk:9.2f}")
+    print("reads of e4m3, 1000 tensors, 8 chunks:")
+    for where, count in Counter(table["e4m3", False, 1000, 8].frames).most_common():
+        print(f"  {count:3d} x {where}")
+    return table
+
+
+def test_launches_do_not_grow_with_the_tensor_count(counting_cupy):
+    table = counts_table()
+    for fmt, feedback, _, chunks in table:
+        launches = {t: table[fmt, feedback, t, chunks].launches for t in TENSORS}
+        assert len(set(launches.values())) == 1, f"{fmt}, {chunks} chunks: launches by tensor count {launches}"
+
+
+def test_steady_state_counts_stay_within_todays_bounds(counting_cupy):
+    """Every rank within the bounds above; each read listed with the package frames that made it."""
+    for tensors in TENSORS:
+        for chunks in CHUNKS:
+            for n in steady_counts(Case("e4m3", tensors, chunks))[1]:
+                frames = "\n".join(n.frames)
+                assert 0 < n.reads <= READS(chunks), f"{tensors} tensors, {chunks} chunks: {n.reads} reads at\n{frames}"
+                assert n.uploads <= UPLOADS(chunks) and n.allocations <= ALLOCATIONS(chunks), n
+                assert n.launches <= LAUNCHES(chunks), n
+
+
+def test_every_launch_records_the_stream_and_device_it_ran_on(counting_cupy):
+    """Each rank runs on a stream of its own: its kernels and CuPy operations land there (today
+    through CuPy's current stream; the framework's once the package names it). From a thread
+    that chose none: CuPy's null stream, on device 0."""
+    for case in (Case("e2m1fn", 10, 8), Case("e4m3", 10, 8, world=4, feedback=True)):
+        run, counts = steady_counts(case)
+        assert len(set(run.streams)) == case.world
+        for stream, n in zip(run.streams, counts):
+            assert n.launches and n.placed == {(stream, 0)}, (case, n.placed)
+    counting_cupy.reset()
+    hvd_aps.encode(cp.asarray(np.ones(10, np.float32)), "e4m3")
+    assert [(e.name, e.stream, e.device, e.grid, e.block) for e in counting_cupy.launches] == [
+        ("hvd_encode_u8", 0, 0, (1,), (256,))]
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="_cupy_engine._rows keeps one device copy of a table "
+                   "per table, whatever the device: a rank on device 1 launches on device 0's copy")
+def test_ranks_on_devices_of_their_own(counting_cupy):
+    """Thread ranks each on a device of its own: every launch's arrays on the launch's device."""
+    run_exchange(Case("e4m3", 10, 1), counting_cupy, spread=True)
+
+
+# The stand-in's own strictness --------------------------------------------------------------------
+def test_the_stand_in_refuses_what_cupy_refuses(counting_cupy):
+    """Implicit conversion to NumPy, host arrays as operands, a kernel without a twin, arguments
+    that do not fit a kernel's signature, reads inside cupyx.allow_synchronize(False)."""
+    x = cp.arange(4, dtype=np.float32)
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(x)
+    with pytest.raises(TypeError, match="Unsupported type"):
+        x + np.ones(4, np.float32)
+    module = cp.RawModule(code=(importlib.resources.files("hvd_aps.ops") / "kernels.cu").read_text())
+    with pytest.raises(LookupError):
+        module.get_function("hvd_no_such_kernel")
+    amax = module.get_function("hvd_amax_bits")
+    with pytest.raises(TypeError, match="result takes uint32 on device 0, got int32"):
+        amax((1,), (256,), (x, np.int64(4), cp.zeros(1, np.int32)))
+    with pytest.raises(TypeError, match="n takes int64"):
+        amax((1,), (256,), (x, 4, cp.zeros(1, np.uint32)))
+    with standin.cupyx.allow_synchronize(False), pytest.raises(standin.DeviceSynchronized):
+        float(x[0])
+
+
+def test_views_memory_pointers_and_dlpack_share_device_memory(counting_cupy):
+    """Adjacent views of one allocation join without a copy (cupy.ndarray over a MemoryPointer, as
+    hvd_aps._arrays.joined makes it); DLPack hands torch the memory itself, and back."""
+    torch = pytest.importorskip("torch")
+    whole = cp.arange(10, dtype=np.float32)
+    counting_cupy.reset()
+    joined = _arrays.concatenated([whole[:4], whole[4:]])
+    assert joined.data.ptr == whole.data.ptr and not counting_cupy.allocations and not counting_cupy.ops
+    tensor = torch.from_dlpack(whole)
+    tensor[0] = 7
+    assert cp.from_dlpack(tensor).data.ptr == whole.data.ptr
+    assert float(joined[0]) == 7 and [e.name for e in counting_cupy.reads] == ["__float__"]
+
+
+def test_installing_leaves_the_modules_as_they_were(monkeypatch):
+    """A CuPy imported before (here a placeholder) is back afterwards, and so is the package's
+    engine: the stand-in's is imported anew inside and gone outside."""
+    placeholder, engine = types.ModuleType("cupy"), sys.modules.get("hvd_aps._cupy_engine")
+    monkeypatch.setitem(sys.modules, "cupy", placeholder)
+    with standin.installed():
+        assert codec.engine_for(cp.zeros(1)).cupy is cp
+    assert sys.modules["cupy"] is placeholder and sys.modules.get("hvd_aps._cupy_engine") is engine
+    assert getattr(hvd_aps, "_cupy_engine", None) is engine
