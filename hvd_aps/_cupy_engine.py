@@ -172,6 +172,13 @@ def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), strea
     return out
 
 
+def table_shifts(peaks, limit, exponents):
+    shifts = cupy.empty(peaks.size, cupy.int32)
+    if peaks.size:
+        _launch("hvd_aps_shifts", peaks.size, peaks, np.int64(peaks.size), np.float64(limit), shifts, exponents)
+    return shifts
+
+
 def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
     sums = cupy.zeros((blocks.count, SAMPLE_SUMS), cupy.float64)
     if blocks.count:

@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from . import _numpy_engine
 from ._tables import SAMPLE_SUMS
 
 _MIN_CHUNK = 1 << 18  # below this, thread hand-off costs more than it saves
@@ -394,3 +395,7 @@ def amax_blocks(x, block):
     xp, pp = x.ctypes.data, peaks.ctypes.data
     _run(lambda lo, hi: _lib.hvd_amax_blocks(xp + 4 * lo, hi - lo, block, pp + 4 * (lo // block)), x.size, unit=block)
     return peaks
+
+
+# A chunk's few re-encode exponents: NumPy's float64 arithmetic is the reference, and fast enough.
+table_shifts = _numpy_engine.table_shifts

@@ -4,6 +4,7 @@ independently written implementation of ops/fpcodec.h that the tests hold the ot
 import numpy as np
 
 from .formats import FINITE, FN_NAN, IEEE
+from .scaling import shifts_under
 
 _U64 = np.uint64
 _MASK64 = (1 << 64) - 1
@@ -277,6 +278,14 @@ def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), strea
     codes = _codes_at_bits(message, fmt.bits, _bit_positions(blocks, fmt.bits, block, within))
     out[blocks.rows[block, 0] + within] = _values(fmt, codes, np.asarray(shifts, np.int64)[block], divisor)
     return out
+
+
+def table_shifts(peaks, limit, exponents):
+    """Each block's APS shift from its peak (scaling.shifts_under), as int32, its little-endian
+    int16 exponent written into `exponents` (2 bytes a block)."""
+    shifts = shifts_under(np.asarray(peaks, np.float32), limit).astype(np.int32)
+    exponents[...] = shifts.astype("<i2").view(np.uint8)
+    return shifts
 
 
 def table_stats(x, message, fmt, blocks, shifts, first, step, limits):

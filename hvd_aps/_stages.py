@@ -132,6 +132,7 @@ class Agreement:
     owner_residuals: list  # error feedback: per lane, where this step's owner residuals go (this rank's shard)
     lanes_of: tuple     # per tensor: its lane, -1 in the fallback (alike on every rank)
     sums: Optional[list] = None  # the stats' sample sums: (held segment of each block, per-block sums) per stage call
+    limits_here: Optional[list] = None  # the stats: per lane, each tensor's largest value sent, where the data lies
     committed: Optional[list] = None   # error feedback: per lane, the committed owner residuals (read at reduce)
     bytes_sent: int = 0
     lock: object = dataclasses.field(default_factory=threading.Lock)  # graph stages may run at once
@@ -237,7 +238,7 @@ class CodesExchange:
         if self.config.error_feedback:
             self._feedback(a, xp)
         if self.stats.enabled:
-            a.sums = []
+            a.sums, a.limits_here = [], [limits(fmt, a.shifts_here) for fmt in plan.fmts]
         return a
 
     def _seeds(self, bucket: Bucket, rank: int, side: str, xp):
@@ -345,7 +346,8 @@ class CodesExchange:
                                 message, a.residual)
             if a.sums is not None:
                 first, step = (_device.on_device(c, message) for c in a.plan.samples[chunk][n])
-                sums = engine.table_stats(a.data, message, fmt, send, shifts, first, step, limits(fmt, shifts))
+                sums = engine.table_stats(a.data, message, fmt, send, shifts, first, step,
+                                          _device.take(a.limits_here[n], send.tensor))
                 with a.lock:
                     a.sums.append((send.segment, sums))
         with a.lock:
@@ -373,14 +375,17 @@ class CodesExchange:
             if residual is not None:  # the owner's re-encode loses bits too
                 total += residual[0]
                 peaks = engine.table_amax(total, lc.reduce)
-            # each block's exponent from its own max, where the sums lie: no host round trip
-            shifts = (scaling.shifts_where(peaks, 1, fmt) if self.config.scaling == "aps"
-                      else xp.zeros(peaks.size, np.int64))
-            engine.table_encode(total, fmt, lc.reencode, shifts.astype(np.int32), self.config.rounding,
+            # each block's exponent from its own max where the sums lie, written where the message
+            # carries it: no host round trip
+            exponents = message[lc.exponent_start:lc.exponent_start + _tables.EXPONENT.itemsize * peaks.size]
+            if self.config.scaling == "aps":
+                shifts = engine.table_shifts(peaks, scaling.limit_for(1, fmt), exponents)
+            else:
+                shifts = xp.zeros(peaks.size, np.int32)
+                exponents.fill(0)
+            engine.table_encode(total, fmt, lc.reencode, shifts, self.config.rounding,
                                 None if a.owner_seeds is None else _device.take(a.owner_seeds, lc.reencode.tensor),
                                 self.config.saturate, message, None if residual is None else residual[1])
-            exponents = shifts.astype(_tables.EXPONENT).view(np.uint8)
-            message[lc.exponent_start:lc.exponent_start + exponents.size] = exponents
         with a.lock:
             a.bytes_sent += int(message.size) * (self.world - 1)
         return message

@@ -42,16 +42,25 @@ def shifts_for(amaxes, world_size, fmt, sum_max=None):
 
 
 def shifts_where(amaxes, world_size: int, fmt: FloatFormat, sum_max=None):
-    """shifts_for computed where `amaxes` lie (NumPy or CuPy: maxima the exchange found on the
-    device stay there), with the same float64 arithmetic, so the same shifts bit for bit. The
-    caller vouches for the arguments: maxima of absolute values, a FloatFormat."""
+    """shifts_for computed where `amaxes` lie (NumPy or CuPy), with the same float64 arithmetic,
+    so the same shifts bit for bit. The caller vouches for the arguments: maxima of absolute
+    values, a FloatFormat."""
+    return shifts_under(amaxes, limit_for(world_size, fmt, sum_max))
+
+
+def limit_for(world_size: int, fmt: FloatFormat, sum_max=None) -> float:
+    """The largest scaled term: both bounds at once (the largest shift under the smaller limit is
+    the largest under both)."""
+    return min(fmt.max, _term_limit(world_size, fmt, sum_max))
+
+
+def shifts_under(amaxes, limit: float):
+    """Per max |g|, the largest s with amax * 2**s <= limit (0 for amax 0 or not finite), where the
+    maxima lie: the NumPy reference of the engines' table_shifts."""
     xp = array_module(amaxes)
     amaxes = amaxes.astype(xp.float64)
     usable = xp.isfinite(amaxes) & (amaxes > 0)
-    amax = xp.where(usable, amaxes, 1.0)
-    # both bounds at once: the largest s under the smaller limit is the largest under both
-    s = _largest_shift(xp, amax, min(fmt.max, _term_limit(world_size, fmt, sum_max)))
-    return xp.where(usable, s, 0)
+    return xp.where(usable, _largest_shift(xp, xp.where(usable, amaxes, 1.0), limit), 0)
 
 
 def _term_limit(world_size, fmt, sum_max):

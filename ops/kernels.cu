@@ -393,3 +393,24 @@ extern "C" __global__ void hvd_table_stats(const float *x, const unsigned char *
   }
   if (threadIdx.x < HVD_STATS) sums[HVD_STATS * (long long)blockIdx.x + threadIdx.x] = partial[threadIdx.x][0];
 }
+
+/* scaling.shifts_under per block: the largest s with peak * 2^s <= limit (0 for a peak of 0 or not
+ * finite), in float64 as NumPy computes it, written as an int and as the block's little-endian
+ * int16 exponent where the message carries it: the re-encode's exponents never leave the device. */
+extern "C" __global__ void hvd_aps_shifts(const float *peaks, long long n, double limit, int *shifts,
+                                          unsigned char *exponents) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const double peak = peaks[i];
+    int s = 0;
+    if (isfinite(peak) && peak > 0) {
+      int e;
+      frexp(limit / peak, &e);
+      s = e - 1;  /* floor(log2(limit / peak)), up to the division's last-bit error */
+      s += ldexp(peak, s + 1) <= limit;
+      s -= ldexp(peak, s) > limit;
+    }
+    shifts[i] = s;
+    exponents[2 * i] = (unsigned char)(s & 0xFF);
+    exponents[2 * i + 1] = (unsigned char)((s >> 8) & 0xFF);
+  }
+}

@@ -842,12 +842,17 @@ def _table_stats(k: Launch) -> None:
     k.memory("sums", count * SAMPLE_SUMS)[:] = sums.ravel()
 
 
+def _aps_shifts(k: Launch) -> None:
+    n = k["n"]
+    k.memory("shifts", n)[:] = _numpy_engine.table_shifts(k.memory("peaks", n), k["limit"], k.memory("exponents", 2 * n))
+
+
 _TWINS = {"hvd_encode_u8": _encode, "hvd_encode_u16": _encode, "hvd_decode_u8": _decode, "hvd_decode_u16": _decode,
           "hvd_pack_u8": _pack, "hvd_pack_u16": _pack, "hvd_unpack_u8": _unpack, "hvd_unpack_u16": _unpack,
           "hvd_amax_bits": _amax_bits, "hvd_amax_blocks": _amax_blocks, "hvd_encode_row": _encode_row,
           "hvd_sum_rows": _sum_rows, "hvd_decode_row": _decode_row, "hvd_table_amax": _table_amax,
           "hvd_table_encode": _table_encode, "hvd_table_sum": _table_sum, "hvd_table_decode": _table_decode,
-          "hvd_table_stats": _table_stats}
+          "hvd_table_stats": _table_stats, "hvd_aps_shifts": _aps_shifts}
 
 
 # The modules ----------------------------------------------------------------------------------------

@@ -296,8 +296,8 @@ class Bound:
 # of the step before, every bucket's in one copy, once a step.
 READS = {"hvd_aps/exchange.py": 1, "hvd_aps/_stats.py": 1}
 UPLOADS = Bound(2, 0)       # the metadata vector and the agreed shifts (stochastic rounding: the seeds too)
-LAUNCHES = Bound(1, 5)      # the maxima; per chunk: encode, stats, sum, re-encode, decode
-OPS = Bound(6, 34)          # CuPy's own: the maxima per tensor; per chunk the APS shifts of the sums, gathers
+LAUNCHES = Bound(1, 6)      # the maxima; per chunk: encode, stats, sum, the sums' APS shifts, re-encode, decode
+OPS = Bound(9, 8)           # CuPy's own: the vector's maxima, the limits; per chunk gathers, casts, clears
 
 
 def counts_table() -> dict:

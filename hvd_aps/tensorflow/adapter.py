@@ -147,6 +147,12 @@ def finish(total, token_out, like, reduction, ranks):
     return tf.cast(tf.reshape(reduced, tf.shape(like)), like.dtype)
 
 
+def read_tokens(tokens):
+    """The adapter contract's one read of a step's tokens (eager tensors); finish() here leaves
+    none unread: a graph fixes its exchanges when traced, so no batch averaged before."""
+    return [tf.reshape(token, [-1]).numpy().tolist() for token in tokens]
+
+
 def ended(end_step, results):
     """Run `end_step` now when eager (-> None), else -> a graph op that runs it once `results`
     exist."""
