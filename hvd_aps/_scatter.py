@@ -17,6 +17,7 @@ A rank sends (N-1)/N of its codes once: half an allreduce's traffic and codec wo
 held NaN/Inf on any rank is left out of the codes and comes back NaN to its owner.
 """
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -25,6 +26,8 @@ from ._layout import BLOCK
 from ._stages import corrected, formats_and_shifts, hybrid_error, limits
 from ._state import SEND
 from ._stats import BucketStats
+
+LAYOUTS_KEPT = 64  # (world, n) and agreed lanes whose tables are kept: a model's few buffer sizes
 
 
 @dataclasses.dataclass
@@ -61,7 +64,7 @@ class ScatterExchange:
         hybrid precision, the narrow format's sampled error at that block's own shift."""
         rows = self._corrected(name, rows)
         n = rows.shape[1]
-        amaxes = np.concatenate([codec.amax_blocks(row, BLOCK) for row in rows]) if n else np.zeros(0)
+        amaxes = _arrays.to_numpy(codec.engine_for(rows).table_amax(rows.reshape(-1), _row_blocks(self.world, n)))
         errors = ()
         if self.config.hybrid is not None:
             errors = [hybrid_error(self.config, rows[r, j * BLOCK:(j + 1) * BLOCK], amaxes[r * self._blocks(n) + j],
@@ -82,22 +85,7 @@ class ScatterExchange:
         counts = np.asarray(sizes, np.int64)
         lane = np.where(finite, wide.astype(np.int64), -1)
         row = np.repeat(np.arange(self.world), per_row)
-        block = np.arange(row.size)  # blocks are named by their place among every row's: (row, block)
-        start = np.tile(np.arange(per_row, dtype=np.int64) * BLOCK, self.world)
-        taken = [np.where(lane == k, counts, 0).reshape(self.world, per_row) for k in range(len(self.fmts))]
-        lane_bytes = np.array([[codec.packed_size(int(t[r].sum()), fmt) for t, fmt in zip(taken, self.fmts)]
-                               for r in range(self.world)], np.int64).reshape(self.world, len(self.fmts))
-        at = np.concatenate([[0], np.cumsum(lane_bytes.ravel())])
-        send, mine = [], []
-        for k, t in enumerate(taken):
-            pos = (np.cumsum(t, axis=1) - t).ravel()  # each block's place in its row's part of lane k
-            sel = lane == k
-            base = at[row * len(self.fmts) + k]
-            send.append(_tables.Blocks.of(row[sel] * n + start[sel], counts[sel], base[sel], pos[sel],
-                                          row[sel] * n + start[sel], block[sel], row[sel]))
-            me = sel & (row == self.rank)
-            mine.append(_tables.Blocks.of(start[me], counts[me], int(lane_bytes[self.rank, :k].sum()), pos[me],
-                                          start[me], block[me], row[me]))
+        send, mine, lane_bytes = _lane_tables(self.world, self.rank, n, tuple(self.fmts), lane.tobytes())
         seed = self.state.seed_for(self.rank, name, SEND) if self.config.rounding == "stochastic" else None
         return ScatterAgreement(name, rows, shifts, send, mine, lane_bytes, self._carried(lane, shifts, counts, row),
                                 self._last(lane, shifts, row), ~finite[self.rank * per_row:(self.rank + 1) * per_row],
@@ -189,6 +177,49 @@ class ScatterExchange:
         if not self.config.error_feedback:
             return rows
         return corrected(self.state, (name, "corrected"), (name, SEND, 0), rows.reshape(-1)).reshape(rows.shape)
+
+
+def _row_starts(world: int, n: int) -> tuple:
+    """(row, start in the row, elements) of every block of a (world, n) input, row by row: blocks
+    are named by their place among every row's, (row, block)."""
+    per_row = -(-n // BLOCK)
+    start = np.tile(np.arange(per_row, dtype=np.int64) * BLOCK, world)
+    return np.repeat(np.arange(world, dtype=np.int64), per_row), start, np.minimum(start + BLOCK, n) - start
+
+
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def _row_blocks(world: int, n: int) -> _tables.Blocks:
+    """Every (row, block) of a (world, n) input as one table: the metadata's maxima in one call,
+    the same table every step (an engine keeps its device copy per table)."""
+    row, start, counts = _row_starts(world, n)
+    return _tables.Blocks.of(row * n + start, counts, 0, 0, row * n + start, np.arange(row.size), row)
+
+
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def _lane_tables(world: int, rank: int, n: int, fmts: tuple, lanes: bytes) -> tuple:
+    """(send, mine, lane_bytes) for the agreed lanes (int64 bytes: each (row, block)'s lane, -1
+    for one left out): per lane, the table every row's blocks are encoded by and this rank's
+    row's blocks as its received part holds them, and the (world, lanes) packed bytes. Kept per
+    agreement, which steps repeat while the gradients' magnitudes and formats hold."""
+    lane = np.frombuffer(lanes, np.int64)
+    row, start, counts = _row_starts(world, n)
+    block = np.arange(row.size)
+    taken = [np.where(lane == k, counts, 0).reshape(world, -1) for k in range(len(fmts))]
+    lane_bytes = np.array([[fmt.packed_size(int(t[r].sum())) for t, fmt in zip(taken, fmts)] for r in range(world)],
+                          np.int64).reshape(world, len(fmts))
+    at = np.concatenate([[0], np.cumsum(lane_bytes.ravel())])
+    send, mine = [], []
+    for k, t in enumerate(taken):
+        pos = (np.cumsum(t, axis=1) - t).ravel()  # each block's place in its row's part of lane k
+        sel = lane == k
+        base = at[row * len(fmts) + k]
+        send.append(_tables.Blocks.of(row[sel] * n + start[sel], counts[sel], base[sel], pos[sel],
+                                      row[sel] * n + start[sel], block[sel], row[sel]))
+        me = sel & (row == rank)
+        mine.append(_tables.Blocks.of(start[me], counts[me], int(lane_bytes[rank, :k].sum()), pos[me], start[me],
+                                      block[me], row[me]))
+    lane_bytes.flags.writeable = False
+    return send, mine, lane_bytes
 
 
 class _BlockLabels:

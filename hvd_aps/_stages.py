@@ -37,7 +37,6 @@ from ._layout import Segment
 from ._state import OWNER, SEND
 from ._stats import BucketStats
 
-_SHIFT = np.dtype("<i2")  # re-encode exponents on the wire
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # ranges are summed in float32: no x N headroom needed
 HYBRID_SAMPLE = 4096  # elements per tensor the hybrid policy's error estimate looks at
 # Buckets whose results are larger than this are decoded past the caches (the host engine's
@@ -381,7 +380,7 @@ class CodesExchange:
             engine.table_encode(total, fmt, lc.reencode, shifts, self.config.rounding,
                                 None if a.owner_seeds is None else a.owner_seeds[lc.reencode.tensor],
                                 self.config.saturate, message, None if residual is None else residual[1])
-            exponents = shifts.astype(_SHIFT).view(np.uint8)
+            exponents = shifts.astype(_tables.EXPONENT).view(np.uint8)
             message[lc.exponent_start:lc.exponent_start + exponents.size] = xp.asarray(exponents)
         with a.lock:
             a.bytes_sent += int(message.size) * (self.world - 1)
@@ -406,7 +405,7 @@ class CodesExchange:
         engine = codec.engine_for(gathered)
         for lc, fmt in zip(a.plan.chunks[chunk].lanes, a.plan.fmts):
             if lc.finish.count:
-                exponents = _arrays.to_numpy(gathered[lc.exponents]).view(_SHIFT)
+                exponents = _arrays.to_numpy(gathered[lc.exponents]).view(_tables.EXPONENT)
                 engine.table_decode(gathered, fmt, lc.finish, exponents, a.out, np.float32(a.divisor), a.stream)
 
     def done(self, a: Agreement):

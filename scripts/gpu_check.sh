@@ -50,13 +50,13 @@ if wanted exchange; then
   run 90 $PY examples/benchmark_exchange.py --device cuda --model resnet50 --workers 8
 fi
 if wanted ncu && command -v ncu >/dev/null; then
-  # the packed-row kernels the exchange launches, at 64 MiB (benchmark_codec's packed-row stages)
-  run 90 ncu --target-processes all -k regex:"hvd_(encode_row|sum_rows|decode_row)" --launch-count 3 \
+  # the table kernels, at 64 MiB (benchmark_codec's packed-row stages)
+  run 90 ncu --target-processes all -k regex:"hvd_table_(encode|sum|decode)" --launch-count 3 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section ComputeWorkloadAnalysis \
       $PY examples/benchmark_codec.py --device cuda --repeats 1
 fi
 if wanted sanitizer && command -v compute-sanitizer >/dev/null; then
-  run 120 compute-sanitizer --tool memcheck $PY -m pytest -q -p no:cacheprovider -x tests/test_gpu.py -k "blocked or packed_row"
+  run 120 compute-sanitizer --tool memcheck $PY -m pytest -q -p no:cacheprovider -x tests/test_gpu.py -k "blocked or packed_row or table_stages"
   run 90 compute-sanitizer --tool racecheck $PY -m pytest -q -p no:cacheprovider -x tests/test_gpu.py -k "blocked and e4m3"
 fi
 echo "results in $OUT"

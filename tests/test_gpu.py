@@ -1,5 +1,6 @@
-"""The CuPy engine against the CPU engines, bit for bit, and the codes exchange on a GPU (threads as
-ranks; the DDP hook over NCCL with one rank). Skipped where there is no CUDA device."""
+"""The CuPy engine against the CPU engines, bit for bit: its table kernels (the only kernels it has)
+directly and under every codec function; and the codes exchange on a GPU (threads as ranks; the
+DDP hook over NCCL with one rank). Skipped where there is no CUDA device."""
 import os
 
 import numpy as np
@@ -55,6 +56,28 @@ def test_non_contiguous_and_sums():
     nan = np.isnan(want)
     assert nan.any() and (np.isnan(got) == nan).all()
     assert (got.view(np.uint32) == want.view(np.uint32))[~nan].all()
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e2m1fn", "e3m2fn"])
+def test_float16_values_and_sums_into_out_match_the_cpu(name):
+    """float16 values (fp16's codes, encoded from the float32 ones) and decode_sum adding to what
+    `out` holds (a decode a rank) on the GPU give the CPU's bits."""
+    fmt = hvd_aps.FloatFormat.parse(name)
+    x = inputs(30_011)
+    for shift in (0, 9):
+        want = cpu(hvd_aps.quantize, x, fmt, shift=shift, unscale=False, dtype=np.float16)
+        got = hvd_aps.quantize(cupy.asarray(x), fmt, shift=shift, unscale=False, dtype=np.float16)
+        assert got.dtype == np.float16 and cupy.asnumpy(got).tobytes() == want.tobytes()
+        codes = cpu(hvd_aps.encode, x, fmt)
+        want = cpu(hvd_aps.decode, codes, fmt, shift=shift, dtype=np.float16)
+        assert cupy.asnumpy(hvd_aps.decode(cupy.asarray(codes), fmt, shift=shift, dtype=np.float16)).tobytes() == \
+            want.tobytes()
+    rng = np.random.default_rng(6)  # finite sums: a NaN's sign from Inf + -Inf is the hardware's
+    stacked = np.stack([cpu(hvd_aps.encode, rng.standard_normal(4001).astype(np.float32), fmt) for _ in range(3)])
+    start = rng.standard_normal(stacked.shape[1]).astype(np.float32)
+    want = cpu(hvd_aps.decode_sum, stacked, fmt, shift=3, out=start.copy())
+    got = hvd_aps.decode_sum(cupy.asarray(stacked), fmt, shift=3, out=cupy.asarray(start))
+    assert (cupy.asnumpy(got).view(np.uint32) == want.view(np.uint32)).all()
 
 
 @pytest.mark.parametrize("name", ["e2m1fn", "e3m2fn", "e4m3", "e5m10", "e1m2fn"])
