@@ -36,7 +36,7 @@ MAIN = [  # (category, frame patterns): the innermost frame that matches decides
     ("forward", ("forward (", "_call_impl")),
 ]
 WORKER = [
-    ("codec", ("encode_into", "sum_rows", "decode_row", "amax", "decode_table", "quantize", "_host_engine")),
+    ("codec", ("table_", "amax", "quantize", "_host_engine", "_numpy_engine")),
     ("waiting for a collective", ("wait (", "poll", "sleep", "Condition.wait", "synchronize", "Work.wait",
                                   "torch/distributed/")),  # blocking torch.distributed calls wait inside
     ("Horovod Python", ("horovod/",)),

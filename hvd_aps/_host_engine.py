@@ -1,6 +1,7 @@
 """The compiled CPU engine: ops/host.c built into hvd_aps/_hostcodec*.so by setup.py, driven
-through ctypes. Large arrays are cut into one chunk per core and converted in a thread pool;
-ctypes releases the GIL during each call, so the chunks really run in parallel.
+through ctypes; codec's engine contract, its table functions, and nothing else of the codec. A
+large table is cut into one share of its blocks per core, run in a thread pool; ctypes releases
+the GIL during each call, so the shares really run in parallel.
 """
 import concurrent.futures
 import contextlib
@@ -18,7 +19,6 @@ from . import _numpy_engine
 from ._tables import SAMPLE_SUMS
 
 _MIN_CHUNK = 1 << 18  # below this, thread hand-off costs more than it saves
-_BYTE_GROUP = 8  # codes of any width: 8 of them fill whole bytes
 
 
 class _Fmt(ctypes.Structure):
@@ -41,34 +41,8 @@ def _load():
         return None
     lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    lib.hvd_encode.argtypes = [ptr, ptr, i64, i64, _Fmt, i32, i32, ctypes.c_uint64]
-    lib.hvd_encode.restype = None
     lib.hvd_decode_table.argtypes = [ptr, _Fmt, i32]
     lib.hvd_decode_table.restype = None
-    for name in ("hvd_gather_u8_f32", "hvd_gather_u16_f32", "hvd_gather_u8_f16", "hvd_gather_u16_f16",
-                 "hvd_accumulate_u8", "hvd_accumulate_u16"):
-        getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
-        getattr(lib, name).restype = None
-    for name in ("hvd_pack_u8", "hvd_pack_u16"):
-        getattr(lib, name).argtypes = [ptr, i64, i32, ptr, i64, i64]
-        getattr(lib, name).restype = None
-    for name in ("hvd_unpack_u8", "hvd_unpack_u16"):
-        getattr(lib, name).argtypes = [ptr, i32, ptr, i64, i64]
-        getattr(lib, name).restype = None
-    lib.hvd_pack_nibbles.argtypes = [ptr, i64, ptr, i64, i64]
-    lib.hvd_pack_nibbles.restype = None
-    lib.hvd_unpack_nibbles.argtypes = [ptr, ptr, i64, i64]
-    lib.hvd_unpack_nibbles.restype = None
-    lib.hvd_sum_rows.argtypes = [ptr, i64, i32, i32, i64, i64, ptr, ptr]
-    lib.hvd_sum_rows.restype = ctypes.c_float
-    lib.hvd_amax.argtypes = [ptr, i64]
-    lib.hvd_amax.restype = ctypes.c_float
-    lib.hvd_encode_row_blocks.argtypes = [ptr, i64, i64, i64, ptr, i64, _Fmt, ptr, i64, i32, ctypes.c_uint64]
-    lib.hvd_sum_rows_blocks.argtypes = [ptr, i64, i32, i32, i64, i64, i64, i64, ptr, ptr, ptr]
-    lib.hvd_decode_row_blocks.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, ptr, i32]
-    lib.hvd_amax_blocks.argtypes = [ptr, i64, i64, ptr]
-    for name in ("hvd_encode_row_blocks", "hvd_sum_rows_blocks", "hvd_decode_row_blocks", "hvd_amax_blocks"):
-        getattr(lib, name).restype = None
     lib.hvd_table_amax.argtypes = [ptr, ptr, i64, i64, ptr]
     lib.hvd_table_encode.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, _Fmt, ptr, i32, ptr, ptr, ptr, ptr]
     lib.hvd_table_sum.argtypes = [ptr, i64, i32, i32, ptr, i64, i64, ptr, ptr, ptr, ptr]
@@ -135,61 +109,9 @@ def _width() -> int:
     return 1 if getattr(_beside, "compute", False) and not _awaiting[0] else _threads
 
 
-def _chunks(n, pos, unit):
-    """One range per thread, each starting where element lo + pos is a multiple of `unit`:
-    a byte group (_BYTE_GROUP) of a packed stream, so threads writing packed codes never share a
-    byte, or a block whose maximum one thread must compute whole."""
-    width = _width()
-    if _pool is None or width == 1 or n < 2 * _MIN_CHUNK:
-        return [(0, n)]
-    step = -(-n // width)
-    step += -step % unit
-    bounds = [0, *range(step - pos % unit, n, step), n]
-    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if lo < hi]
-
-
-def _run(fn, n, pos=0, unit=_BYTE_GROUP):
-    """Call fn(lo, hi) over the chunks of range(n), in parallel where it pays."""
-    parts = _chunks(n, pos, unit)
-    if len(parts) == 1:
-        return [fn(0, n)]
-    return list(_pool.map(lambda p: fn(*p), parts))
-
-
 @functools.lru_cache(maxsize=None)
 def _c_fmt(fmt, saturate=False):
     return _Fmt(fmt.exp_bits, fmt.man_bits, fmt.policy, int(bool(saturate)))
-
-
-def encode(x, fmt, shift, rounding, seed, saturate, out=None):
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty(x.shape, dtype=fmt.code_dtype) if out is None else out
-    cfmt, stochastic = _c_fmt(fmt, saturate), int(rounding == "stochastic")
-    xp, op = x.ctypes.data, out.ctypes.data
-    size = out.itemsize
-
-    def work(lo, hi):
-        _lib.hvd_encode(xp + 4 * lo, op + size * lo, hi - lo, lo, cfmt, shift, stochastic, seed)
-
-    _run(work, x.size)
-    return out
-
-
-def encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, pos, index):
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    cfmt, stochastic, xp, rp = _c_fmt(fmt, saturate), int(rounding == "stochastic"), x.ctypes.data, row.ctypes.data
-    sp = shifts.ctypes.data
-
-    def work(lo, hi):
-        _lib.hvd_encode_row_blocks(xp + 4 * lo, hi - lo, lo, index + lo, rp, pos + lo, cfmt, sp, block, stochastic,
-                                   seed)
-
-    _run(work, x.size, pos)
-    return row
-
-
-def decode_table(fmt, shift):
-    return _scaled_table(fmt, shift, 1.0)
 
 
 # A step decodes every piece at one of a few exponents (they follow the gradients' magnitudes):
@@ -207,44 +129,6 @@ def _scaled_table(fmt, shift, divisor):
         table /= np.float32(divisor)
     table.flags.writeable = False
     return table
-
-
-def decode(codes, fmt, shift, dtype, out=None):
-    codes = np.ascontiguousarray(codes, dtype=fmt.code_dtype)
-    out = np.empty(codes.shape, dtype=dtype) if out is None else out
-    table = decode_table(fmt, shift).astype(dtype)
-    gather = getattr(_lib, f"hvd_gather_u{8 * codes.itemsize}_f{8 * out.itemsize}")
-    cp, op, tp, csize, osize = codes.ctypes.data, out.ctypes.data, table.ctypes.data, codes.itemsize, out.itemsize
-    _run(lambda lo, hi: gather(cp + csize * lo, op + osize * lo, hi - lo, tp), codes.size)
-    return out
-
-
-def decode_accumulate(codes, fmt, shift, out=None):
-    if codes.strides[-1] != codes.itemsize:  # each rank's row must be contiguous, not the whole array
-        codes = np.ascontiguousarray(codes)
-    out = np.zeros(codes.shape[1:], np.float32) if out is None else out
-    table = decode_table(fmt, shift)
-    add = _lib.hvd_accumulate_u8 if codes.itemsize == 1 else _lib.hvd_accumulate_u16
-    op, tp, size = out.ctypes.data, table.ctypes.data, codes.itemsize
-    for rank_codes in codes:  # rank order, as every engine sums
-        cp = rank_codes.ctypes.data
-        _run(lambda lo, hi: add(cp + size * lo, op + 4 * lo, hi - lo, tp), out.size)
-    return out
-
-
-def sum_rows(rows, fmt, start, stop, shift, block, out=None):
-    out = np.empty(stop - start, np.float32) if out is None else out
-    table, n = decode_table(fmt, shift), stop - start
-    rp, stride, ranks, op, tp = rows.ctypes.data, rows.strides[0], rows.shape[0], out.ctypes.data, table.ctypes.data
-    if n <= block:  # one block: threads take any ranges, their maxima combined here
-        peaks = _run(lambda lo, hi: _lib.hvd_sum_rows(rp, stride, ranks, fmt.bits, start + lo, start + hi,
-                                                      op + 4 * lo, tp), n)
-        return out, np.array([max(peaks, default=0.0)], np.float32)
-    peaks = np.empty(-(-n // block), np.float32)
-    pp = peaks.ctypes.data
-    _run(lambda lo, hi: _lib.hvd_sum_rows_blocks(rp, stride, ranks, fmt.bits, start + lo, start + hi, lo, block,
-                                                 op + 4 * lo, tp, pp), n, unit=block)
-    return out, peaks
 
 
 # A range's blocks take their exponents from a short run (they follow the gradients' magnitudes):
@@ -273,16 +157,7 @@ def _tables_for(fmt, shifts, divisor=1.0) -> tuple:
     return tables, np.ascontiguousarray(which, dtype=np.int32)
 
 
-def decode_row(row, fmt, start, stop, shifts, block, out=None, divisor=np.float32(1), stream=False):
-    out = np.empty(stop - start, np.float32) if out is None else out
-    tables, which = _tables_for(fmt, shifts, divisor)
-    rp, op, tp, wp = row.ctypes.data, out.ctypes.data, tables.ctypes.data, which.ctypes.data
-    _run(lambda lo, hi: _lib.hvd_decode_row_blocks(rp, fmt.bits, start + lo, start + hi, lo, block, op + 4 * lo, tp,
-                                                   wp, int(stream)), stop - start)
-    return out
-
-
-# Block tables (hvd_aps._tables): one call per stage of a bucket, threads sharing its blocks ----------
+# Block tables (hvd_aps._tables): one call per stage of a bucket, threads sharing its blocks
 def _run_table(fn, blocks, period=1):
     """fn(b0, o0, b1, o1) over shares of the table's blocks, in parallel where it pays (period:
     Blocks.cuts')."""
@@ -351,28 +226,6 @@ def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
     return sums
 
 
-def pack(codes, bits):
-    out = np.empty(-(-codes.size * bits // 8), np.uint8)
-    cp, op, n = codes.ctypes.data, out.ctypes.data, codes.size
-    if bits == 4:
-        _run(lambda lo, hi: _lib.hvd_pack_nibbles(cp, n, op, lo, hi), out.size)
-    else:
-        fn = _lib.hvd_pack_u8 if codes.itemsize == 1 else _lib.hvd_pack_u16
-        _run(lambda lo, hi: fn(cp, n, bits, op, lo, hi), out.size)
-    return out
-
-
-def unpack(packed, bits, n, dtype):
-    out = np.empty(n, dtype)
-    pp, op = packed.ctypes.data, out.ctypes.data
-    if bits == 4:
-        _run(lambda lo, hi: _lib.hvd_unpack_nibbles(pp, op, lo, hi), n)
-    else:
-        fn = _lib.hvd_unpack_u8 if dtype.itemsize == 1 else _lib.hvd_unpack_u16
-        _run(lambda lo, hi: fn(pp, bits, op, lo, hi), n)
-    return out
-
-
 def store_release(address: int, value: int) -> None:
     """An int64 counter in shared memory set after the data it publishes (hvd_aps._host_memory)."""
     _lib.hvd_store_release(address, value)
@@ -381,20 +234,6 @@ def store_release(address: int, value: int) -> None:
 def load_acquire(address: int) -> int:
     """An int64 counter in shared memory read before the data it guards."""
     return _lib.hvd_load_acquire(address)
-
-
-def amax(x):
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    xp = x.ctypes.data
-    return max(_run(lambda lo, hi: _lib.hvd_amax(xp + 4 * lo, hi - lo), x.size), default=0.0)
-
-
-def amax_blocks(x, block):
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    peaks = np.empty(-(-x.size // block), np.float32)
-    xp, pp = x.ctypes.data, peaks.ctypes.data
-    _run(lambda lo, hi: _lib.hvd_amax_blocks(xp + 4 * lo, hi - lo, block, pp + 4 * (lo // block)), x.size, unit=block)
-    return peaks
 
 
 # A chunk's few re-encode exponents: NumPy's float64 arithmetic is the reference, and fast enough.

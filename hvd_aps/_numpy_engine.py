@@ -1,5 +1,6 @@
-"""The codec in vectorised NumPy: the fallback where the compiled engine is missing, and a second,
-independently written implementation of ops/fpcodec.h that the tests hold the others against.
+"""The codec's engine contract (its table functions) in vectorised NumPy: the fallback where the
+compiled engine is missing, and a second, independently written implementation of ops/fpcodec.h
+that the tests hold the others against.
 """
 import numpy as np
 
@@ -7,7 +8,6 @@ from .formats import FINITE, FN_NAN, IEEE
 from .scaling import shifts_under
 
 _U64 = np.uint64
-_MASK64 = (1 << 64) - 1
 
 
 def _mix64(z):
@@ -16,13 +16,9 @@ def _mix64(z):
     return z ^ (z >> _U64(31))
 
 
-def random32(seed, start, n):
-    """The 32 random bits ops/fpcodec.h's hvd_random32 draws for flat indices start..start+n-1."""
-    return random32_at(np.array([seed & _MASK64], dtype=_U64), np.arange(start, start + n, dtype=np.int64))
-
-
-def random32_at(seeds, index):
-    """hvd_random32 of (seeds[i], index[i]) for every i (seeds broadcast)."""
+def _random32(seeds, index):
+    """The 32 random bits ops/fpcodec.h's hvd_random32 draws for (seeds[i], index[i]) for every i
+    (seeds broadcast)."""
     with np.errstate(over="ignore"):
         z = _mix64(np.asarray(seeds, _U64)) + (np.asarray(index, np.int64).astype(_U64) + _U64(1)) * _U64(
             0x9E3779B97F4A7C15)
@@ -48,10 +44,9 @@ def _special_codes(a, sign, fmt):
     return np.where(is_inf, (sign << top) | np.uint32(max_code), (sign ^ np.uint32(1)) << top)
 
 
-def encode(x, fmt, shift, rounding, seed, saturate, out=None, index=0):
-    """Codes of x * 2**shift (x float32, any shape): uint32, or written into `out`. index: the
-    stochastic hash's index of x's first element, or an array of every element's (seed then
-    broadcasts with it, one per element or one for all)."""
+def _encode(x, fmt, shift, rounding, seed, saturate, index):
+    """Codes of x * 2**shift (x flat float32; shift one per element or one for all) as uint32.
+    index: the stochastic hash's index of every element (seed one per element or one for all)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     sign, a = u >> np.uint32(31), u & np.uint32(0x7FFFFFFF)
     e32 = (a >> np.uint32(23)).astype(np.int64)
@@ -68,8 +63,7 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None, index=0):
     q = sig >> drop
     rem = sig - (q << drop)
     if rounding == "stochastic":
-        rnd = (random32_at(seed, index) if np.ndim(index) else random32(seed, index, u.size)).reshape(u.shape)
-        rnd = rnd.astype(np.int64)
+        rnd = _random32(seed, index).astype(np.int64)
         threshold = np.where(drop <= 32, rem << np.maximum(32 - drop, 0), rem >> np.maximum(drop - 32, 0))
         up = rnd < threshold
     else:
@@ -87,13 +81,10 @@ def encode(x, fmt, shift, rounding, seed, saturate, out=None, index=0):
     special = a >= 0x7F800000
     if special.any():
         codes[special] = _special_codes(a[special], sign[special], fmt)
-    if out is None:
-        return codes
-    out[...] = codes
-    return out
+    return codes
 
 
-def decode_table(fmt, shift):
+def _decode_table(fmt, shift):
     """float32 value of every code, times 2**-shift."""
     codes = np.arange(1 << fmt.bits, dtype=np.int64)
     m = fmt.man_bits
@@ -113,88 +104,6 @@ def decode_table(fmt, shift):
     elif fmt.policy == FN_NAN:
         values = np.where(mag == all_ones, np.copysign(np.nan, -sign + 0.5), values)
     return values.astype(np.float32)
-
-
-def decode(codes, fmt, shift, dtype, out=None):
-    return np.take(decode_table(fmt, shift).astype(dtype), codes, out=out)
-
-
-def decode_accumulate(codes, fmt, shift, out=None):
-    table = decode_table(fmt, shift)
-    out = np.zeros(codes.shape[1:], np.float32) if out is None else out
-    for rank_codes in codes:
-        out += table[rank_codes]
-    return out
-
-
-def amax(x):
-    a = np.max(np.abs(x)) if x.size else np.float32(0)
-    return float(a) if np.isfinite(a) else float("inf")
-
-
-def _per_element(shifts, block, n):
-    """Each of n elements' exponent, from one per block of `block` elements."""
-    return np.repeat(np.asarray(shifts, np.int64), block)[:n]
-
-
-def encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, pos, index):
-    """encode(), block k of x at exponent shifts[k], its codes written into the packed stream
-    `row` at code positions pos.. (the other bits of the bytes they touch kept), through the
-    stream's bits one by one."""
-    x = np.ravel(x)
-    codes = encode(x, fmt, _per_element(shifts, block, x.size), rounding, seed, saturate, index=index)
-    codes = codes.astype(fmt.code_dtype)
-    first, end = pos * fmt.bits // 8, -(-(pos + codes.size) * fmt.bits // 8)
-    stream, at = np.unpackbits(row[first:end], bitorder="little"), pos * fmt.bits - 8 * first
-    stream[at:at + codes.size * fmt.bits] = _bit_planes(codes, fmt.bits)
-    row[first:end] = np.packbits(stream, bitorder="little")
-    return row
-
-
-def sum_rows(rows, fmt, start, stop, shift, block, out=None):
-    """Codes start..stop of every packed row decoded and added in row order from +0.0, and the
-    max |sum| of every block of `block` of them."""
-    out = np.empty(stop - start, np.float32) if out is None else out
-    out.fill(0)
-    table = decode_table(fmt, shift)
-    for row in rows:
-        out += table[unpack(row, fmt.bits, stop, np.dtype(fmt.code_dtype))[start:]]
-    return out, amax_blocks(out, block) if out.size else np.zeros(1, np.float32)
-
-
-def decode_row(row, fmt, start, stop, shifts, block, out=None, divisor=np.float32(1), stream=False):
-    """Codes start..stop of a packed row, block k decoded at exponent shifts[k], divided by divisor."""
-    codes = unpack(row, fmt.bits, stop, np.dtype(fmt.code_dtype))[start:]
-    exponents = _per_element(shifts, block, codes.size)
-    out = np.empty(codes.size, np.float32) if out is None else out
-    for shift in np.unique(exponents):
-        chosen = exponents == shift
-        out[chosen] = (decode_table(fmt, int(shift)) / divisor)[codes[chosen]]
-    return out
-
-
-def amax_blocks(x, block):
-    """amax() of every block of `block` elements of x, as float32."""
-    with np.errstate(invalid="ignore"):
-        peaks = np.max(np.pad(np.abs(x), (0, -x.size % block)).reshape(-1, block), axis=1, initial=0)
-    return np.where(np.isfinite(peaks), peaks, np.inf).astype(np.float32)
-
-
-def _bit_planes(codes, bits):
-    """The low `bits` bits of every code, little-endian, as one flat array of 0/1."""
-    planes = np.unpackbits(codes.view(np.uint8).reshape(codes.size, codes.itemsize), axis=1, bitorder="little")
-    return planes[:, :bits].ravel()
-
-
-def pack(codes, bits):
-    """Dense little-endian bit stream of the codes' low `bits` bits (see ops/fpcodec.h)."""
-    return np.packbits(_bit_planes(codes, bits), bitorder="little")
-
-
-def unpack(packed, bits, n, dtype):
-    planes = np.zeros((n, dtype.itemsize * 8), np.uint8)
-    planes[:, :bits] = np.unpackbits(packed, bitorder="little")[: n * bits].reshape(n, bits)
-    return np.packbits(planes, axis=1, bitorder="little").view(dtype).ravel()
 
 
 # Block tables (hvd_aps._tables): every block's elements at once -----------------------------------
@@ -223,7 +132,7 @@ def _values(fmt, codes, shifts, divisor=np.float32(1)):
     out = np.empty(codes.shape, np.float32)
     for shift in np.unique(shifts):
         chosen = shifts == shift
-        out[chosen] = (decode_table(fmt, int(shift)) / np.float32(divisor))[codes[chosen]]
+        out[chosen] = (_decode_table(fmt, int(shift)) / np.float32(divisor))[codes[chosen]]
     return out
 
 
@@ -246,7 +155,7 @@ def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, res
     src = blocks.rows[block, 0] + within
     shifts_each = np.asarray(shifts, np.int64)[block]
     seed_each = np.asarray(seeds, _U64)[block] if rounding == "stochastic" else 0
-    codes = encode(x[src], fmt, shifts_each, rounding, seed_each, saturate, index=blocks.rows[block, 4] + within)
+    codes = _encode(x[src], fmt, shifts_each, rounding, seed_each, saturate, blocks.rows[block, 4] + within)
     where = _bit_positions(blocks, fmt.bits, block, within)
     if fmt.bits == 8:
         message[where >> 3] = codes

@@ -27,6 +27,8 @@ from ._stages import corrected, formats_and_shifts, hybrid_error, limits
 from ._state import SEND
 from ._stats import BucketStats
 
+LAYOUTS_KEPT = 64  # (world, n) and agreed lanes whose tables are kept: a model's few buffer sizes
+
 
 @dataclasses.dataclass
 class ScatterAgreement:
@@ -36,11 +38,13 @@ class ScatterAgreement:
     send: list          # per lane: the Blocks every row's blocks of that lane are encoded by
     mine: list          # per lane: this rank's row's blocks, as its received part holds them
     lane_bytes: np.ndarray  # (world, lanes) packed bytes
+    ends: np.ndarray        # the last byte of every part that has one: unused high bits cleared
     carried: np.ndarray     # per row: packed bytes of its codes, run by run
     last: list          # per row: (format, shift) of its last block sent, as the stats name it
     fallback: np.ndarray  # this rank's row: blocks NaN on every rank
     divisor: float
     seed: object
+    shifts_here: object = None  # the shifts where the rows lie (int32), from begin() on
 
 
 class ScatterExchange:
@@ -62,14 +66,16 @@ class ScatterExchange:
         hybrid precision, the narrow format's sampled error at that block's own shift."""
         rows = self._corrected(name, rows)
         n = rows.shape[1]
-        amaxes = np.concatenate([codec.amax_blocks(row, BLOCK) for row in rows]) if n else np.zeros(0)
+        peaks = codec.engine_for(rows).table_amax(rows.reshape(-1), _row_blocks(self.world, n))  # where the rows lie
         errors = ()
-        if self.config.hybrid is not None:
+        if self.config.hybrid is not None:  # its choice is made on the host: the maxima read here
+            amaxes = _arrays.to_numpy(peaks)
             errors = [hybrid_error(self.config, rows[r, j * BLOCK:(j + 1) * BLOCK], amaxes[r * self._blocks(n) + j],
                                    self.world)
                       for r in range(self.world) for j in range(self._blocks(n))]
-        return _metadata.vector(self.config, amaxes, self._sizes(n), errors, self.state.schedule.entries(name),
-                                self.state.resumed_world), rows
+        vector = _metadata.vector(self.config, np.zeros(len(peaks)), self._sizes(n), errors,
+                                  self.state.schedule.entries(name), self.state.resumed_world)
+        return _metadata.with_amaxes(vector, _everyone(len(peaks)), peaks), rows
 
     def agree(self, name: str, agreed, rows, divisor: float) -> ScatterAgreement:
         n = rows.shape[1]
@@ -83,24 +89,10 @@ class ScatterExchange:
         counts = np.asarray(sizes, np.int64)
         lane = np.where(finite, wide.astype(np.int64), -1)
         row = np.repeat(np.arange(self.world), per_row)
-        block = np.arange(row.size)  # blocks are named by their place among every row's: (row, block)
-        start = np.tile(np.arange(per_row, dtype=np.int64) * BLOCK, self.world)
-        taken = [np.where(lane == k, counts, 0).reshape(self.world, per_row) for k in range(len(self.fmts))]
-        lane_bytes = np.array([[codec.packed_size(int(t[r].sum()), fmt) for t, fmt in zip(taken, self.fmts)]
-                               for r in range(self.world)], np.int64).reshape(self.world, len(self.fmts))
-        at = np.concatenate([[0], np.cumsum(lane_bytes.ravel())])
-        send, mine = [], []
-        for k, t in enumerate(taken):
-            pos = (np.cumsum(t, axis=1) - t).ravel()  # each block's place in its row's part of lane k
-            sel = lane == k
-            base = at[row * len(self.fmts) + k]
-            send.append(_tables.Blocks.of(row[sel] * n + start[sel], counts[sel], base[sel], pos[sel],
-                                          row[sel] * n + start[sel], block[sel], row[sel]))
-            me = sel & (row == self.rank)
-            mine.append(_tables.Blocks.of(start[me], counts[me], int(lane_bytes[self.rank, :k].sum()), pos[me],
-                                          start[me], block[me], row[me]))
+        send, mine, lane_bytes, ends = _lane_tables(self.world, self.rank, n, tuple(self.fmts), lane.tobytes())
         seed = self.state.seed_for(self.rank, name, SEND) if self.config.rounding == "stochastic" else None
-        return ScatterAgreement(name, rows, shifts, send, mine, lane_bytes, self._carried(lane, shifts, counts, row),
+        return ScatterAgreement(name, rows, shifts, send, mine, lane_bytes, ends,
+                                self._carried(lane, shifts, counts, row),
                                 self._last(lane, shifts, row), ~finite[self.rank * per_row:(self.rank + 1) * per_row],
                                 divisor, seed)
 
@@ -134,14 +126,13 @@ class ScatterExchange:
         xp, n = _arrays.array_module(a.rows), a.rows.shape[1]
         splits = [int(s) for s in a.lane_bytes.sum(axis=1)]
         message = self.state.buffers.get((a.name, "send"), sum(splits), np.uint8, xp)
-        ends = np.cumsum(a.lane_bytes.ravel())[a.lane_bytes.ravel() > 0] - 1
-        message[_device.on_device(ends, message)] = 0  # a reused buffer's unused high bits
+        message[_device.on_device(a.ends, message)] = 0  # a reused buffer's unused high bits
         residual = (self.state.next_residual((a.name, SEND, 0), a.rows.size, xp)
                     if self.config.error_feedback else None)
         if residual is not None:
             residual.fill(0)  # blocks left out (NaN/Inf) restart from zero
         flat, engine = a.rows.reshape(-1), codec.engine_for(a.rows)
-        shifts_here = xp.asarray(a.shifts.astype(np.int32))  # one upload, where the rows lie
+        a.shifts_here = shifts_here = xp.asarray(a.shifts.astype(np.int32))  # one upload, where the rows lie
         step = _arrays.sample_stride(n, self.stats.sample)  # a row's sample: its elements 0, step, 2 step, ...
         parts = []  # per lane that sent: (each block's row, its sample sums where the rows lie)
         for send, fmt in zip(a.send, self.fmts):
@@ -152,9 +143,8 @@ class ScatterExchange:
                                 None if a.seed is None else xp.full(send.count, a.seed, np.uint64),
                                 self.config.saturate, message, residual)
             if self.stats.enabled:
-                first = (-(send.rows[:, _tables.INDEX] - send.segment * n)) % step
                 parts.append((send.segment, engine.table_stats(flat, message, fmt, send, shifts,
-                                                               _device.on_device(first, flat),
+                                                               _device.on_device(_sample_first(send, n, step), flat),
                                                                xp.full(send.count, step, np.int64),
                                                                limits(fmt, shifts))))
         if any(a.last[r] is not None for r in range(self.world)):  # a row all NaN/Inf records nothing
@@ -184,8 +174,7 @@ class ScatterExchange:
         engine = codec.engine_for(received)
         for mine, fmt in zip(a.mine, self.fmts):
             if mine.count:
-                engine.table_sum(rows, fmt, mine, _arrays.array_module(out).asarray(a.shifts[mine.tensor].astype(np.int32)),
-                                 out)
+                engine.table_sum(rows, fmt, mine, _device.take(a.shifts_here, mine.tensor), out)
         if a.divisor != 1:
             out /= np.float32(a.divisor)
         self.state.exchanged([a.name])
@@ -195,6 +184,63 @@ class ScatterExchange:
         if not self.config.error_feedback:
             return rows
         return corrected(self.state, (name, "corrected"), (name, SEND, 0), rows.reshape(-1)).reshape(rows.shape)
+
+
+def _row_starts(world: int, n: int) -> tuple:
+    """(row, start in the row, elements) of every block of a (world, n) input, row by row: blocks
+    are named by their place among every row's, (row, block)."""
+    per_row = -(-n // BLOCK)
+    start = np.tile(np.arange(per_row, dtype=np.int64) * BLOCK, world)
+    return np.repeat(np.arange(world, dtype=np.int64), per_row), start, np.minimum(start + BLOCK, n) - start
+
+
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def _row_blocks(world: int, n: int) -> _tables.Blocks:
+    """Every (row, block) of a (world, n) input as one table: the metadata's maxima in one call,
+    the same table every step (an engine keeps its device copy per table)."""
+    row, start, counts = _row_starts(world, n)
+    return _tables.Blocks.of(row * n + start, counts, 0, 0, row * n + start, np.arange(row.size), row)
+
+
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def _lane_tables(world: int, rank: int, n: int, fmts: tuple, lanes: bytes) -> tuple:
+    """(send, mine, lane_bytes, ends) for the agreed lanes (int64 bytes: each (row, block)'s lane, -1
+    for one left out): per lane, the table every row's blocks are encoded by and this rank's
+    row's blocks as its received part holds them, the (world, lanes) packed bytes and the last byte of
+    every part that has one. Kept per
+    agreement, which steps repeat while the gradients' magnitudes and formats hold."""
+    lane = np.frombuffer(lanes, np.int64)
+    row, start, counts = _row_starts(world, n)
+    block = np.arange(row.size)
+    taken = [np.where(lane == k, counts, 0).reshape(world, -1) for k in range(len(fmts))]
+    lane_bytes = np.array([[fmt.packed_size(int(t[r].sum())) for t, fmt in zip(taken, fmts)] for r in range(world)],
+                          np.int64).reshape(world, len(fmts))
+    at = np.concatenate([[0], np.cumsum(lane_bytes.ravel())])
+    send, mine = [], []
+    for k, t in enumerate(taken):
+        pos = (np.cumsum(t, axis=1) - t).ravel()  # each block's place in its row's part of lane k
+        sel = lane == k
+        base = at[row * len(fmts) + k]
+        send.append(_tables.Blocks.of(row[sel] * n + start[sel], counts[sel], base[sel], pos[sel],
+                                      row[sel] * n + start[sel], block[sel], row[sel]))
+        me = sel & (row == rank)
+        mine.append(_tables.Blocks.of(start[me], counts[me], int(lane_bytes[rank, :k].sum()), pos[me], start[me],
+                                      block[me], row[me]))
+    lane_bytes.flags.writeable = False
+    return send, mine, lane_bytes, np.cumsum(lane_bytes.ravel())[lane_bytes.ravel() > 0] - 1
+
+
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def _sample_first(send: _tables.Blocks, n: int, step: int) -> np.ndarray:
+    """Each block's first element in the stats' sample of its row (elements 0, step, 2 step, ...),
+    kept per table (a device keeps its copy)."""
+    return (-(send.rows[:, _tables.INDEX] - send.segment * n)) % step
+
+
+@functools.lru_cache(maxsize=64)
+def _everyone(count: int) -> np.ndarray:
+    """0 .. count - 1, kept (a device keeps its copy): where each block's max goes in the vector."""
+    return np.arange(count)
 
 
 class _BlockLabels:

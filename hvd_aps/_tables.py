@@ -9,9 +9,11 @@ in that stream) and its first element's index for stochastic rounding's hash (IN
 in its tensor). Per block, besides: its tensor (whose shift and seed it takes) and its segment
 (whose stats it counts in). The engines' table functions (codec's engine contract) loop over the
 rows in compiled code or kernels, so a stage costs the same number of calls whatever the number
-of tensors; the tables, made with NumPy from the layout, are kept per layout.
+of tensors; the tables, made with NumPy from the layout, are kept per layout. The codec's public
+functions (encode, decode, ...) call the same engine functions over a run's table (`run`).
 """
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -24,6 +26,11 @@ COLUMNS = 5
 # sent, inputs beyond the format's limit, (sent - input)^2 and input^2
 SAMPLE_SUMS = 6
 EXPONENT = np.dtype("<i2")  # re-encode exponents on the wire, each block's after its codes
+# Elements per row of a run's table: rows this short let the host engine's threads share even a
+# one-block run (its sums, decodes and maxima cut between rows), and give a device one thread
+# block per row, enough of them to fill it; per-row costs stay negligible at this length
+RUN_ROW = 1 << 12
+RUNS_KEPT = 64  # runs' tables kept (about 18 KB a table per million elements)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,6 +92,21 @@ class Blocks:
                 return b, offset
             b, target = b + 1, 0
         return self.count, 0
+
+
+@functools.lru_cache(maxsize=RUNS_KEPT)
+def run(count: int, block: int, pos: int = 0, index: int = 0) -> Blocks:
+    """The table of one run of `count` elements, as codec's public functions hand it to an
+    engine: blocks of `block` elements (block k is tensor and segment k: it takes exponent k),
+    each cut into rows of at most RUN_ROW; elements at SRC 0.., their codes at POS pos.. of one
+    stream at BASE 0, their stochastic hash indices index... Kept per run, so a device's copy
+    of a table (kept per table) is made once."""
+    offsets = np.arange(0, min(block, count), RUN_ROW, dtype=np.int64)  # rows within a block
+    starts = (np.arange(-(-count // block), dtype=np.int64)[:, None] * block + offsets).ravel()
+    starts = starts[starts < count]
+    owner = starts // block
+    ends = np.minimum(np.minimum(starts + RUN_ROW, (owner + 1) * block), count)
+    return Blocks.of(starts, ends - starts, 0, pos + starts, index + starts, owner, owner)
 
 
 def blocks_of(layout: Layout, lo: int, hi: int) -> tuple:

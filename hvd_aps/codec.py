@@ -15,40 +15,40 @@ blocks of that many (the last may be shorter), each with its own exponent (`shif
 per block) or its own max: the codes exchange re-encodes every block of a tensor at its own
 exponent, so its numbers do not depend on how buckets are cut into chunks and shards.
 
-The engine contract (_host_engine, _numpy_engine, _cupy_engine), on inputs this module has
-already checked (fmt a FloatFormat, shift and seed ints, shifts an int32 NumPy array of one
-exponent per block, `out` None or an array that fits; the format and scale come right after the
-data, unlike the public functions' keyword order)::
-
-    encode(x, fmt, shift, rounding, seed, saturate, out) -> codes
-    encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, pos, index) -> row
-    decode(codes, fmt, shift, dtype, out) -> values
-    decode_accumulate(codes, fmt, shift, out) -> sums over the leading axis, added to out
-    sum_rows(rows, fmt, start, stop, shift, block, out) -> (sums, float32 max |sums| per block)
-    decode_row(row, fmt, start, stop, shifts, block, out, divisor, stream) -> values
-    pack(codes, bits), unpack(packed, bits, n, dtype), amax(x), amax_blocks(x, block) -> float32 maxima
-
-and, for the codes exchange, one call per stage of a bucket over a table of its blocks
-(hvd_aps._tables.Blocks: each block's place in the float32 array, in a packed stream, and its
-stochastic index), with one exponent (and seed) per block, checked once per bucket layout::
+The engine contract (_host_engine, _numpy_engine, _cupy_engine): one call per stage over a table
+of blocks (hvd_aps._tables.Blocks: each block's place in the float32 array, in a packed stream,
+and its stochastic index), with one exponent (and seed) per block, on inputs checked by their
+caller (once per bucket layout in the exchange, here per call)::
 
     table_amax(x, blocks) -> max |x| per block (+inf where non-finite)
     table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual) -> message
     table_sum(rows, fmt, blocks, shifts, out) -> max |sum| per block (rows: (ranks, bytes))
     table_decode(message, fmt, blocks, shifts, out, divisor, stream) -> out
+    table_shifts(peaks, limit, exponents) -> int32 APS shift per block (scaling.shifts_under), each
+        written as a little-endian int16 into `exponents` (2 bytes a block)
     table_stats(x, message, fmt, blocks, shifts, first, step, limits) -> (blocks, 6) float64 sums
+
+Arrays in and out lie where the data does: on a device, what a call returns stays there.
+
+The public functions here make those calls over a run's table (hvd_aps._tables.run, kept per
+run), one call each for the most part: the codes of a run lie in one packed stream, which for 8-
+and 16-bit formats is the array of codes itself. The codes of other widths, one a byte (or two)
+as encode returns and decode takes them, are packed and unpacked here with array operations
+(pack, unpack), the same on every engine, so no engine has functions of its own for them; and
+float16 values are fp16's codes (table_encode of the float32 values).
 """
 import functools
+import math
 import os
 import secrets
 import warnings
 
 import numpy as np
 
-from . import _host_engine, _numpy_engine
-from ._arrays import array_module, as_array
+from . import _host_engine, _numpy_engine, _tables
+from ._arrays import array_module, as_array, to_numpy
 from .config import Rounding
-from .formats import FloatFormat
+from .formats import FloatFormat, fp16
 
 _INPUT_KINDS = "fiub"  # float, signed, unsigned, bool: numbers NumPy converts exactly or by rounding
 # How wide the CPU engine's calls run (the other engines have no threads of their own): one
@@ -121,7 +121,7 @@ def _check_seed(rounding, seed):
 
 
 def _check_out(out, shape, dtype, like):
-    """`out` as given, after checking it can take the result (None: the engine allocates)."""
+    """`out` as given, after checking it can take the result (None: a new array takes it)."""
     if out is None:
         return None
     if array_module(out) is not array_module(like) or out.dtype != np.dtype(dtype) or out.shape != shape:
@@ -130,6 +130,38 @@ def _check_out(out, shape, dtype, like):
     if not out.flags.c_contiguous:
         raise ValueError("out must be contiguous")
     return out
+
+
+def _whole_bytes(fmt):
+    """Whether fmt's codes fill whole bytes (8 and 16 bits): its packed stream is then the array
+    of its codes, byte for byte (16-bit codes low byte first, as little-endian machines hold them)."""
+    return fmt.bits % 8 == 0
+
+
+def _shifts(table, shifts):
+    """Each table row's exponent (int32, as engines take them): one int for the whole run, or
+    one per block of it."""
+    if isinstance(shifts, int):
+        return np.full(table.count, shifts, np.int32)
+    return np.ascontiguousarray(shifts[table.tensor], np.int32)
+
+
+def _seeds(table, rounding, seed):
+    """Each row's seed: the run's one seed (None for rounding to nearest, which draws none)."""
+    return np.full(table.count, seed, np.uint64) if rounding == "stochastic" else None
+
+
+def _encode_stream(x, fmt, shift, rounding, seed, saturate, message):
+    """The codes of flat x at 2**shift into the packed stream `message` (one engine call)."""
+    table = _tables.run(x.size, max(1, x.size))
+    return engine_for(x).table_encode(x, fmt, table, _shifts(table, shift), rounding, _seeds(table, rounding, seed),
+                                      saturate, message)
+
+
+def _decode_stream(message, fmt, shift, out):
+    """The float32 values of the out.size codes of a packed stream at 2**-shift into flat `out`."""
+    table = _tables.run(out.size, max(1, out.size))
+    return engine_for(message).table_decode(message, fmt, table, _shifts(table, shift), out, np.float32(1), False)
 
 
 def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, out=None):
@@ -146,7 +178,18 @@ def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, out=N
     seed = _check_seed(rounding, seed)
     x, shift = _as_float32(x), _check_shift(shift)
     out = _check_out(out, x.shape, fmt.code_dtype, x)
-    return engine_for(x).encode(x, fmt, shift, rounding, seed, saturate, out).astype(fmt.code_dtype, copy=False)
+    xp = array_module(x)
+    if _whole_bytes(fmt):
+        out = xp.empty(x.shape, fmt.code_dtype) if out is None else out
+        _encode_stream(x.reshape(-1), fmt, shift, rounding, seed, saturate, out.reshape(-1).view(np.uint8))
+        return out
+    message = xp.empty(fmt.packed_size(x.size), np.uint8)
+    codes = _unpack_bits(_encode_stream(x.reshape(-1), fmt, shift, rounding, seed, saturate, message), fmt.bits,
+                         x.size, np.dtype(fmt.code_dtype)).reshape(x.shape)
+    if out is None:
+        return codes
+    out[...] = codes
+    return out
 
 
 def _check_dtype(dtype, fmt):
@@ -156,6 +199,24 @@ def _check_dtype(dtype, fmt):
     if dtype != np.float32:
         raise ValueError(f"values come as float32, or as float16 where the grid fits it; {fmt} in {dtype} is neither")
     return dtype
+
+
+def _streams(codes, fmt):
+    """codes (contiguous, of fmt's code dtype) as packed streams along their last axis."""
+    if _whole_bytes(fmt):
+        return codes.view(np.uint8)
+    return _pack_bits(codes, fmt.bits)
+
+
+def _in_dtype(values, dtype, out):
+    """float32 values as `dtype`, into `out` where given: float16 values are fp16's codes, which
+    every engine encodes bit for bit as NumPy casts float32 to float16 (the oracle tests hold
+    it to ml_dtypes), in one engine call where NumPy's cast takes several times as long."""
+    if dtype == np.float32:
+        return values
+    out = array_module(values).empty(values.shape, np.float16) if out is None else out
+    _encode_stream(values.reshape(-1), fp16, 0, "nearest", 0, False, out.reshape(-1).view(np.uint8))
+    return out
 
 
 def decode(codes, fmt, shift=0, dtype=np.float32, out=None):
@@ -168,21 +229,36 @@ def decode(codes, fmt, shift=0, dtype=np.float32, out=None):
         raise TypeError(f"codes must be an unsigned integer array, got dtype {codes.dtype}")
     if codes.size and codes.dtype.itemsize * 8 > fmt.bits and int(codes.max()) >= 1 << fmt.bits:
         raise ValueError(f"codes hold values >= 2**{fmt.bits}, which {fmt} cannot have produced")
-    dtype = _check_dtype(dtype, fmt)
+    dtype, shift = _check_dtype(dtype, fmt), _check_shift(shift)
     out = _check_out(out, codes.shape, dtype, codes)
-    return engine_for(codes).decode(codes.astype(fmt.code_dtype, copy=False), fmt, _check_shift(shift), dtype, out)
+    xp = array_module(codes)
+    codes = xp.ascontiguousarray(codes, dtype=fmt.code_dtype)
+    values = out if out is not None and dtype == np.float32 else xp.empty(codes.shape, np.float32)
+    _decode_stream(_streams(codes.reshape(-1), fmt), fmt, shift, values.reshape(-1))
+    return _in_dtype(values, dtype, out)
 
 
 def decode_sum(codes, fmt, shift=0, out=None):
     """Sum over codes' leading axis (one code buffer per rank) of decode(codes[r]) * 2**-shift, added
-    in rank order in float32, into `out` (float32, added to) or a new array: decode and
-    accumulate in one pass per buffer, for exchanges that carry the codes themselves."""
-    fmt = FloatFormat.parse(fmt)
+    in rank order in float32, into `out` (float32, added to) or a new array: a new sum (from +0.0)
+    is one pass over the ranks' codes, for exchanges that carry the codes themselves."""
+    fmt, shift = FloatFormat.parse(fmt), _check_shift(shift)
     codes = as_array(codes)
     if codes.ndim < 1 or codes.dtype != np.dtype(fmt.code_dtype):
         raise TypeError(f"codes must be a {fmt.code_dtype} array of shape (ranks, ...), got {codes.dtype}{codes.shape}")
     out = _check_out(out, codes.shape[1:], np.float32, codes)
-    return engine_for(codes).decode_accumulate(codes, fmt, _check_shift(shift), out)
+    xp, n = array_module(codes), math.prod(codes.shape[1:])
+    rows = _streams(xp.ascontiguousarray(codes).reshape(codes.shape[0], n), fmt)
+    if out is None:
+        out = xp.empty(codes.shape[1:], np.float32)
+        table = _tables.run(n, max(1, n))
+        engine_for(rows).table_sum(rows, fmt, table, _shifts(table, shift), out.reshape(-1))
+        return out
+    flat, values = out.reshape(-1), xp.empty(n, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and Inf sums, silent as the engines' are
+        for row in rows:  # added to what `out` holds a rank at a time, each addition rounded as it goes
+            flat += _decode_stream(row, fmt, shift, values)
+    return out
 
 
 def _check_blocks(shift, block, n):
@@ -226,7 +302,9 @@ def encode_into(x, fmt, row, start, rounding="nearest", seed=None, saturate=Fals
     if array_module(row) is not array_module(x):
         raise ValueError("x and row must be on the same device")
     if x.size:
-        engine_for(x).encode_into(x, fmt, shifts, block, rounding, seed, saturate, row, int(start), int(index))
+        table = _tables.run(x.size, block, int(start), int(index))
+        engine_for(x).table_encode(x, fmt, table, _shifts(table, shifts), rounding, _seeds(table, rounding, seed),
+                                   saturate, row)
     return row
 
 
@@ -239,11 +317,20 @@ def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None, block=None):
     re-encode's APS shift needs comes with it."""
     fmt, rows = _check_rows(rows, fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
+    out = array_module(rows).empty(stop - start, np.float32) if out is None else out
     size = max(1, stop - start) if block is None else _check_block(block)
-    sums, peaks = engine_for(rows).sum_rows(rows, fmt, start, stop, _check_shift(shift), size, out)
+    table = _tables.run(stop - start, size, start)
+    peaks = engine_for(rows).table_sum(rows, fmt, table, _shifts(table, _check_shift(shift)), out)
     if block is None:
-        return sums, float(peaks[0]) if stop > start else 0.0
-    return sums, peaks
+        return out, float(_block_max(peaks, table, 1)[0])
+    return out, _block_max(peaks, table, max(1, -(-(stop - start) // size)))  # no codes: one block's 0
+
+
+def _block_max(peaks, table, blocks):
+    """The max of every block's rows' peaks (float32; 0 for a block of no rows)."""
+    out = np.zeros(blocks, np.float32)
+    np.maximum.at(out, table.tensor, to_numpy(peaks))
+    return out
 
 
 def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1, stream=False, block=None):
@@ -254,9 +341,11 @@ def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1, stream=False
     larger than them, which leave them before anyone reads them anyway)."""
     fmt, rows = _check_rows(as_array(row).reshape(1, -1), fmt, start, stop)
     out = _check_out(out, (stop - start,), np.float32, rows)
+    out = array_module(rows).empty(stop - start, np.float32) if out is None else out
     shifts, block = _check_blocks(shift, block, stop - start)
-    return engine_for(rows).decode_row(rows[0], fmt, start, stop, shifts, block, out, np.float32(divisor),
-                                        bool(stream))
+    table = _tables.run(stop - start, block, start)
+    return engine_for(rows).table_decode(rows[0], fmt, table, _shifts(table, shifts), out, np.float32(divisor),
+                                         bool(stream))
 
 
 def codes_at(row, fmt, positions):
@@ -290,22 +379,27 @@ def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, uns
     fmt = FloatFormat.parse(fmt)
     seed = _check_seed(rounding, seed)
     x, shift, dtype = _as_float32(x), _check_shift(shift), _check_dtype(dtype, fmt)
-    engine = engine_for(x)
-    codes = engine.encode(x, fmt, shift, rounding, seed, saturate)
-    return engine.decode(codes, fmt, shift if unscale else 0, dtype)
+    xp = array_module(x)
+    message = xp.empty(fmt.packed_size(x.size), np.uint8)
+    _encode_stream(x.reshape(-1), fmt, shift, rounding, seed, saturate, message)
+    values = xp.empty(x.shape, np.float32)
+    _decode_stream(message, fmt, shift if unscale else 0, values.reshape(-1))
+    return _in_dtype(values, dtype, None)
 
 
 def amax(x):
     """max(abs(x)) as a Python float, or +inf when x holds any NaN or Inf."""
     x = _as_float32(x).ravel()
-    return engine_for(x).amax(x)
+    table = _tables.run(x.size, max(1, x.size))
+    return float(_block_max(engine_for(x).table_amax(x, table), table, 1)[0])
 
 
 def amax_blocks(x, block):
     """amax() of every block of `block` elements of x (the last may be shorter), as a float32
     NumPy array."""
-    x = _as_float32(x).ravel()
-    return np.asarray(engine_for(x).amax_blocks(x, _check_block(block)), np.float32)
+    x, block = _as_float32(x).ravel(), _check_block(block)
+    table = _tables.run(x.size, block)
+    return _block_max(engine_for(x).table_amax(x, table), table, -(-x.size // block))
 
 
 def packed_size(n, fmt):
@@ -322,7 +416,7 @@ def pack(codes, fmt):
     codes = array_module(codes).ascontiguousarray(codes, dtype=fmt.code_dtype).ravel()
     if fmt.bits == 8:  # already dense: no copy
         return codes
-    return engine_for(codes).pack(codes, fmt.bits)
+    return _pack_bits(codes, fmt.bits)
 
 
 def unpack(packed, fmt, n):
@@ -334,4 +428,61 @@ def unpack(packed, fmt, n):
         raise ValueError(f"{n} codes of {fmt} need {packed_size(n, fmt)} bytes, got {packed.size}")
     if fmt.bits == 8:
         return packed[:n]
-    return engine_for(packed).unpack(packed, fmt.bits, n, np.dtype(fmt.code_dtype))
+    return _unpack_bits(packed, fmt.bits, n, np.dtype(fmt.code_dtype))
+
+
+def _group(bits):
+    """(codes, bytes): the fewest codes of `bits` bits that fill whole bytes, and those bytes.
+    Code k of every group starts at the same bit of its group (k * bits), so packing loops over
+    the few codes of a group, each over every group at once."""
+    codes = 8 // math.gcd(8, bits)
+    return codes, codes * bits // 8
+
+
+def _cut_or_padded(a, size):
+    """The first `size` elements of a's last axis, zeros after its end."""
+    if a.shape[-1] >= size:
+        return a[..., :size]
+    out = array_module(a).zeros(a.shape[:-1] + (size,), a.dtype)
+    out[..., :a.shape[-1]] = a
+    return out
+
+
+def _pack_bits(codes, bits):
+    """The codes along codes' last axis as packed streams (pack()), a group at a time: byte j
+    of a group is the OR of the parts of the codes that overlap it."""
+    per, size = _group(bits)
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    groups = -(-n // per)
+    grouped = _cut_or_padded(codes, groups * per).reshape(lead + (groups, per))
+    out = array_module(codes).empty(lead + (groups, size), np.uint8)
+    scalar = grouped.dtype.type  # shifts by scalars of the codes' own type keep that type
+    for j in range(size):
+        byte = 0
+        for k in range(8 * j // bits, min(per - 1, (8 * j + 7) // bits) + 1):
+            at = k * bits - 8 * j  # where code k starts, from byte j's first bit
+            byte = byte | (grouped[..., k] << scalar(at) if at >= 0 else grouped[..., k] >> scalar(-at))
+        out[..., j] = byte  # the high bits of a wider part fall away: each belongs to another byte
+    return out.reshape(lead + (groups * size,))[..., :-(-n * bits // 8)]
+
+
+# The unsigned type that holds 1, 2 or 3 bytes of a stream: the narrowest, for the fewest bytes moved
+_SPANS = {1: np.uint8, 2: np.uint16, 3: np.uint32}
+
+
+def _unpack_bits(packed, bits, n, dtype):
+    """The first n codes of a flat packed stream (unpack()), a group at a time: code k of a
+    group is read from the (at most three) bytes it overlaps."""
+    per, size = _group(bits)
+    groups = -(-n // per)
+    grouped = _cut_or_padded(packed, groups * size).reshape(groups, size)
+    out = array_module(packed).empty((groups, per), dtype)
+    for k in range(per):
+        first, at = divmod(k * bits, 8)
+        count = (k * bits + bits - 1) // 8 - first + 1  # bytes code k overlaps
+        span = _SPANS[count]
+        word = grouped[:, first].astype(span, copy=False)
+        for j in range(1, count):
+            word = word | grouped[:, first + j].astype(span) << span(8 * j)
+        out[:, k] = (word >> span(at)) & span((1 << bits) - 1)
+    return out.reshape(-1)[:n]

@@ -1,8 +1,9 @@
 /*
  * CPU engine: plain loops over the shared per-element functions of fpcodec.h. Loaded with
- * ctypes; Python splits large arrays into chunks and calls these from a thread pool (ctypes
- * drops the GIL), so this file stays free of threading code. `offset` is the chunk's first flat
- * index, which keeps stochastic rounding independent of the chunking.
+ * ctypes, which calls the block-table functions (hvd_table_*, at the end) and the decode table;
+ * Python cuts a table into threads' shares and calls these from a thread pool (ctypes drops the
+ * GIL), so this file stays free of threading code. `offset` is the first element's stochastic
+ * hash index, which keeps stochastic rounding independent of how the elements are cut.
  */
 #include <math.h>
 #if defined(__x86_64__)
@@ -18,14 +19,21 @@
 #define HVD_CLONES
 #endif
 
+/* A stream's 16-bit codes (low byte first) are the host's own uint16 where it is little-endian. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define HVD_LITTLE_ENDIAN 1
+#else
+#define HVD_LITTLE_ENDIAN 0
+#endif
+
 #define ENCODE_LOOP(T, STOCHASTIC)                                                           \
   for (int64_t i = 0; i < n; ++i) {                                                          \
     const hvd_u32 r = STOCHASTIC ? hvd_random32(seed, (hvd_u64)(offset + i)) : 0u;           \
     ((T *)out)[i] = (T)hvd_encode_one(x[i], enc, shift, STOCHASTIC, r);                        \
   }
 
-HVD_CLONES void hvd_encode(const float *x, void *out, int64_t n, int64_t offset, hvd_fmt_t f,
-                           int32_t shift, int32_t stochastic, uint64_t seed) {
+HVD_CLONES static void encode_codes(const float *x, void *out, int64_t n, int64_t offset, hvd_fmt_t f,
+                                    int32_t shift, int32_t stochastic, uint64_t seed) {
   const int wide = f.exp_bits + f.man_bits >= 8;
   const hvd_encoder_t enc = hvd_encoder(f);
   if (stochastic) {
@@ -41,40 +49,33 @@ void hvd_decode_table(float *table, hvd_fmt_t f, int32_t shift) {
   for (hvd_u32 c = 0; c < count; ++c) table[c] = hvd_decode_one(c, f, shift);
 }
 
-/* out[i] = table[codes[i]], for 1- or 2-byte codes and 4-byte (float32) or 2-byte (float16) values */
-#define GATHER(NAME, CODE, VALUE)                                                             \
-  HVD_CLONES void NAME(const CODE *codes, VALUE *out, int64_t n, const VALUE *table) {        \
-    for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]];                                \
-  }
-GATHER(hvd_gather_u8_f32, uint8_t, float)
-GATHER(hvd_gather_u16_f32, uint16_t, float)
-GATHER(hvd_gather_u8_f16, uint8_t, uint16_t)
-GATHER(hvd_gather_u16_f16, uint16_t, uint16_t)
-
-/* acc[i] += table[codes[i]]: one rank's buffer into the float32 sum (codes-on-the-wire path) */
-#define ACCUMULATE(NAME, CODE)                                                                \
-  HVD_CLONES void NAME(const CODE *codes, float *acc, int64_t n, const float *table) {        \
-    for (int64_t i = 0; i < n; ++i) acc[i] += table[codes[i]];                                \
-  }
-ACCUMULATE(hvd_accumulate_u8, uint8_t)
-ACCUMULATE(hvd_accumulate_u16, uint16_t)
-
 /*
- * One shard piece of the codes exchange straight from the received bytes: element lo + i of each
- * of `ranks` rows (a row every `stride` bytes; `bits` 4: two codes a byte, low nibble first; 8:
- * one; 16: two bytes, little-endian), looked up in `table`. hvd_sum_rows adds the ranks in order
+ * One block of the codes exchange straight from the received bytes: element lo + i of each of
+ * `ranks` rows (a row every `stride` bytes; `bits` 4: two codes a byte, low nibble first; 8:
+ * one; 16: two bytes, little-endian), looked up in `table`. sum_rows adds the ranks in order
  * from 0.0f into out[i] (what decode-then-add would give, in one pass instead of one per rank
  * and without unpacking) and returns max |out|, +Inf where a sum is NaN/Inf (the re-encode's
- * APS shift needs it); hvd_decode_row decodes one row (signed zeros kept). With more than four
+ * APS shift needs it); decode_row decodes one row (signed zeros kept). With more than four
  * ranks, blocks of SUM_BLOCK elements keep the partial sums in cache while the ranks' codes are
  * added.
  */
 #define SUM_BLOCK 1024
+
+/* Code j of a stream of 16-bit codes: one 2-byte load where the host is little-endian. */
+static inline hvd_u32 code16(const uint8_t *row, int64_t j) {
+  if (HVD_LITTLE_ENDIAN) {
+    uint16_t code;
+    memcpy(&code, row + 2 * j, sizeof code);
+    return code;
+  }
+  return (hvd_u32)row[2 * j] | ((hvd_u32)row[2 * j + 1] << 8);
+}
+
 /* Code j of a row; BITS 0: a width other than 4, 8 and 16, read bit by bit (`bits` at run time). */
 #define ROW_CODE(row, j, BITS)                                                                \
   (BITS == 4 ? ((row)[(j) >> 1] >> (((j) & 1) * 4)) & 15u                                     \
    : BITS == 8 ? (row)[j]                                                                     \
-   : BITS == 16 ? (hvd_u32)(row)[2 * (j)] | ((hvd_u32)(row)[2 * (j) + 1] << 8)                \
+   : BITS == 16 ? code16(row, j)                                                              \
    : hvd_unpack_code(row, j, bits))
 
 /* Up to four ranks (R, a constant where it is expanded) in one pass: each sum kept in a register
@@ -134,8 +135,8 @@ HVD_CLONES SUM_ROWS(sum_rows8, 8)
 HVD_CLONES SUM_ROWS(sum_rows16, 16)
 SUM_ROWS(sum_rows_any, 0)
 
-float hvd_sum_rows(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, int64_t lo, int64_t hi,
-                   float *out, const float *table) {
+static float sum_rows(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, int64_t lo, int64_t hi,
+                      float *out, const float *table) {
   return (bits == 4 ? sum_rows4 : bits == 8 ? sum_rows8 : bits == 16 ? sum_rows16 : sum_rows_any)(
       rows, stride, ranks, bits, lo, hi, out, table);
 }
@@ -172,39 +173,55 @@ HVD_CLONES DECODE_ROW(decode_row8, 8)
 HVD_CLONES DECODE_ROW(decode_row16, 16)
 DECODE_ROW(decode_row_any, 0)
 
-void hvd_decode_row(const uint8_t *row, int32_t bits, int64_t lo, int64_t hi, float *out, const float *table,
-                    int32_t stream) {
+static void decode_row(const uint8_t *row, int32_t bits, int64_t lo, int64_t hi, float *out, const float *table,
+                       int32_t stream) {
   (bits == 4 ? decode_row4 : bits == 8 ? decode_row8 : bits == 16 ? decode_row16 : decode_row_any)(row, bits, lo, hi, out,
                                                                                              table, stream);
 }
 
-#define PACK(NAME, CODE)                                                                      \
-  void NAME(const CODE *codes, int64_t n, int32_t bits, uint8_t *out, int64_t lo, int64_t hi) { \
-    for (int64_t j = lo; j < hi; ++j) {                                                        \
-      hvd_u32 byte = 0u;                                                                       \
-      for (int64_t i = hvd_pack_first(j, bits); i <= hvd_pack_last(j, bits, n); ++i)           \
-        byte |= hvd_pack_piece(codes[i], i, bits, j);                                          \
-      out[j] = (uint8_t)byte;                                                                  \
-    }                                                                                          \
+/*
+ * m codes (a multiple of 8) packed into m * bits / 8 bytes, in loops compilers vectorise: 4-bit
+ * codes two a byte, the other widths below 8 a group of 8 codes (`bits` bytes) at a time through
+ * a 64-bit word, 16-bit codes two bytes each, low byte first (whatever the host's byte order);
+ * the rare widths of 9 to 15 bits byte by byte, from the codes each byte overlaps.
+ */
+static void pack_bytewise(const uint16_t *codes, int64_t m, int32_t bits, uint8_t *out) {
+  for (int64_t j = 0; j < m * bits / 8; ++j) {
+    hvd_u32 byte = 0u;
+    for (int64_t i = hvd_pack_first(j, bits); i <= hvd_pack_last(j, bits, m); ++i)
+      byte |= hvd_pack_piece(codes[i], i, bits, j);
+    out[j] = (uint8_t)byte;
   }
-PACK(hvd_pack_u8, uint8_t)
-PACK(hvd_pack_u16, uint16_t)
+}
 
-/* The 4-bit case on its own: two codes a byte, in loops compilers vectorise. */
-HVD_CLONES void hvd_pack_nibbles(const uint8_t *codes, int64_t n, uint8_t *out, int64_t lo, int64_t hi) {
-  const int64_t full = hi < n / 2 ? hi : n / 2;
-  for (int64_t j = lo; j < full; ++j) out[j] = (uint8_t)((codes[2 * j] & 15u) | (codes[2 * j + 1] << 4));
-  if (full < hi) out[full] = codes[2 * full] & 15u; /* odd n: the last byte's high half is 0 */
+HVD_CLONES static void pack_nibbles(const uint8_t *codes, int64_t m, uint8_t *out) {
+  for (int64_t j = 0; j < m / 2; ++j) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+}
+
+HVD_CLONES static void pack_groups(const uint8_t *codes, int64_t m, int32_t bits, uint8_t *out) {
+  for (int64_t g = 0; g < m / 8; ++g) {
+    uint64_t word = 0u;
+    for (int32_t k = 0; k < 8; ++k) word |= (uint64_t)codes[8 * g + k] << (k * bits);
+    for (int32_t b = 0; b < bits; ++b) out[g * bits + b] = (uint8_t)(word >> (8 * b));
+  }
+}
+
+HVD_CLONES static void pack_pairs(const uint16_t *codes, int64_t m, uint8_t *out) {
+  for (int64_t i = 0; i < m; ++i) {
+    out[2 * i] = (uint8_t)codes[i];
+    out[2 * i + 1] = (uint8_t)(codes[i] >> 8);
+  }
 }
 
 /*
  * Encode and pack in one pass: the codes of x[0..n) (stochastic rounding's hash indices
  * offset + i, so a tensor encoded piece by piece gets the codes of one encode) written straight
  * into a packed stream at code positions pos .. pos + n. Bits of `row` outside those positions
- * keep their value: the neighbouring pieces' codes. 8-bit codes are the stream already; other
- * widths are encoded a block at a time into a buffer that stays in L1 and packed from there
- * (whole bytes: blocks start where a group of 8 codes does), the few codes before the first
- * group and after the last one code by code.
+ * keep their value: the neighbouring pieces' codes. 8-bit codes are the stream already, and so
+ * are 16-bit ones where the host is little-endian and they lie aligned; other widths are encoded
+ * a block at a time into a buffer that stays in L1 and packed from there (whole bytes: blocks
+ * start where a group of 8 codes does), the few codes before the first group and after the last
+ * one code by code.
  */
 #define ROW_BLOCK 2048 /* a multiple of 8 */
 
@@ -213,16 +230,16 @@ static void put_codes_one_by_one(const float *x, int64_t n, int64_t offset, uint
   const int32_t bits = 1 + f.exp_bits + f.man_bits;
   for (int64_t i = 0; i < n; ++i) {
     uint16_t code[1];
-    hvd_encode(x + i, code, 1, offset + i, f, shift, stochastic, seed);
+    encode_codes(x + i, code, 1, offset + i, f, shift, stochastic, seed);
     hvd_put_code(row, pos + i, bits, bits > 8 ? code[0] : ((uint8_t *)code)[0]);
   }
 }
 
-void hvd_encode_row(const float *x, int64_t n, int64_t offset, uint8_t *row, int64_t pos, hvd_fmt_t f, int32_t shift,
-                    int32_t stochastic, uint64_t seed) {
+static void encode_row(const float *x, int64_t n, int64_t offset, uint8_t *row, int64_t pos, hvd_fmt_t f,
+                       int32_t shift, int32_t stochastic, uint64_t seed) {
   const int32_t bits = 1 + f.exp_bits + f.man_bits;
-  if (bits == 8) {
-    hvd_encode(x, row + pos, n, offset, f, shift, stochastic, seed);
+  if (bits == 8 || (bits == 16 && HVD_LITTLE_ENDIAN && ((uintptr_t)(row + 2 * pos) & 1u) == 0)) {
+    encode_codes(x, row + pos * bits / 8, n, offset, f, shift, stochastic, seed);
     return;
   }
   int64_t head = (8 - pos % 8) % 8;
@@ -232,77 +249,24 @@ void hvd_encode_row(const float *x, int64_t n, int64_t offset, uint8_t *row, int
   int64_t i = head;
   while (n - i >= 8) {
     const int64_t m = (n - i < ROW_BLOCK ? n - i : ROW_BLOCK) & ~(int64_t)7, byte = (pos + i) / 8 * bits;
-    hvd_encode(x + i, block, m, offset + i, f, shift, stochastic, seed);
-    if (bits == 4) hvd_pack_nibbles((const uint8_t *)block, m, row + byte, 0, m / 2);
-    else if (bits < 8) hvd_pack_u8((const uint8_t *)block, m, bits, row + byte, 0, m * bits / 8);
-    else hvd_pack_u16(block, m, bits, row + byte, 0, m * bits / 8);
+    encode_codes(x + i, block, m, offset + i, f, shift, stochastic, seed);
+    if (bits == 4) pack_nibbles((const uint8_t *)block, m, row + byte);
+    else if (bits < 8) pack_groups((const uint8_t *)block, m, bits, row + byte);
+    else if (bits == 16) pack_pairs(block, m, row + byte);
+    else pack_bytewise(block, m, bits, row + byte);
     i += m;
   }
   put_codes_one_by_one(x + i, n - i, offset + i, row, pos + i, f, shift, stochastic, seed);
 }
 
-HVD_CLONES void hvd_unpack_nibbles(const uint8_t *packed, uint8_t *out, int64_t lo, int64_t hi) {
-  for (int64_t i = lo; i < hi; ++i) out[i] = (packed[i >> 1] >> ((i & 1) * 4)) & 15u;
-}
-
-void hvd_unpack_u8(const uint8_t *packed, int32_t bits, uint8_t *out, int64_t lo, int64_t hi) {
-  for (int64_t i = lo; i < hi; ++i) out[i] = (uint8_t)hvd_unpack_code(packed, i, bits);
-}
-
-void hvd_unpack_u16(const uint8_t *packed, int32_t bits, uint16_t *out, int64_t lo, int64_t hi) {
-  for (int64_t i = lo; i < hi; ++i) out[i] = (uint16_t)hvd_unpack_code(packed, i, bits);
-}
-
-/*
- * Blocked runs: the codes exchange gives every block of BLOCK codes of a tensor its own
- * re-encode exponent, so the numbers do not depend on how a bucket is cut into chunks or shards.
- * Block k of a run holds its codes k * block .. (k + 1) * block (the last block may be shorter);
- * `first` is the run index of x[0] (or of code `lo`), so threads may take any range of whole
- * blocks (sums) or of whole byte groups (encode, decode).
- */
-void hvd_encode_row_blocks(const float *x, int64_t n, int64_t first, int64_t offset, uint8_t *row, int64_t pos,
-                           hvd_fmt_t f, const int32_t *shifts, int64_t block, int32_t stochastic, uint64_t seed) {
-  for (int64_t i = 0; i < n;) {
-    const int64_t k = (first + i) / block, end = (k + 1) * block - first < n ? (k + 1) * block - first : n;
-    hvd_encode_row(x + i, end - i, offset + i, row, pos + i, f, shifts[k], stochastic, seed);
-    i = end;
-  }
-}
-
-/* hvd_sum_rows over codes lo..hi, the max |sum| of block k into peaks[k]; run index of code lo: first. */
-void hvd_sum_rows_blocks(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, int64_t lo, int64_t hi,
-                         int64_t first, int64_t block, float *out, const float *table, float *peaks) {
-  for (int64_t j = lo; j < hi;) {
-    const int64_t k = (first + j - lo) / block, end = lo + (k + 1) * block - first < hi ? lo + (k + 1) * block - first : hi;
-    peaks[k] = hvd_sum_rows(rows, stride, ranks, bits, j, end, out + (j - lo), table);
-    j = end;
-  }
-}
-
-/* hvd_decode_row over codes lo..hi, block k looked up in table `which[k]` of `tables` (one per
- * distinct re-encode exponent, 2^bits values each); run index of code lo: first. */
-void hvd_decode_row_blocks(const uint8_t *row, int32_t bits, int64_t lo, int64_t hi, int64_t first, int64_t block,
-                           float *out, const float *tables, const int32_t *which, int32_t stream) {
-  for (int64_t j = lo; j < hi;) {
-    const int64_t k = (first + j - lo) / block, end = lo + (k + 1) * block - first < hi ? lo + (k + 1) * block - first : hi;
-    hvd_decode_row(row, bits, j, end, out + (j - lo), tables + ((int64_t)which[k] << bits), stream);
-    j = end;
-  }
-}
-
 /* max |x|, or +Inf when x holds a NaN or Inf: APS must see every non-finite value. */
-HVD_CLONES float hvd_amax(const float *x, int64_t n) {
+HVD_CLONES static float amax(const float *x, int64_t n) {
   hvd_u32 m = 0u;
   for (int64_t i = 0; i < n; ++i) {
     const hvd_u32 a = hvd_f32_bits(x[i]) & 0x7FFFFFFFu;
     m = a > m ? a : m;
   }
   return m >= 0x7F800000u ? INFINITY : hvd_bits_f32(m);
-}
-
-/* hvd_amax of every block of `block` elements of x into peaks. */
-void hvd_amax_blocks(const float *x, int64_t n, int64_t block, float *peaks) {
-  for (int64_t k = 0; k * block < n; ++k) peaks[k] = hvd_amax(x + k * block, n - k * block < block ? n - k * block : block);
 }
 
 /* Counters in memory shared between the processes of one host (hvd_aps._host_memory): a release
@@ -312,17 +276,19 @@ void hvd_store_release(int64_t *counter, int64_t value) { __atomic_store_n(count
 int64_t hvd_load_acquire(const int64_t *counter) { return __atomic_load_n(counter, __ATOMIC_ACQUIRE); }
 
 /*
- * Block tables: one engine call per stage of a bucket's exchange. Row b of `table` (HVD_COLUMNS
- * int64 each) is one block of at most a re-encode block's codes:
+ * Block tables: one engine call per stage of a bucket's exchange, or per codec function on a
+ * run. Row b of `table` (HVD_COLUMNS int64 each) is one block of codes (a re-encode block, or a
+ * row of a run's table):
  *   SRC   its first element in the float32 array read or written (x, out, residual),
  *   COUNT its elements,
  *   BASE  the byte where its packed stream starts (a destination's part of a message),
  *   POS   the code position of its first element in that stream,
  *   INDEX stochastic rounding's hash index of its first element (its place in its tensor).
- * hvd_aps/_tables.py makes the tables once per bucket layout. A call covers blocks b0 .. b1, the
- * first from its element o0 on, the last up to (not including) its element o1: a thread's share,
- * cut where no byte of a packed stream is shared with another thread's share. Per block: its
- * exponent (shifts[b]), its seed (seeds[b]) and its decode table (tables + (which[b] << bits)).
+ * hvd_aps/_tables.py makes the tables once per bucket layout or run. A call covers blocks
+ * b0 .. b1, the first from its element o0 on, the last up to (not including) its element o1: a
+ * thread's share, cut where no byte of a packed stream is shared with another thread's share.
+ * Per block: its exponent (shifts[b]), its seed (seeds[b]) and its decode table
+ * (tables + (which[b] << bits)).
  */
 
 /* Elements [*lo, *hi) of block b within the share (b0, o0) .. (b1, o1). */
@@ -336,7 +302,7 @@ static inline void share_of(const int64_t *row, int64_t b, int64_t b0, int64_t o
 void hvd_table_amax(const float *x, const int64_t *table, int64_t b0, int64_t b1, float *peaks) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t *row = table + b * HVD_COLUMNS;
-    peaks[b] = hvd_amax(x + row[HVD_SRC], row[HVD_COUNT]);
+    peaks[b] = amax(x + row[HVD_SRC], row[HVD_COUNT]);
   }
 }
 
@@ -345,7 +311,7 @@ static inline hvd_u32 stream_code(const uint8_t *stream, int64_t j, int32_t bits
   return bits == 8 ? stream[j] : bits == 4 ? (stream[j >> 1] >> ((j & 1) * 4)) & 15u : hvd_unpack_code(stream, j, bits);
 }
 
-/* Every block's elements encoded at its exponent into its stream (hvd_encode_row); with `res`,
+/* Every block's elements encoded at its exponent into its stream (encode_row); with `res`,
  * what the codes lost (x minus their value, table `which[b]`) into res at the same offsets. */
 void hvd_table_encode(const float *x, const int64_t *table, int64_t b0, int64_t o0, int64_t b1, int64_t o1,
                       uint8_t *message, hvd_fmt_t f, const int32_t *shifts, int32_t stochastic, const uint64_t *seeds,
@@ -359,8 +325,8 @@ void hvd_table_encode(const float *x, const int64_t *table, int64_t b0, int64_t 
     if (lo >= hi) continue;
     const float *xb = x + row[HVD_SRC];
     uint8_t *stream = message + row[HVD_BASE];
-    hvd_encode_row(xb + lo, hi - lo, row[HVD_INDEX] + lo, stream, row[HVD_POS] + lo, f, shifts[b], stochastic,
-                   stochastic ? seeds[b] : 0u);
+    encode_row(xb + lo, hi - lo, row[HVD_INDEX] + lo, stream, row[HVD_POS] + lo, f, shifts[b], stochastic,
+               stochastic ? seeds[b] : 0u);
     if (res) {
       const float *t = tables + ((int64_t)which[b] << bits);
       float *rb = res + row[HVD_SRC];
@@ -370,13 +336,13 @@ void hvd_table_encode(const float *x, const int64_t *table, int64_t b0, int64_t 
 }
 
 /* The ranks' codes of every block (whole blocks b0 .. b1 - 1) summed in rank order into out at
- * SRC (hvd_sum_rows: rows `stride` bytes apart, each block's stream at BASE of every row), its
+ * SRC (sum_rows: rows `stride` bytes apart, each block's stream at BASE of every row), its
  * max |sum| into peaks[b]. */
 void hvd_table_sum(const uint8_t *rows, int64_t stride, int32_t ranks, int32_t bits, const int64_t *table, int64_t b0,
                    int64_t b1, float *out, const float *tables, const int32_t *which, float *peaks) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t *row = table + b * HVD_COLUMNS;
-    peaks[b] = hvd_sum_rows(rows + row[HVD_BASE], stride, ranks, bits, row[HVD_POS], row[HVD_POS] + row[HVD_COUNT],
+    peaks[b] = sum_rows(rows + row[HVD_BASE], stride, ranks, bits, row[HVD_POS], row[HVD_POS] + row[HVD_COUNT],
                             out + row[HVD_SRC], tables + ((int64_t)which[b] << bits));
   }
 }
@@ -386,7 +352,7 @@ void hvd_table_decode(const uint8_t *message, int32_t bits, const int64_t *table
                       const float *tables, const int32_t *which, int32_t stream) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t *row = table + b * HVD_COLUMNS;
-    hvd_decode_row(message + row[HVD_BASE], bits, row[HVD_POS], row[HVD_POS] + row[HVD_COUNT], out + row[HVD_SRC],
+    decode_row(message + row[HVD_BASE], bits, row[HVD_POS], row[HVD_POS] + row[HVD_COUNT], out + row[HVD_SRC],
                    tables + ((int64_t)which[b] << bits), stream);
   }
 }

@@ -1,8 +1,7 @@
 /*
- * GPU engine: grid-stride kernels over the per-element functions of fpcodec.h, compiled by CuPy
- * (NVRTC, hvd_aps/_cupy_engine.py) and, in the tests, by nvcc for sm_80 and sm_90. Each kernel
- * makes one pass over memory. Encode and decode move four elements per thread with 16-byte float
- * loads where the pointers allow it (CuPy allocations are 256-byte aligned; `vector_ok` says so).
+ * GPU engine: one kernel per table function of codec's engine contract (hvd_table_*, below),
+ * over the per-element functions of fpcodec.h, compiled by CuPy (NVRTC, hvd_aps/_cupy_engine.py)
+ * and, in the tests, by nvcc for sm_80 and sm_90. Each kernel makes one pass over memory.
  */
 #include "fpcodec.h"
 
@@ -13,49 +12,6 @@ __device__ __forceinline__ hvd_fmt_t hvd_make_fmt(int exp_bits, int man_bits, in
   f.policy = policy;
   f.saturate = saturate;
   return f;
-}
-
-template <typename Code>
-__device__ __forceinline__ void hvd_encode_at(const float *x, Code *out, long long i, hvd_encoder_t p,
-                                              int shift, int stochastic, unsigned long long seed) {
-  const unsigned int r = stochastic ? hvd_random32(seed, (unsigned long long)i) : 0u;
-  out[i] = (Code)hvd_encode_one(x[i], p, shift, stochastic, r);
-}
-
-/* codes[i] = encode(x[i] * 2^shift) */
-template <typename Code>
-__device__ void hvd_encode_kernel(const float *x, Code *out, long long n, int exp_bits, int man_bits,
-                                  int policy, int saturate, int shift, int stochastic,
-                                  unsigned long long seed, int vector_ok) {
-  const hvd_encoder_t p = hvd_encoder(hvd_make_fmt(exp_bits, man_bits, policy, saturate));
-  const long long stride = (long long)blockDim.x * gridDim.x;
-  const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long n4 = vector_ok ? n / 4 : 0;
-  for (long long k = start; k < n4; k += stride) {
-    const float4 v = reinterpret_cast<const float4 *>(x)[k];
-    const float a[4] = {v.x, v.y, v.z, v.w};
-    Code c[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const unsigned int r = stochastic ? hvd_random32(seed, (unsigned long long)(4 * k + t)) : 0u;
-      c[t] = (Code)hvd_encode_one(a[t], p, shift, stochastic, r);
-    }
-#pragma unroll
-    for (int t = 0; t < 4; ++t) out[4 * k + t] = c[t];
-  }
-  for (long long i = 4 * n4 + start; i < n; i += stride) hvd_encode_at(x, out, i, p, shift, stochastic, seed);
-}
-
-extern "C" __global__ void hvd_encode_u8(const float *x, unsigned char *out, long long n, int e, int m,
-                                         int policy, int saturate, int shift, int stochastic,
-                                         unsigned long long seed, int vector_ok) {
-  hvd_encode_kernel(x, out, n, e, m, policy, saturate, shift, stochastic, seed, vector_ok);
-}
-
-extern "C" __global__ void hvd_encode_u16(const float *x, unsigned short *out, long long n, int e, int m,
-                                          int policy, int saturate, int shift, int stochastic,
-                                          unsigned long long seed, int vector_ok) {
-  hvd_encode_kernel(x, out, n, e, m, policy, saturate, shift, stochastic, seed, vector_ok);
 }
 
 /* value / divisor in float32; divisor 1 divides nothing (the device's division would
@@ -72,76 +28,6 @@ __device__ __forceinline__ void hvd_fill_table(float *table, int count, hvd_fmt_
   __syncthreads();
 }
 
-/* out[i] (+)= decode(codes[r * n + i]) * 2^-shift, summed over `ranks` code buffers in rank
- * order in float32: decode (ranks=1, accumulate=0: out = the value itself) and the codes path's
- * decode-and-accumulate (accumulate=1: added to out, which the caller zeroes for a fresh sum). */
-template <typename Code>
-__device__ void hvd_decode_kernel(const Code *codes, float *out, long long n, int ranks, int accumulate,
-                                  int exp_bits, int man_bits, int policy, int shift) {
-  __shared__ float table[256];
-  const hvd_fmt_t f = hvd_make_fmt(exp_bits, man_bits, policy, 0);
-  const int small = 1 + exp_bits + man_bits <= 8;
-  if (small) hvd_fill_table(table, 1 << (1 + exp_bits + man_bits), f, shift, 1.0f);
-  const long long stride = (long long)blockDim.x * gridDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const unsigned int c0 = codes[i];
-    const float first = small ? table[c0] : hvd_decode_one(c0, f, shift);
-    /* a plain decode copies the value (0.0f + -0.0f would lose the sign of a negative zero) */
-    float acc = accumulate ? out[i] + first : first;
-    for (int r = 1; r < ranks; ++r) {
-      const unsigned int c = codes[(long long)r * n + i];
-      acc += small ? table[c] : hvd_decode_one(c, f, shift);
-    }
-    out[i] = acc;
-  }
-}
-
-extern "C" __global__ void hvd_decode_u8(const unsigned char *codes, float *out, long long n, int ranks,
-                                         int accumulate, int e, int m, int policy, int shift) {
-  hvd_decode_kernel(codes, out, n, ranks, accumulate, e, m, policy, shift);
-}
-
-extern "C" __global__ void hvd_decode_u16(const unsigned short *codes, float *out, long long n, int ranks,
-                                          int accumulate, int e, int m, int policy, int shift) {
-  hvd_decode_kernel(codes, out, n, ranks, accumulate, e, m, policy, shift);
-}
-
-template <typename Code>
-__device__ void hvd_pack_kernel(const Code *codes, long long n, int bits, unsigned char *out, long long bytes) {
-  const long long stride = (long long)blockDim.x * gridDim.x;
-  for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < bytes; j += stride) {
-    unsigned int byte = 0u;
-    for (long long i = hvd_pack_first(j, bits); i <= hvd_pack_last(j, bits, n); ++i)
-      byte |= hvd_pack_piece(codes[i], i, bits, j);
-    out[j] = (unsigned char)byte;
-  }
-}
-
-extern "C" __global__ void hvd_pack_u8(const unsigned char *codes, long long n, int bits, unsigned char *out,
-                                       long long bytes) {
-  hvd_pack_kernel(codes, n, bits, out, bytes);
-}
-
-extern "C" __global__ void hvd_pack_u16(const unsigned short *codes, long long n, int bits, unsigned char *out,
-                                        long long bytes) {
-  hvd_pack_kernel(codes, n, bits, out, bytes);
-}
-
-template <typename Code>
-__device__ void hvd_unpack_kernel(const unsigned char *packed, int bits, Code *out, long long n) {
-  const long long stride = (long long)blockDim.x * gridDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-    out[i] = (Code)hvd_unpack_code(packed, i, bits);
-}
-
-extern "C" __global__ void hvd_unpack_u8(const unsigned char *packed, int bits, unsigned char *out, long long n) {
-  hvd_unpack_kernel(packed, bits, out, n);
-}
-
-extern "C" __global__ void hvd_unpack_u16(const unsigned char *packed, int bits, unsigned short *out, long long n) {
-  hvd_unpack_kernel(packed, bits, out, n);
-}
-
 /* *result = max(*result, m over the block's threads): a warp reduction, then one atomic per block. */
 __device__ __forceinline__ void hvd_block_max(unsigned int m, unsigned int *result) {
   __shared__ unsigned int partial[32];
@@ -155,115 +41,9 @@ __device__ __forceinline__ void hvd_block_max(unsigned int m, unsigned int *resu
   }
 }
 
-/* result[0] = max over i of the bits of |x[i]|: comparing IEEE bits as integers orders magnitudes,
- * and every NaN compares above Inf, which the caller reads as "non-finite". result starts at 0. */
-extern "C" __global__ void hvd_amax_bits(const float *x, long long n, unsigned int *result) {
-  unsigned int m = 0u;
-  const long long stride = (long long)blockDim.x * gridDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-    m = max(m, hvd_f32_bits(x[i]) & 0x7FFFFFFFu);
-  hvd_block_max(m, result);
-}
-
-/*
- * Encode and pack in one pass (host.c's hvd_encode_row_blocks): the codes of x[0..n) (stochastic
- * hash indices offset + i; block i / block at exponent shifts[i / block]) written into a packed
- * stream at code positions pos .. pos + n, the other bits of the bytes they touch kept. One thread
- * per output byte, so no two threads share one: a code straddling two bytes is encoded by both
- * threads, alike.
- */
-extern "C" __global__ void hvd_encode_row(const float *x, long long n, long long offset, unsigned char *row,
-                                          long long pos, int e, int m, int policy, int saturate,
-                                          const int *shifts, long long block, int stochastic,
-                                          unsigned long long seed) {
-  const hvd_encoder_t p = hvd_encoder(hvd_make_fmt(e, m, policy, saturate));
-  const int bits = 1 + e + m;
-  const long long stride = (long long)blockDim.x * gridDim.x;
-  const long long end = ((pos + n) * bits + 7) / 8;
-  for (long long j = pos * bits / 8 + (long long)blockIdx.x * blockDim.x + threadIdx.x; j < end; j += stride) {
-    unsigned int byte = row[j];
-    const long long first = max(hvd_pack_first(j, bits), pos), last = hvd_pack_last(j, bits, pos + n);
-    for (long long i = first; i <= last; ++i) {
-      const unsigned int r = stochastic ? hvd_random32(seed, (unsigned long long)(offset + i - pos)) : 0u;
-      const unsigned int code = hvd_encode_one(x[i - pos], p, shifts[(i - pos) / block], stochastic, r);
-      byte = hvd_place_piece(byte, code, i, bits, j);
-    }
-    row[j] = (unsigned char)byte;
-  }
-}
-
 /* The value of code c, from the block's table for formats of <= 8 bits. */
 __device__ __forceinline__ float hvd_value(const float *table, int small, unsigned int c, hvd_fmt_t f, int shift) {
   return small ? table[c] : hvd_decode_one(c, f, shift);
-}
-
-/* peaks[k] = max(peaks[k], m) for the warp's lanes: one atomic per warp where its lanes share a
- * block (every lane but those of a warp straddling two blocks), one per lane otherwise. */
-__device__ __forceinline__ void hvd_warp_block_max(unsigned int m, long long k, int active, unsigned int *peaks) {
-  const unsigned int lanes = __ballot_sync(0xFFFFFFFFu, active);
-  if (!active) return;
-  const int leader = __ffs(lanes) - 1;
-  const long long k0 = __shfl_sync(lanes, k, leader);
-  if (__all_sync(lanes, k == k0)) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const unsigned int other = __shfl_down_sync(lanes, m, offset);
-      m = (threadIdx.x & 31) + offset < 32 && (lanes >> ((threadIdx.x & 31) + offset)) & 1u ? max(m, other) : m;
-    }
-    if ((int)(threadIdx.x & 31) == leader) atomicMax(peaks + k, m);
-  } else {
-    atomicMax(peaks + k, m);
-  }
-}
-
-/*
- * host.c's hvd_sum_rows_blocks: out[i] = the sum over `ranks` packed rows (`stride` bytes apart),
- * in rank order from +0.0, of code lo + i decoded; peaks[i / block] = max(itself, the bits of
- * |out[i]|), read as hvd_amax_bits' result is. Unpacking is fused into the sum: no unpacked copy.
- */
-extern "C" __global__ void hvd_sum_rows(const unsigned char *rows, long long stride, int ranks, long long lo,
-                                        long long n, float *out, int e, int m, int policy, int shift,
-                                        long long block, unsigned int *peaks) {
-  __shared__ float table[256];
-  const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
-  const int bits = 1 + e + m, small = bits <= 8;
-  if (small) hvd_fill_table(table, 1 << bits, f, shift, 1.0f);
-  const long long step = (long long)blockDim.x * gridDim.x;
-  const long long rounds = (n + step - 1) / step; /* every thread runs every round: warps stay whole */
-  for (long long round = 0; round < rounds; ++round) {
-    const long long i = round * step + (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const int active = i < n;
-    unsigned int top = 0u;
-    if (active) {
-      float acc = 0.0f;
-      for (int r = 0; r < ranks; ++r)
-        acc += hvd_value(table, small, hvd_unpack_code(rows + r * stride, lo + i, bits), f, shift);
-      out[i] = acc;
-      top = hvd_f32_bits(acc) & 0x7FFFFFFFu;
-    }
-    hvd_warp_block_max(top, active ? i / block : 0, active, peaks);
-  }
-}
-
-/* host.c's hvd_decode_row_blocks: out[i] = code lo + i of a packed row, decoded at its block's
- * exponent shifts[i / block] and divided by `divisor` in float32 (the average's N). */
-extern "C" __global__ void hvd_decode_row(const unsigned char *row, long long lo, long long n, float *out, int e,
-                                          int m, int policy, const int *shifts, long long block, float divisor) {
-  const hvd_fmt_t f = hvd_make_fmt(e, m, policy, 0);
-  const int bits = 1 + e + m;
-  const long long step = (long long)blockDim.x * gridDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)
-    out[i] = hvd_divided(hvd_decode_one(hvd_unpack_code(row, lo + i, bits), f, shifts[i / block]), divisor);
-}
-
-/* peaks[k] = the bits of max |x| over block k of `block` elements (hvd_amax_bits per block). */
-extern "C" __global__ void hvd_amax_blocks(const float *x, long long n, long long block, unsigned int *peaks) {
-  const long long step = (long long)blockDim.x * gridDim.x;
-  const long long rounds = (n + step - 1) / step;
-  for (long long round = 0; round < rounds; ++round) {
-    const long long i = round * step + (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const int active = i < n;
-    hvd_warp_block_max(active ? hvd_f32_bits(x[i]) & 0x7FFFFFFFu : 0u, active ? i / block : 0, active, peaks);
-  }
 }
 
 /*
@@ -397,7 +177,7 @@ extern "C" __global__ void hvd_table_stats(const float *x, const unsigned char *
 /* scaling.shifts_under per block: the largest s with peak * 2^s <= limit (0 for a peak of 0 or not
  * finite), in float64 as NumPy computes it, written as an int and as the block's little-endian
  * int16 exponent where the message carries it: the re-encode's exponents never leave the device. */
-extern "C" __global__ void hvd_aps_shifts(const float *peaks, long long n, double limit, int *shifts,
+extern "C" __global__ void hvd_table_shifts(const float *peaks, long long n, double limit, int *shifts,
                                           unsigned char *exponents) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     const double peak = peaks[i];

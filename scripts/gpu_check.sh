@@ -11,7 +11,7 @@
 #              ratios against the targets, the profiler's synchronisation and launch counts per step
 #   codec      examples/benchmark_codec.py, short: encode/decode against a copy and torch's cast
 #   sanitizer  compute-sanitizer memcheck and racecheck over the block-table and packed-row tests
-#   ncu        Nsight Compute on the packed-row kernels
+#   ncu        Nsight Compute on the table kernels
 # Named only: `calibrate` (the performance model's GPU codec), `exchange` (8 emulated workers).
 # GPU_CHECK_STEPS="tests bench" runs only the named steps; GPU_CHECK_BENCH_ARGS adds arguments to
 # the benchmark (e.g. "--models gpt2 fsdp-gpt2"). Writes under $OUT (default ./gpu-results), at
@@ -61,9 +61,8 @@ if ! (root=$PWD; cd / && $PY -c "import sys, hvd_aps.ops; sys.exit(hvd_aps.__fil
   run 20 $PY -c "import site, sys; open(site.getsitepackages()[0] + '/hvd_aps_checkout.pth', 'w').write(sys.argv[1])" "$PWD"
 fi
 if wanted tests; then
-  tests=(tests/test_gpu.py tests/test_kernel_build.py)
-  [ -e tests/test_device_path.py ] && tests+=(tests/test_device_path.py)
-  SIG=INT run 90 $PY -m pytest -q -p no:cacheprovider "${tests[@]}" --junitxml "$OUT/gpu-tests.xml"
+  SIG=INT run 90 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel_build.py \
+      --junitxml "$OUT/gpu-tests.xml"
 fi
 if wanted bench; then
   # ~3 minutes at the benchmark's default pace (30 warm-up steps and more until settled, 6 rounds
@@ -82,8 +81,8 @@ if wanted sanitizer && command -v compute-sanitizer >/dev/null; then
       -k "(table or blocked) and e4m3"
 fi
 if wanted ncu && command -v ncu >/dev/null; then
-  # the packed-row kernels at 64 MiB (benchmark_codec's packed-row stages)
-  run 60 ncu --target-processes all -k regex:"hvd_(encode_row|sum_rows|decode_row)" --launch-count 3 \
+  # the table kernels at 64 MiB (benchmark_codec's packed-row stages)
+  run 60 ncu --target-processes all -k regex:"hvd_table_(encode|sum|decode)" --launch-count 3 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section ComputeWorkloadAnalysis \
       $PY examples/benchmark_codec.py --device cuda --repeats 1
 fi

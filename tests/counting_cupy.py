@@ -720,63 +720,6 @@ def _magnitudes(x: np.ndarray) -> np.ndarray:
     return x.view(np.uint32) & np.uint32(0x7FFFFFFF)
 
 
-def _encode(k: Launch) -> None:
-    n = k["n"]
-    _numpy_engine.encode(k.memory("x", n), k.fmt, k["shift"], k.rounding, k["seed"], k["saturate"],
-                         out=k.memory("out", n))
-
-
-def _decode(k: Launch) -> None:
-    n, ranks, fmt, shift = k["n"], k["ranks"], k.fmt, k["shift"]
-    codes, out = k.memory("codes", ranks * n).reshape(ranks, n), k.memory("out", n)
-    if not k["accumulate"]:  # the first rank's value as it is (0.0 + -0.0 would lose a sign)
-        _numpy_engine.decode(codes[0], fmt, shift, np.float32, out=out)
-        codes = codes[1:]
-    _numpy_engine.decode_accumulate(codes, fmt, shift, out=out)
-
-
-def _pack(k: Launch) -> None:
-    packed, out = _numpy_engine.pack(k.memory("codes", k["n"]), k["bits"]), k.memory("out", k["bytes"])
-    out.fill(0)
-    out[:packed.size] = packed[:out.size]
-
-
-def _unpack(k: Launch) -> None:
-    n, bits = k["n"], k["bits"]
-    out = k.memory("out", n)
-    out[:] = _numpy_engine.unpack(k.memory("packed", -(-n * bits // 8)), bits, n, out.dtype)
-
-
-def _amax_bits(k: Launch) -> None:
-    result = k.memory("result", 1)
-    result[0] = max(result[0], _magnitudes(k.memory("x", k["n"])).max(initial=0))
-
-
-def _amax_blocks(k: Launch) -> None:
-    n, block = k["n"], k["block"]
-    np.maximum.at(k.memory("peaks", -(-n // block)), np.arange(n) // block, _magnitudes(k.memory("x", n)))
-
-
-def _encode_row(k: Launch) -> None:
-    n, pos, block, fmt = k["n"], k["pos"], k["block"], k.fmt
-    _numpy_engine.encode_into(k.memory("x", n), fmt, k.memory("shifts", -(-n // block)), block, k.rounding,
-                              k["seed"], k["saturate"], k.memory("row", fmt.packed_size(pos + n)), pos, k["offset"])
-
-
-def _sum_rows(k: Launch) -> None:
-    lo, n, block, fmt = k["lo"], k["n"], k["block"], k.fmt
-    out = k.memory("out", n)
-    _numpy_engine.sum_rows(k.rows("rows", k["ranks"], k["stride"], fmt.packed_size(lo + n)), fmt, lo, lo + n,
-                           k["shift"], block, out)
-    np.maximum.at(k.memory("peaks", -(-n // block)), np.arange(n) // block, _magnitudes(out))
-
-
-def _decode_row(k: Launch) -> None:
-    lo, n, block, fmt = k["lo"], k["n"], k["block"], k.fmt
-    _numpy_engine.decode_row(k.memory("row", fmt.packed_size(lo + n)), fmt, lo, lo + n,
-                             k.memory("shifts", -(-n // block)), block, k.memory("out", n), k["divisor"])
-
-
 # Table kernels: one thread block per row of a (blocks, COLUMNS) int64 table on the device
 @dataclasses.dataclass(frozen=True)
 class _Table:
@@ -842,17 +785,13 @@ def _table_stats(k: Launch) -> None:
     k.memory("sums", count * SAMPLE_SUMS)[:] = sums.ravel()
 
 
-def _aps_shifts(k: Launch) -> None:
+def _table_shifts(k: Launch) -> None:
     n = k["n"]
     k.memory("shifts", n)[:] = _numpy_engine.table_shifts(k.memory("peaks", n), k["limit"], k.memory("exponents", 2 * n))
 
 
-_TWINS = {"hvd_encode_u8": _encode, "hvd_encode_u16": _encode, "hvd_decode_u8": _decode, "hvd_decode_u16": _decode,
-          "hvd_pack_u8": _pack, "hvd_pack_u16": _pack, "hvd_unpack_u8": _unpack, "hvd_unpack_u16": _unpack,
-          "hvd_amax_bits": _amax_bits, "hvd_amax_blocks": _amax_blocks, "hvd_encode_row": _encode_row,
-          "hvd_sum_rows": _sum_rows, "hvd_decode_row": _decode_row, "hvd_table_amax": _table_amax,
-          "hvd_table_encode": _table_encode, "hvd_table_sum": _table_sum, "hvd_table_decode": _table_decode,
-          "hvd_table_stats": _table_stats, "hvd_aps_shifts": _aps_shifts}
+_TWINS = {"hvd_table_amax": _table_amax, "hvd_table_encode": _table_encode, "hvd_table_sum": _table_sum,
+          "hvd_table_decode": _table_decode, "hvd_table_shifts": _table_shifts, "hvd_table_stats": _table_stats}
 
 
 # The modules ----------------------------------------------------------------------------------------

@@ -40,6 +40,24 @@ def test_decode_every_code(fmt, engine):
     assert same_bits(hvd_aps.decode(codes, fmt), want).all()
 
 
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e2m1fn", "e3m0", "e5m10"])
+@pytest.mark.parametrize("shift", [0, 9, -17])
+def test_float16_values_are_numpys_cast_of_the_float32_ones(name, shift, engine):
+    """decode and quantize with dtype=float16 give what NumPy's cast of their float32 values
+    gives, also where the shift rounds them onto float16's subnormals or past its range."""
+    fmt = hvd_aps.FloatFormat.parse(name)
+    codes = np.arange(1 << fmt.bits, dtype=fmt.code_dtype)
+    with np.errstate(over="ignore"):  # values past float16's range: Inf, as the cast has them
+        want = hvd_aps.decode(codes, fmt, shift).astype(np.float16)
+    assert same_bits(hvd_aps.decode(codes, fmt, shift, dtype=np.float16), want).all()
+    out = np.empty(codes.shape, np.float16)
+    assert hvd_aps.decode(codes, fmt, shift, dtype=np.float16, out=out) is out and same_bits(out, want).all()
+    x = np.random.default_rng(7).standard_normal(5001).astype(np.float32) * 3
+    with np.errstate(over="ignore"):
+        want = hvd_aps.quantize(x, fmt, shift=shift).astype(np.float16)
+    assert same_bits(hvd_aps.quantize(x, fmt, shift=shift, dtype=np.float16), want).all()
+
+
 @pytest.mark.parametrize("fmt", TWINNED, ids=str)
 def test_encode_every_float16(fmt, engine):
     check_encode(np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32), fmt)
@@ -144,12 +162,13 @@ def test_encode_into_writes_pieces_of_one_packed_stream(name, rounding, engine):
     """Pieces of a tensor encoded straight into their places of one packed stream, in shuffled
     order, with cuts at odd positions and each piece long enough for the host engine's threads:
     the stream equals ml_dtypes' codes (nearest) or one encode() with the same seed (stochastic)
-    packed, so no piece touched its neighbours' bits; codes_at reads a sample back."""
+    packed, so no piece touched its neighbours' bits; codes_at reads a sample back. The stream
+    starts at an odd byte of its buffer, as a part of a message may (16-bit codes unaligned)."""
     fmt, n, rng = hvd_aps.FloatFormat.parse(name), 1_200_003, np.random.default_rng(12)
     x = (rng.standard_normal(n) * rng.choice([1e-3, 1, 30], n)).astype(np.float32)
     codes = (oracle_codes(x, fmt) if rounding == "nearest" else hvd_aps.encode(x, fmt, rounding, seed=5)).astype(fmt.code_dtype)
     bounds = [0, 1, 9, 555_555, 555_562, 1_199_990, n]
-    row = np.full(hvd_aps.packed_size(n, fmt), 0xA5, np.uint8)  # bits no piece may leave as they are
+    row = np.full(hvd_aps.packed_size(n, fmt) + 1, 0xA5, np.uint8)[1:]  # bits no piece may leave as they are
     for k in rng.permutation(len(bounds) - 1):
         a, b = bounds[k], bounds[k + 1]
         assert hvd_aps.codec.encode_into(x[a:b], fmt, row, a, rounding, seed=5, index=a) is row

@@ -1,5 +1,6 @@
-"""The CuPy engine against the CPU engines, bit for bit, and the codes exchange on a GPU (threads as
-ranks; the DDP hook over NCCL with one rank). Skipped where there is no CUDA device."""
+"""The CuPy engine against the CPU engines, bit for bit: its table kernels (the only kernels it has)
+directly and under every codec function; and the codes exchange on a GPU (threads as ranks; the
+DDP hook over NCCL with one rank). Skipped where there is no CUDA device."""
 import os
 
 import numpy as np
@@ -44,6 +45,25 @@ def test_encode_decode_match_the_cpu(name, rounding, n):
     assert (decoded.view(np.uint32) == cpu(hvd_aps.decode, want, name, shift=5).view(np.uint32)).all()
 
 
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e2m1fn", "e3m0"])
+@pytest.mark.parametrize("world", [1, 8])
+def test_table_shifts_match_the_cpu(name, world):
+    """The re-encode's APS shifts and their exponents in the message (hvd_table_shifts) against
+    scaling.shifts_for, over maxima of every float32 binade, subnormals, 0 and Inf."""
+    from hvd_aps import _cupy_engine, _numpy_engine, scaling
+    fmt = hvd_aps.FloatFormat.parse(name)
+    with np.errstate(over="ignore"):
+        peaks = np.abs(inputs(100_003, seed=4))
+    peaks[np.isnan(peaks)] = np.inf
+    limit = scaling.limit_for(world, fmt)
+    want_bytes = np.zeros(2 * peaks.size + 3, np.uint8)
+    want = _numpy_engine.table_shifts(peaks, limit, want_bytes[1:-2])
+    assert (want == scaling.shifts_for(peaks, world, fmt)).all()
+    got_bytes = cupy.zeros(want_bytes.size, cupy.uint8)
+    got = _cupy_engine.table_shifts(cupy.asarray(peaks), limit, got_bytes[1:-2])
+    assert (cupy.asnumpy(got) == want).all() and (cupy.asnumpy(got_bytes) == want_bytes).all()
+
+
 def test_non_contiguous_and_sums():
     x = inputs(4001).reshape(4001, 1)[::3]
     assert (cupy.asnumpy(hvd_aps.encode(cupy.asarray(inputs(4001).reshape(4001, 1))[::3], "e4m3")) ==
@@ -55,6 +75,28 @@ def test_non_contiguous_and_sums():
     nan = np.isnan(want)
     assert nan.any() and (np.isnan(got) == nan).all()
     assert (got.view(np.uint32) == want.view(np.uint32))[~nan].all()
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e2m1fn", "e3m2fn"])
+def test_float16_values_and_sums_into_out_match_the_cpu(name):
+    """float16 values (fp16's codes, encoded from the float32 ones) and decode_sum adding to what
+    `out` holds (a decode a rank) on the GPU give the CPU's bits."""
+    fmt = hvd_aps.FloatFormat.parse(name)
+    x = inputs(30_011)
+    for shift in (0, 9):
+        want = cpu(hvd_aps.quantize, x, fmt, shift=shift, unscale=False, dtype=np.float16)
+        got = hvd_aps.quantize(cupy.asarray(x), fmt, shift=shift, unscale=False, dtype=np.float16)
+        assert got.dtype == np.float16 and cupy.asnumpy(got).tobytes() == want.tobytes()
+        codes = cpu(hvd_aps.encode, x, fmt)
+        want = cpu(hvd_aps.decode, codes, fmt, shift=shift, dtype=np.float16)
+        assert cupy.asnumpy(hvd_aps.decode(cupy.asarray(codes), fmt, shift=shift, dtype=np.float16)).tobytes() == \
+            want.tobytes()
+    rng = np.random.default_rng(6)  # finite sums: a NaN's sign from Inf + -Inf is the hardware's
+    stacked = np.stack([cpu(hvd_aps.encode, rng.standard_normal(4001).astype(np.float32), fmt) for _ in range(3)])
+    start = rng.standard_normal(stacked.shape[1]).astype(np.float32)
+    want = cpu(hvd_aps.decode_sum, stacked, fmt, shift=3, out=start.copy())
+    got = hvd_aps.decode_sum(cupy.asarray(stacked), fmt, shift=3, out=cupy.asarray(start))
+    assert (cupy.asnumpy(got).view(np.uint32) == want.view(np.uint32)).all()
 
 
 @pytest.mark.parametrize("name", ["e2m1fn", "e3m2fn", "e4m3", "e5m10", "e1m2fn"])

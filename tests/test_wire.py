@@ -85,21 +85,21 @@ def test_codec_thread_count_changes_no_bit(monkeypatch):
 
 
 def test_exchanges_beside_compute_code_on_one_thread_until_awaited(monkeypatch):
-    """An exchanger's worker thread (beside the step's compute) cuts the codec's calls into one
-    range, and into one per thread while a caller waits for results (Exchanger.result); any
-    other thread always uses every thread. The bits are the same either way."""
+    """An exchanger's worker thread (beside the step's compute) runs the codec's calls on one
+    thread, and on every thread while a caller waits for results (Exchanger.result); any other
+    thread always uses every thread. The bits are the same either way."""
     pool = concurrent.futures.ThreadPoolExecutor(2)
     monkeypatch.setattr(_host_engine, "_threads", 2)
     monkeypatch.setattr(_host_engine, "_pool", pool)
     n = 1 << 20
     with pool, concurrent.futures.ThreadPoolExecutor(1, initializer=hvd_aps.codec.beside_compute) as worker:
-        assert worker.submit(_host_engine._chunks, n, 0, 8).result() == [(0, n)]
+        assert worker.submit(_host_engine._width).result() == 1
         with hvd_aps.codec.awaited():
-            assert len(worker.submit(_host_engine._chunks, n, 0, 8).result()) == 2
-        assert worker.submit(_host_engine._chunks, n, 0, 8).result() == [(0, n)]
+            assert worker.submit(_host_engine._width).result() == 2
+        assert worker.submit(_host_engine._width).result() == 1
         x = np.random.default_rng(6).standard_normal(n).astype(np.float32)
         beside = worker.submit(hvd_aps.encode, x, "e4m3").result()
-        assert len(_host_engine._chunks(n, 0, 8)) == 2  # a thread of the caller's own
+        assert _host_engine._width() == 2  # a thread of the caller's own
         assert beside.tobytes() == hvd_aps.encode(x, "e4m3").tobytes()
     comp = hvd_aps.APSCompressor("e4m3")
     done = concurrent.futures.Future()
