@@ -7,6 +7,7 @@ import pytest
 import model
 from horovod_run import horovodrun, load
 from test_ddp import launch_ddp_checks
+from workers.common import KERAS_FEATURES, KERAS_HIDDEN, KERAS_VOCAB, KERAS_WIDTH
 
 # e4m3 keeps 3 bits of mantissa: three SGD steps at lr 0.1 move parameters of this model by at
 # most about 0.1, and the codes' relative error of about 2^-4 on each step's gradient stays well
@@ -97,3 +98,91 @@ def test_tensorflows_tape_with_codes_trains_as_with_horovods_own(tf_ranks, scena
     for r in members:
         assert_trained_alike(r, scenario)
     assert all(r[f"{scenario}_codes"].tobytes() == members[0][f"{scenario}_codes"].tobytes() for r in members)
+
+
+# Keras 3 through hvd_aps.keras.DistributedOptimizer and an Embedding through Horovod's tape
+# (keras_dropin_checks.py): every run saves its flat weights at several points, the start first.
+# e4m3 rounds each step's gradient to 3 bits of mantissa (a relative error up to 2^-4): the codes
+# run stays within a tenth of the largest move of any weight in the stock run
+KERAS_TOLERANCE = 0.1
+TRUNK = slice(0, KERAS_FEATURES * KERAS_HIDDEN + KERAS_HIDDEN)  # the trunk's kernel and bias lead
+HEAD = slice(-(KERAS_HIDDEN + 1), None)                        # the one-rank head's kernel and bias end
+TABLE = slice(0, KERAS_VOCAB * KERAS_WIDTH)                     # the Embedding's table leads
+
+
+@pytest.fixture(scope="module")
+def keras_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kerasdropin")
+    horovodrun("keras_dropin_checks.py", tmp, ranks=2, timeout=240)
+    return load(tmp, "kerasdropin", 2)
+
+
+def keras_trained_alike(ranks, scenario):
+    """Both runs of `scenario` trained without error, to the same bits on every rank, the codes
+    run within KERAS_TOLERANCE of the stock run at every point saved -> rank 0's (stock, codes)."""
+    for r in ranks:
+        errors = {run: str(r.get(f"{scenario}_{run}_error", "")) for run in ("stock", "codes")}
+        assert errors == {"stock": "", "codes": ""}, errors
+        for run in ("stock", "codes"):
+            assert r[f"{scenario}_{run}"].tobytes() == ranks[0][f"{scenario}_{run}"].tobytes(), (scenario, run)
+    stock, codes = ranks[0][f"{scenario}_stock"], ranks[0][f"{scenario}_codes"]
+    moved = np.abs(stock[-1] - stock[0]).max()
+    assert np.abs(codes - stock).max() <= KERAS_TOLERANCE * moved, scenario
+    return stock, codes
+
+
+def test_keras_with_a_frozen_layer_trains_as_with_horovods_own(keras_ranks):
+    """`trainable = False` before compile: the frozen trunk's weights stay as they were, bit for
+    bit, and the layer above it trains."""
+    for weights in keras_trained_alike(keras_ranks, "keras_frozen"):
+        start, end = weights
+        assert start[TRUNK].tobytes() == end[TRUNK].tobytes()
+        assert not np.array_equal(start[TRUNK.stop:], end[TRUNK.stop:])
+
+
+def test_keras_trainable_toggled_between_fits_trains_as_with_horovods_own(keras_ranks):
+    """Fit with the trunk frozen, unfreeze it, recompile with a new wrapper (the same compressor),
+    fit again: the first fit leaves the trunk as it was, the second trains it."""
+    for weights in keras_trained_alike(keras_ranks, "keras_toggled"):
+        start, first, second = weights
+        assert start[TRUNK].tobytes() == first[TRUNK].tobytes()
+        assert not np.array_equal(start[TRUNK.stop:], first[TRUNK.stop:])
+        assert not np.array_equal(first[TRUNK], second[TRUNK])
+
+
+def test_keras_refuses_an_optimizer_reused_after_unfreezing_as_without_codes(keras_ranks):
+    """Recompiled with the first fit's optimizer, Keras refuses the unfrozen variables: the same
+    error on every rank, with codes as without."""
+    for r in keras_ranks:
+        for run in ("stock", "codes"):
+            error = str(r[f"keras_same_optimizer_{run}_error"])
+            assert error.startswith("ValueError: Unknown variable: <Variable path=") and "trunk/kernel" in error, error
+
+
+def test_keras_head_one_rank_uses_trains_on_every_rank_alike(keras_ranks):
+    """A head only rank 1's loss reaches (None gradients on rank 0): rank 0 sends zeros for it,
+    with codes as without, and the head trains, the same on both ranks."""
+    for start, end in keras_trained_alike(keras_ranks, "keras_one_rank_head"):
+        assert not np.array_equal(start[HEAD], end[HEAD])
+
+
+@pytest.mark.parametrize("scenario", ["keras_embedding", "tape_embedding"])
+def test_indexed_slices_go_as_horovods_own_allgather_sends_them(keras_ranks, scenario):
+    """An Embedding's IndexedSlices through the Keras wrapper and through Horovod's tape
+    (num_groups=1): Horovod allgathers them uncompressed, with codes as without, so the table
+    after the first step is the stock run's bit for bit (the dense weights beside it are codes)."""
+    stock, codes = keras_trained_alike(keras_ranks, scenario)
+    assert codes[1][TABLE].tobytes() == stock[1][TABLE].tobytes()
+    assert not np.array_equal(stock[0][TABLE], stock[1][TABLE])
+    if scenario.startswith("tape"):
+        assert [bool(keras_ranks[0][f"{scenario}_{run}_sparse"]) for run in ("stock", "codes")] == [True, True]
+
+
+@pytest.mark.parametrize("scenario", ["keras_embedding_dense", "tape_embedding_dense"])
+def test_indexed_slices_with_sparse_as_dense_go_as_codes(keras_ranks, scenario):
+    """With sparse_as_dense=True the table's gradient is densified and then sent as codes: within
+    the codes' error of the stock run, no longer its bits."""
+    stock, codes = keras_trained_alike(keras_ranks, scenario)
+    assert not np.array_equal(codes[1][TABLE], stock[1][TABLE])
+    if scenario.startswith("tape"):
+        assert [bool(keras_ranks[0][f"{scenario}_{run}_sparse"]) for run in ("stock", "codes")] == [False, False]
