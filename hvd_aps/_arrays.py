@@ -49,18 +49,6 @@ def to_numpy(a):
     return a.get() if array_module(a) is not np else np.asarray(a)
 
 
-def host_copies(arrays: list) -> list:
-    """NumPy copies of arrays (NumPy ones as they are), those on a device in one copy."""
-    on_device = [a for a in arrays if array_module(a) is not np]
-    if not on_device:
-        return [np.asarray(a) for a in arrays]
-    xp = array_module(on_device[0])
-    flat = np.split(xp.concatenate([a.ravel() for a in on_device]).get(),
-                    np.cumsum([a.size for a in on_device])[:-1])
-    copies = iter(part.reshape(a.shape) for part, a in zip(flat, on_device))
-    return [next(copies) if array_module(a) is not np else np.asarray(a) for a in arrays]
-
-
 def joined(arrays):
     """One flat view over 1-D arrays that lie end to end in one allocation (a DDP bucket's
     gradients do), else None: what a copy into one buffer would give, without the copy."""

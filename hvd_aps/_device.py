@@ -7,9 +7,14 @@ them. The exchange's CuPy kernels, allocations and DLPack hand-offs run on that 
 ordered after the gradients they read and before whatever the framework queues after the hook,
 without a host wait, and never land on device 0 from a thread whose device was never set.
 
-Host arrays the stages index the device with (a table's tensor column, a message's exponent
-bytes) are copied to the device once and kept (`on_device`): tables are made once per bucket
-layout, so in steady state a stage uploads nothing.
+A thread that exchanges beside others (a DDP lane, Horovod's exchange threads) takes a stream of
+its own (`branch`) that first waits for what the framework's stream has queued: its collectives
+never wait behind another lane's on a shared stream (two ranks could queue them in opposite
+orders), and its one read waits for its bucket only, not for the backward queued after it.
+
+Host arrays the stages index the device with (a table's rows and tensor column, a message's
+exponent bytes) are copied to the device once and kept (`on_device`): tables are made once per
+bucket layout, so a stage uploads nothing in steady state (an agreement uploads its shifts).
 """
 import collections
 import contextlib
@@ -32,6 +37,7 @@ class Place:
     device: int
     stream: int
     torch_stream: object = None
+    after: object = None  # a torch.cuda.Event the stream waits for when entered
 
 
 def place_of(tensor) -> Optional[Place]:
@@ -59,9 +65,37 @@ def entered(place: Optional[Place]):
             stack.enter_context(torch.cuda.device(place.device))
             stack.enter_context(torch.cuda.stream(place.torch_stream))
             stack.enter_context(cupy.cuda.using_allocator(_torch_allocation))
+            if place.after is not None:
+                place.torch_stream.wait_event(place.after)
         stack.enter_context(cupy.cuda.Device(place.device))
         stack.enter_context(cupy.cuda.ExternalStream(place.stream, place.device))
         yield
+
+
+_streams = {}  # (device, key) -> the torch stream of a thread that exchanges beside others
+_streams_lock = threading.Lock()
+
+
+def branch(place: Optional[Place], key) -> Optional[Place]:
+    """A place on a stream of its own for `key` (made once per device), which waits for what
+    `place`'s stream has queued until now (an event recorded here, in the framework's thread)."""
+    if place is None or place.torch_stream is None:
+        return place
+    import torch
+    with _streams_lock:
+        stream = _streams.get((place.device, key))
+        if stream is None:
+            stream = _streams[place.device, key] = torch.cuda.Stream(place.device)
+    ready = torch.cuda.Event()
+    ready.record(place.torch_stream)
+    return Place(place.device, stream.cuda_stream, stream, ready)
+
+
+def finished(place: Optional[Place]) -> None:
+    """Wait on the host for everything queued on the place's stream: results handed to a reader on
+    a stream of its own (Horovod's decompress, the codes optimizer's copy-back) are complete."""
+    if place is not None and place.torch_stream is not None:
+        place.torch_stream.synchronize()
 
 
 class _TorchBlock:
@@ -115,3 +149,28 @@ def on_device(host: np.ndarray, like):
 def take(values, index: np.ndarray):
     """values[index] where `values` lies, with the host index array copied there once."""
     return values[on_device(index, values)]
+
+
+def where(array) -> Optional[tuple]:
+    """(device, stream handle) current for a device array made here, None for a host array: where
+    a later copy of it must run to come after the work that made it."""
+    xp = _arrays.array_module(array)
+    if xp is np:
+        return None
+    return xp.cuda.Device().id, xp.cuda.get_current_stream().ptr
+
+
+def copied_to_host(waiting: list):
+    """Each (where, arrays) of `waiting` -> its arrays on the host, in order, as an iterator: the
+    device arrays of each (device, stream) in one copy, on that stream after the work that made
+    them, whichever thread asks."""
+    copies = {}
+    for place in {place for place, arrays in waiting if place is not None and arrays}:
+        arrays = [a for p, group in waiting if p == place for a in group]
+        xp = _arrays.array_module(arrays[0])
+        with xp.cuda.Device(place[0]), xp.cuda.ExternalStream(place[1], place[0]):
+            flat = xp.concatenate([a.ravel() for a in arrays]).get()
+        copies[place] = iter(part.reshape(a.shape) for part, a in
+                             zip(np.split(flat, np.cumsum([a.size for a in arrays])[:-1]), arrays))
+    for place, arrays in waiting:
+        yield [next(copies[place]) if place is not None else np.asarray(a) for a in arrays]

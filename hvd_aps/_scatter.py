@@ -140,7 +140,7 @@ class ScatterExchange:
                 continue
             shifts = _device.take(shifts_here, send.tensor)
             engine.table_encode(flat, fmt, send, shifts, self.config.rounding,
-                                None if a.seed is None else xp.full(send.count, a.seed, np.uint64),
+                                None if a.seed is None else xp.full(send.count, np.uint64(a.seed), np.uint64),
                                 self.config.saturate, message, residual)
             if self.stats.enabled:
                 parts.append((send.segment, engine.table_stats(flat, message, fmt, send, shifts,
@@ -149,23 +149,23 @@ class ScatterExchange:
                                                                limits(fmt, shifts))))
         if any(a.last[r] is not None for r in range(self.world)):  # a row all NaN/Inf records nothing
             self.stats.record_bucket_later(a.name, [sums for _, sums in parts],
-                                           functools.partial(self._stats, a, step, [row for row, _ in parts]))
+                                           functools.partial(self._stats, a.name, a.last, a.send, a.carried, step,
+                                                             [row for row, _ in parts]))
         self.stats.record_sent(sum(splits) - splits[self.rank])
         return message, splits
 
-    def _stats(self, a: ScatterAgreement, step: int, rows: list, block_sums: list) -> BucketStats:
+    def _stats(self, name: str, last: list, send: list, carried: np.ndarray, step: int, block_rows: list,
+               block_sums: list) -> BucketStats:
         """Each row's stats where it sent any codes, from every lane's per-block sample sums (on
-        the host by now) of the blocks of `rows`."""
-        sums = np.zeros((self.world, _tables.SAMPLE_SUMS))
-        for row, part in zip(rows, block_sums):
-            sums += np.stack([np.bincount(row, weights=part[:, j], minlength=self.world)
-                              for j in range(part.shape[1])], axis=1)
-        sent = [r for r in range(self.world) if a.last[r] is not None]
-        elements = sum(np.bincount(send.segment, weights=send.rows[:, _tables.COUNT], minlength=self.world)
-                       for send in a.send)[sent].astype(np.int64)
-        return BucketStats.of_sums([f"{a.name}[{r}]" for r in sent], [a.last[r][0] for r in sent],
-                                   [a.last[r][1] for r in sent], elements, np.full(len(sent), float(step)),
-                                   sums[sent], a.carried[sent], np.ones(len(sent), bool))
+        the host by now; block_rows: each block's row). Made a step later: it holds what the
+        stats need, not the agreement (whose rows are the reduce-scatter's whole input)."""
+        sums = _tables.segment_sums(block_rows, block_sums, self.world)
+        sent = [r for r in range(self.world) if last[r] is not None]
+        elements = sum(np.bincount(table.segment, weights=table.rows[:, _tables.COUNT], minlength=self.world)
+                       for table in send)[sent].astype(np.int64)
+        return BucketStats.of_sums([f"{name}[{r}]" for r in sent], [last[r][0] for r in sent],
+                                   [last[r][1] for r in sent], elements, np.full(len(sent), float(step)),
+                                   sums[sent], carried[sent], np.ones(len(sent), bool))
 
     def reduce(self, a: ScatterAgreement, received, out) -> object:
         """The N received copies of this rank's row -> their float32 sum (divided by `divisor`) in `out`."""
@@ -204,11 +204,11 @@ def _row_blocks(world: int, n: int) -> _tables.Blocks:
 
 @functools.lru_cache(maxsize=LAYOUTS_KEPT)
 def _lane_tables(world: int, rank: int, n: int, fmts: tuple, lanes: bytes) -> tuple:
-    """(send, mine, lane_bytes, ends) for the agreed lanes (int64 bytes: each (row, block)'s lane, -1
-    for one left out): per lane, the table every row's blocks are encoded by and this rank's
-    row's blocks as its received part holds them, the (world, lanes) packed bytes and the last byte of
-    every part that has one. Kept per
-    agreement, which steps repeat while the gradients' magnitudes and formats hold."""
+    """(send, mine, lane_bytes, ends) for the agreed lanes (int64 bytes: each (row, block)'s lane,
+    -1 for one left out): per lane, the table every row's blocks are encoded by and this rank's
+    row's blocks as its received part holds them; the (world, lanes) packed bytes; the last byte
+    of every part that has one. Kept per agreement, which steps repeat while the gradients'
+    magnitudes and formats hold."""
     lane = np.frombuffer(lanes, np.int64)
     row, start, counts = _row_starts(world, n)
     block = np.arange(row.size)

@@ -232,7 +232,7 @@ class CodesExchange:
         lanes_of = np.where(finite, wide.astype(np.int64), -1)
         plan = self._plan(bucket, lanes_of[held.tensor], count, padded)
         stochastic = self.config.rounding == "stochastic"
-        a = Agreement(bucket, plan, data, out, shifts, _here(shifts.astype(np.int32), xp), fallback, count, divisor,
+        a = Agreement(bucket, plan, data, out, shifts, _uploaded(shifts.astype(np.int32), xp), fallback, count, divisor,
                       self._seeds(bucket, self.seed_rank, SEND, xp) if stochastic else None,
                       self._seeds(bucket, -1, OWNER, xp) if stochastic else None, None, [], tuple(lanes_of.tolist()))
         if self.config.error_feedback:
@@ -242,7 +242,7 @@ class CodesExchange:
         return a
 
     def _seeds(self, bucket: Bucket, rank: int, side: str, xp):
-        return _here(np.array([self.state.seed_for(rank, key, side) for key in bucket.keys], np.uint64), xp)
+        return _uploaded(np.array([self.state.seed_for(rank, key, side) for key in bucket.keys], np.uint64), xp)
 
     def _feedback(self, a: Agreement, xp) -> None:
         """Error feedback: where this step's send residuals go (the fallback's restart from zero),
@@ -413,8 +413,9 @@ class CodesExchange:
                 engine.table_decode(gathered, fmt, lc.finish, exponents, a.out, np.float32(a.divisor), a.stream)
 
     def done(self, a: Agreement):
-        """After the last chunk: the results (the flat `out`), the stats and bytes recorded, the
-        tensors' exchange noted for the step's commit."""
+        """After the last chunk: the results (the flat `out`), the bytes recorded and the stats
+        handed to the recorder (read a step later), the tensors' exchange noted for the step's
+        commit."""
         if a.sums is not None:
             self.stats.record_bucket_later(a.bucket.name, [sums for _, sums in a.sums],
                                            functools.partial(self._bucket_stats, a.bucket, a.plan, a.shifts, a.lanes_of,
@@ -428,10 +429,7 @@ class CodesExchange:
         """The bucket's stats, one row per held segment: the sample scaled up by its stride, from
         every stage call's per-block sums (on the host by now) of the blocks of `segments`."""
         held = bucket.held()
-        sums = np.zeros((len(held.tensor), _tables.SAMPLE_SUMS))
-        for segment, part in zip(segments, block_sums):
-            sums += np.stack([np.bincount(segment, weights=part[:, j], minlength=len(sums))
-                              for j in range(part.shape[1])], axis=1)
+        sums = _tables.segment_sums(segments, block_sums, len(held.tensor))
         sizes = np.diff(held.offsets)
         lanes = np.asarray(lanes_of)[held.tensor]
         finite = lanes >= 0
@@ -461,8 +459,8 @@ def _xp(x):
     return _arrays.array_module(x)
 
 
-def _here(host: np.ndarray, xp):
-    """A host array where the data lies (one upload per agreement for a device)."""
+def _uploaded(host: np.ndarray, xp):
+    """A host array where the data lies: itself, or a fresh copy on the device (an agreement's)."""
     return host if xp is np else xp.asarray(host)
 
 

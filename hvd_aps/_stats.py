@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _device
 from ._schedule import NATIVE_BYTES
 
 STATS_SAMPLE = 1 << 12  # elements per tensor the stats look at by default
@@ -111,18 +111,21 @@ class BucketStats:
 
 class StatsRecorder:
     """The last TensorStats per tensor label, their sum since reset(), and the code bytes this
-    rank sent. Thread-safe: exchanges record from several threads."""
+    rank sent. Thread-safe: exchanges record from several threads, and what waits to be read
+    from a device is recorded in the order it came."""
 
     def __init__(self, enabled: bool = True, sample: int = STATS_SAMPLE):
         if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
             raise ValueError(f"stats_sample must be an int >= 0, got {sample!r}")
         self.enabled, self.sample = bool(enabled), sample
         self._lock = threading.Lock()
+        self._settling = threading.RLock()  # one settle at a time, against reset() too
         self.reset()
 
     def reset(self) -> None:
-        with self._lock:
-            self._last, self._buckets, self._total, self.bytes_sent, self._later = {}, {}, TensorStats(), 0, {}
+        with self._settling, self._lock:
+            self._last, self._buckets, self._total, self.bytes_sent = {}, {}, TensorStats(), 0
+            self._later = []  # (bucket name or None, parts or a label, make or stats), in the order they came
 
     @property
     def total(self) -> TensorStats:
@@ -143,54 +146,72 @@ class StatsRecorder:
     def record(self, label: str, stats: "TensorStats | None") -> None:
         if not self.enabled or stats is None:
             return
-        self.settle()  # what came before, first
         with self._lock:
-            for name in [n for n, b in self._buckets.items() if label in b.labels]:  # theirs came first
-                self._rows_of(self._buckets.pop(name))
-            self._last[label] = stats
-            self._total = self._total + stats
+            if self._later:  # after what waits to be read, without reading it here
+                self._later.append((None, label, stats))
+                return
+            self._record(label, stats)
+
+    def _record(self, label: str, stats: TensorStats) -> None:
+        """record(), the lock held."""
+        for name in [n for n, b in self._buckets.items() if label in b.labels]:  # theirs came first
+            self._rows_of(self._buckets.pop(name))
+        self._last[label] = stats
+        self._total = self._total + stats
 
     def record_bucket(self, name: str, stats: BucketStats) -> None:
         """A bucket's exchange, as one BucketStats under the bucket's `name` (its rows replace the
         last step's of that name; rows are made when `last` is read)."""
         if not self.enabled:
             return
-        self.settle()
-        total = stats.total()
         with self._lock:
-            earlier = self._buckets.pop(name, None)
-            if earlier is None or earlier.labels != stats.labels:
-                if earlier is not None:
-                    self._rows_of(earlier)
-                self._last.update((label, None) for label in stats.labels if label not in self._last)  # places
-            self._buckets[name] = stats
-            if stats.labels:
-                self._total = self._total + total
+            if self._later:
+                self._later.append((name, (None, []), lambda _: stats))
+                return
+            self._record_bucket_locked(name, stats)
+
+    def _record_bucket_locked(self, name: str, stats: BucketStats) -> None:
+        total = stats.total()
+        earlier = self._buckets.pop(name, None)
+        if earlier is None or earlier.labels != stats.labels:
+            if earlier is not None:
+                self._rows_of(earlier)
+            self._last.update((label, None) for label in stats.labels if label not in self._last)  # places
+        self._buckets[name] = stats
+        if stats.labels:
+            self._total = self._total + total
 
     def record_bucket_later(self, name: str, parts: list, make) -> None:
-        """A bucket's exchange whose sample sums (`parts`: arrays where the exchange ran) are read
-        later: make(parts on the host) -> its BucketStats, recorded when the stats are read or
-        when the bucket comes back (the next step), every bucket waiting then in one copy. On a
-        device that is one read per step, not one per bucket, and none while the bucket runs."""
+        """A bucket's exchange whose sample sums (`parts`: arrays where the exchange ran, on the
+        stream current now) are read later: make(parts on the host) -> its BucketStats, recorded
+        when the stats are read or when the bucket comes back (the next step), every bucket
+        waiting then in one copy a stream. On a device that is one read per step, not one per
+        bucket, and none while the bucket runs."""
         if not self.enabled:
             return
         with self._lock:
-            due = name in self._later
+            due = any(entry[0] == name for entry in self._later)
         if due:
             self.settle()
         with self._lock:
-            self._later[name] = (parts, make)
+            self._later.append((name, (_device.where(parts[0]) if parts else None, parts), make))
 
     def settle(self) -> None:
-        """Record every bucket waiting in record_bucket_later, in the order they came."""
-        with self._lock:
-            later, self._later = self._later, {}
-        if not later:
-            return
-        host = _arrays.host_copies([part for parts, _ in later.values() for part in parts])
-        for name, (parts, make) in later.items():
-            self.record_bucket(name, make(host[:len(parts)]))
-            host = host[len(parts):]
+        """Record everything waiting since record_bucket_later, in the order it came; device sums
+        copied to the host on the stream that made them, one copy per stream."""
+        with self._settling:
+            with self._lock:
+                later = self._later
+            if not later:
+                return
+            host = _device.copied_to_host([parts for name, parts, _ in later if name is not None])
+            with self._lock:
+                self._later = self._later[len(later):]  # what came meanwhile waits for the next settle
+                for name, parts, make in later:
+                    if name is None:
+                        self._record(parts, make)
+                    else:
+                        self._record_bucket_locked(name, make(next(host)))
 
     def _rows_of(self, bucket: BucketStats) -> None:
         for i, label in enumerate(bucket.labels):

@@ -140,6 +140,16 @@ def held(segments: tuple) -> Held:
     return Held(blocks, whole.offsets, tensor, first)
 
 
+def segment_sums(segments: list, block_sums: list, count: int) -> np.ndarray:
+    """(count, SAMPLE_SUMS) float64: per segment, the sum of its blocks' sample sums, stage call
+    after stage call (segments[k]: each block's segment in call k, block_sums[k] its sums)."""
+    sums = np.zeros((count, SAMPLE_SUMS))
+    for segment, part in zip(segments, block_sums):
+        sums += np.stack([np.bincount(segment, weights=part[:, j], minlength=count)
+                          for j in range(part.shape[1])], axis=1)
+    return sums
+
+
 def segment_max(peaks, held_: Held):
     """Per segment, the max of its blocks' peaks (0 for a segment of no elements), where the
     peaks lie (float64 on the host, float32 on a device)."""

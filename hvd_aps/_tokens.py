@@ -588,12 +588,12 @@ def _check_unread(launched: list) -> None:
     """The step's tokens left unread (averaged batches: their results needed none), read in one
     go and checked as apply_op checks each: on a device, one read a step instead of one a
     gradient."""
-    unread = [(batch.reduction, ranks) for batch in launched for _, ranks in batch.reduction.unread]
-    if not unread:
-        return
-    values = launched[0].adapter.read_tokens([token for batch in launched for token, _ in batch.reduction.unread])
-    for (reduction, ranks), token in zip(unread, values):
-        _said(token, ranks, reduction)
+    for adapter in {batch.adapter for batch in launched if batch.reduction.unread}:
+        batches = [batch for batch in launched if batch.adapter is adapter]
+        values = adapter.read_tokens([token for batch in batches for token, _ in batch.reduction.unread])
+        unread = [(batch.reduction, ranks) for batch in batches for _, ranks in batch.reduction.unread]
+        for (reduction, ranks), token in zip(unread, values):
+            _said(token, ranks, reduction)
 
 
 def token_values(rank: int) -> np.ndarray:

@@ -244,9 +244,9 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         future = _native(state, bucket, spec, native)
         state.handed_over(bucket.is_last())
         return future
-    # on CUDA: the stream DDP calls the hook on, which the exchange's work joins, and a Future
-    # whose completion DDP's stream waits for as an event, not the host
-    place = _device.place_of(buffer)
+    # on CUDA: the lane's own stream, after what DDP's stream (the one it calls the hook on) has
+    # queued, and a Future whose completion DDP's stream waits for as an event, not the host
+    place = _device.branch(_device.place_of(buffer), ("ddp", index % state.LANES))
     future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
     levels, thread = state.lane(index, buffer.device)
 
@@ -265,11 +265,16 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         return buffer
 
     def settle(done):
-        with _device.entered(place):  # the Future's event is recorded on the exchange's stream
-            if done.exception() is not None:
-                future.set_exception(done.exception())
-            else:
-                future.set_result(done.result())
+        error = done.exception()
+        try:
+            with _device.entered(place):  # the Future's event is recorded on the exchange's stream
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(done.result())
+        except BaseException as failed:  # whatever happens, DDP's wait on the Future ends
+            if not future.done():
+                future.set_exception(error or failed)
 
     exchanger.submit(run, executor=thread).add_done_callback(settle)  # after the step has counted it done
     state.handed_over(bucket.is_last())

@@ -92,7 +92,7 @@ class Exchanger:
         gradients were made on)."""
         stages = self.stages(levels.cross.world, levels.cross.rank)
         if threaded:
-            return self.submit(_run, stages, bucket, flat, levels, place, **options)
+            return self.submit(_run, stages, bucket, flat, levels, _device.branch(place, "exchange"), **options)
         with self.exchange():
             return Done(_run(stages, bucket, flat, levels, place, **options))
 
@@ -178,8 +178,12 @@ class Exchanger:
 
 
 def _run(stages, bucket: Bucket, flat, levels: exchange.Levels, place, **options):
+    """The exchange at `place`, its results complete on the device when returned: their reader
+    (decompress, synchronize) reads them on a stream of its own."""
     with _device.entered(place):
-        return exchange.run(stages, bucket, flat() if callable(flat) else flat, levels, **options)
+        result = exchange.run(stages, bucket, flat() if callable(flat) else flat, levels, **options)
+        _device.finished(place)
+        return result
 
 
 class Done:

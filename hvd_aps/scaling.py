@@ -38,13 +38,6 @@ def shifts_for(amaxes, world_size, fmt, sum_max=None):
     amaxes = np.asarray(amaxes, dtype=np.float64)
     if np.any(amaxes < 0):
         raise ValueError("amax must be >= 0 (it is a max of absolute values)")
-    return shifts_where(amaxes, world_size, fmt, sum_max)
-
-
-def shifts_where(amaxes, world_size: int, fmt: FloatFormat, sum_max=None):
-    """shifts_for computed where `amaxes` lie (NumPy or CuPy), with the same float64 arithmetic,
-    so the same shifts bit for bit. The caller vouches for the arguments: maxima of absolute
-    values, a FloatFormat."""
     return shifts_under(amaxes, limit_for(world_size, fmt, sum_max))
 
 
@@ -55,8 +48,8 @@ def limit_for(world_size: int, fmt: FloatFormat, sum_max=None) -> float:
 
 
 def shifts_under(amaxes, limit: float):
-    """Per max |g|, the largest s with amax * 2**s <= limit (0 for amax 0 or not finite), where the
-    maxima lie: the NumPy reference of the engines' table_shifts."""
+    """Per max |g|, the largest s with amax * 2**s <= limit (0 for amax 0 or not finite): the
+    reference of the engines' table_shifts (the CUDA kernel does the same float64 arithmetic)."""
     xp = array_module(amaxes)
     amaxes = amaxes.astype(xp.float64)
     usable = xp.isfinite(amaxes) & (amaxes > 0)

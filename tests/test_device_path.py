@@ -294,7 +294,7 @@ class Bound:
 # What one rank's steady-state step of one bucket does on the device (e4m3, world 2, stats on,
 # whatever the tensor count). Reads: the agreed metadata, the one a bucket makes; and the stats
 # of the step before, every bucket's in one copy, once a step.
-READS = {"hvd_aps/exchange.py": 1, "hvd_aps/_stats.py": 1}
+READS = {"hvd_aps/exchange.py": 1, "hvd_aps/_device.py": 1}  # the metadata (_read); the stats (copied_to_host)
 UPLOADS = Bound(2, 0)       # the metadata vector and the agreed shifts (stochastic rounding: the seeds too)
 LAUNCHES = Bound(1, 6)      # the maxima; per chunk: encode, stats, sum, the sums' APS shifts, re-encode, decode
 OPS = Bound(9, 8)           # CuPy's own: the vector's maxima, the limits; per chunk gathers, casts, clears
