@@ -35,6 +35,7 @@ class ScatterAgreement:
     name: str
     rows: object        # (world, n) float32: what is encoded (with error feedback: + residual)
     shifts: np.ndarray  # per (row, block)
+    shifts_here: object  # the same where the rows lie (int32: what the engines read)
     send: list          # per lane: the Blocks every row's blocks of that lane are encoded by
     mine: list          # per lane: this rank's row's blocks, as its received part holds them
     lane_bytes: np.ndarray  # (world, lanes) packed bytes
@@ -44,7 +45,6 @@ class ScatterAgreement:
     fallback: np.ndarray  # this rank's row: blocks NaN on every rank
     divisor: float
     seed: object
-    shifts_here: object = None  # the shifts where the rows lie (int32), from begin() on
 
 
 class ScatterExchange:
@@ -91,7 +91,8 @@ class ScatterExchange:
         row = np.repeat(np.arange(self.world), per_row)
         send, mine, lane_bytes, ends = _lane_tables(self.world, self.rank, n, tuple(self.fmts), lane.tobytes())
         seed = self.state.seed_for(self.rank, name, SEND) if self.config.rounding == "stochastic" else None
-        return ScatterAgreement(name, rows, shifts, send, mine, lane_bytes, ends,
+        shifts_here = _arrays.array_module(rows).asarray(shifts.astype(np.int32))  # one upload, where the rows lie
+        return ScatterAgreement(name, rows, shifts, shifts_here, send, mine, lane_bytes, ends,
                                 self._carried(lane, shifts, counts, row),
                                 self._last(lane, shifts, row), ~finite[self.rank * per_row:(self.rank + 1) * per_row],
                                 divisor, seed)
@@ -132,13 +133,12 @@ class ScatterExchange:
         if residual is not None:
             residual.fill(0)  # blocks left out (NaN/Inf) restart from zero
         flat, engine = a.rows.reshape(-1), codec.engine_for(a.rows)
-        a.shifts_here = shifts_here = xp.asarray(a.shifts.astype(np.int32))  # one upload, where the rows lie
         step = _arrays.sample_stride(n, self.stats.sample)  # a row's sample: its elements 0, step, 2 step, ...
         parts = []  # per lane that sent: (each block's row, its sample sums where the rows lie)
         for send, fmt in zip(a.send, self.fmts):
             if not send.count:
                 continue
-            shifts = _device.take(shifts_here, send.tensor)
+            shifts = _device.take(a.shifts_here, send.tensor)
             engine.table_encode(flat, fmt, send, shifts, self.config.rounding,
                                 None if a.seed is None else xp.full(send.count, np.uint64(a.seed), np.uint64),
                                 self.config.saturate, message, residual)

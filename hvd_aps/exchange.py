@@ -285,7 +285,7 @@ def _check_settings(coll: Collectives, config, agreed, name: str) -> None:
     rank's value. TF's tensors pass here: its stages run in tf.numpy_function, where no
     collective can run, and the agreement's check (hvd_aps._metadata.read) raises instead."""
     if not coll.eager or not _arrays.is_array(agreed) or _metadata.same_settings(
-            _arrays.to_numpy(agreed[-_metadata.TAIL:])):
+            agreed[-_metadata.TAIL:]):
         return
     mine = _metadata.settings_message(config)
     width = int(_arrays.to_numpy(coll.max_allreduce(np.array([mine.size], np.float64), f"{name}.settings_size"))[0])
