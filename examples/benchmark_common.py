@@ -60,6 +60,9 @@ class Variant:
     step: Callable
     compressor: object = None
     times: list = dataclasses.field(default_factory=list)
+    # CPU seconds a step of each timed block, every thread of the rank's process: the host's cost,
+    # which a machine's other load moves far less than it moves the wall clock
+    cpu: list = dataclasses.field(default_factory=list)
     sent: int = 0   # bytes the interface sent during its timed steps
     codes: int = 0  # bytes its compressor counted meanwhile
     steps_run: int = 0  # before the timed ones
@@ -68,8 +71,9 @@ class Variant:
     def run_timed(self, args) -> None:
         """One harness block (a step, or Horovod's `timeit` over --num-batches-per-iter steps), its
         bytes counted."""
-        before, codes_before = tx_bytes(args.iface), self.codes_sent()
+        before, codes_before, cpu_before = tx_bytes(args.iface), self.codes_sent(), time.process_time()
         seconds, steps = HARNESSES[args.harness](self.step, args)
+        self.cpu.append((time.process_time() - cpu_before) / steps)
         self.times.append(seconds)
         self.sent += tx_bytes(args.iface) - before
         self.codes += self.codes_sent() - codes_before
@@ -93,13 +97,15 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
             v.run_timed(args)
     codec = codec_gbps(params)
     for v in variants:
-        per_rank = allgather_object({"step": statistics.median(v.times), "tx_bytes_per_step": v.sent / v.timed_steps,
+        per_rank = allgather_object({"step": statistics.median(v.times), "cpu": statistics.median(v.cpu),
+                                     "tx_bytes_per_step": v.sent / v.timed_steps,
                                      "codes": v.codes / v.timed_steps if v.compressor is not None else None,
                                      "phases": phases, "codec_gbps": codec})
         if rank == 0:
             print(json.dumps({"compression": v.name, "profile": args.profile, "ranks": size, "params": params,
                               "steps_run": v.steps_run + v.timed_steps, "harness": args.harness, "threads": args.threads,
                               "step_median": max(r["step"] for r in per_rank),
+                              "cpu_per_step": statistics.mean(r["cpu"] for r in per_rank),
                               "tx_bytes_per_step": statistics.mean(r["tx_bytes_per_step"] for r in per_rank),
                               "compute": statistics.median(sum(r["phases"].values()) for r in per_rank),
                               **{k: statistics.median(r["phases"][k] for r in per_rank) for k in phases},

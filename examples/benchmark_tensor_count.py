@@ -17,8 +17,10 @@ module whatever its tensors), tensorflow the one-line compressor in Horovod's TF
 the median step in ms at every tensor count and the cost per tensor: the step's growth from the
 fewest tensors to the most, divided by the tensors added, for codes, for float32, and the
 difference (what the compression itself adds per tensor), and the same difference for the
-framework's 16-bit peer (Horovod's Compression.fp16, DDP's fp16_compress_hook). Stats on, as users
-run it.
+framework's 16-bit peer (Horovod's Compression.fp16, DDP's fp16_compress_hook); then the same two
+differences in CPU time a step (every thread of a rank's process: the host's cost, which the
+machine's other load moves far less than it moves the wall clock on a shared machine). Stats on, as
+users run it.
 """
 import argparse
 import json
@@ -68,7 +70,8 @@ def driver_ms(elements: int, tensors: int, repeats: int = 9) -> float:
 
 
 def launch(entry: str, compression: str, tensors: int, elements: int, args) -> dict:
-    """compression name -> median step ms of one job of `entry` on `tensors` vectors."""
+    """compression name -> (median step ms, CPU ms a step of a rank's process) of one job of
+    `entry` on `tensors` vectors."""
     launcher, script, _ = ENTRY_POINTS[entry]
     prefix = ([str(BIN / "horovodrun"), "-np", str(RANKS), "-H", f"localhost:{RANKS}", "--gloo", sys.executable]
               if launcher == "horovodrun" else [str(BIN / "torchrun"), "--nproc-per-node", str(RANKS)])
@@ -84,13 +87,29 @@ def launch(entry: str, compression: str, tensors: int, elements: int, args) -> d
         print(f"[{entry}] {compression}: exit {run.returncode} after its rows were printed", file=sys.stderr)
     if not rows:
         raise RuntimeError(f"{' '.join(command)} failed ({run.returncode}):\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
-    return {row["compression"]: 1e3 * row["step_median"] for row in rows}
+    return {row["compression"]: (1e3 * row["step_median"], 1e3 * row["cpu_per_step"]) for row in rows}
 
 
 def per_tensor_us(ms: dict) -> float:
     """The step's growth from the fewest tensors to the most, per tensor added, in microseconds."""
     low, high = min(ms), max(ms)
     return 1e3 * (ms[high] - ms[low]) / (high - low) if high > low else float("nan")
+
+
+def entry_row(entry: str, counts: list, args) -> dict:
+    """One entry point's steps at every tensor count: codes, float32 and float16, each as the
+    median step's ms and the CPU ms a step of a rank's process."""
+    row = {f"{name}_{kind}ms": {} for name in ("codes", "float32", "fp16") for kind in ("", "cpu_")}
+    for t in counts:
+        steps = {}
+        for names in ENTRY_POINTS[entry][2]:
+            steps.update(launch(entry, names, t, args.elements, args))
+        runs = {"float32": steps.pop("none"), "fp16": steps.pop("fp16"), "codes": next(iter(steps.values()))}
+        for name, (ms, cpu_ms) in runs.items():
+            row[f"{name}_ms"][t], row[f"{name}_cpu_ms"][t] = ms, cpu_ms
+        print(f"[{entry}] {t} tensors: " + ", ".join(f"{name} {ms:.1f} ms ({cpu_ms:.1f} ms CPU)"
+                                                     for name, (ms, cpu_ms) in runs.items()), flush=True)
+    return {"entry": entry, **row}
 
 
 def main():
@@ -109,31 +128,26 @@ def main():
             ms = {t: driver_ms(args.elements, t) for t in counts}
             rows.append({"entry": "driver", "codes_ms": ms})
         else:
-            codes, native, half = {}, {}, {}
-            for t in counts:
-                steps = {}
-                for names in ENTRY_POINTS[entry][2]:
-                    steps.update(launch(entry, names, t, args.elements, args))
-                native[t], half[t] = steps.pop("none"), steps.pop("fp16")
-                codes[t] = next(iter(steps.values()))
-                print(f"[{entry}] {t} tensors: codes {codes[t]:.1f} ms, float32 {native[t]:.1f} ms, "
-                      f"fp16 {half[t]:.1f} ms", flush=True)
-            rows.append({"entry": entry, "codes_ms": codes, "float32_ms": native, "fp16_ms": half})
+            rows.append(entry_row(entry, counts, args))
         row = rows[-1]
         row["codes_us_per_tensor"] = per_tensor_us(row["codes_ms"])
         if "float32_ms" in row:
-            row["float32_us_per_tensor"] = per_tensor_us(row["float32_ms"])
-            row["extra_us_per_tensor"] = row["codes_us_per_tensor"] - row["float32_us_per_tensor"]
-            row["fp16_extra_us_per_tensor"] = per_tensor_us(row["fp16_ms"]) - row["float32_us_per_tensor"]
+            for kind in ("", "cpu_"):  # the step's wall clock, then its CPU
+                native = per_tensor_us(row[f"float32_{kind}ms"])
+                row[f"float32_{kind}us_per_tensor"] = native
+                row[f"extra_{kind}us_per_tensor"] = per_tensor_us(row[f"codes_{kind}ms"]) - native
+                row[f"fp16_extra_{kind}us_per_tensor"] = per_tensor_us(row[f"fp16_{kind}ms"]) - native
     header = f"{'entry point':>12} " + " ".join(f"{f'{t} tensors':>12}" for t in counts) + \
-        f" {'us/tensor':>10} {'fp32 us/tensor':>15} {'codes - fp32':>13} {'fp16 - fp32':>12}"
+        f" {'us/tensor':>10} {'fp32 us/tensor':>15} {'codes - fp32':>13} {'fp16 - fp32':>12}" + \
+        f" {'CPU: codes - fp32':>18} {'fp16 - fp32':>12}"
     print(f"{args.elements} float32 elements in 1..{max(counts)} tensors, {RANKS} ranks; codes step ms "
           f"(float32's in brackets)\n{header}")
     for row in rows:
         cells = " ".join(f"{row['codes_ms'][t]:5.1f}" + (f" ({row['float32_ms'][t]:4.1f})" if "float32_ms" in row
                                                           else " " * 7) for t in counts)
         native = (f"{row['float32_us_per_tensor']:15.1f} {row['extra_us_per_tensor']:13.1f} "
-                  f"{row['fp16_extra_us_per_tensor']:12.1f}" if "float32_ms" in row else "")
+                  f"{row['fp16_extra_us_per_tensor']:12.1f} {row['extra_cpu_us_per_tensor']:18.1f} "
+                  f"{row['fp16_extra_cpu_us_per_tensor']:12.1f}" if "float32_ms" in row else "")
         print(f"{row['entry']:>12} {cells} {row['codes_us_per_tensor']:10.1f} {native}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

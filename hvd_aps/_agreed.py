@@ -11,7 +11,7 @@ job whose ranks all see one order keeps the same buckets, names and bits). From 
 gradient goes to its slot by key, and a bucket is exchanged once its last gradient is in.
 """
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .perf import FLOAT32_BYTES
 
@@ -47,10 +47,11 @@ class Layout:
     def count(self) -> int:
         return len(self.slots)
 
-    def fits(self, key: str, size: int) -> bool:
-        """Whether a gradient of this key and size has a slot."""
+    def slot(self, key: str, size: int) -> Optional[Tuple[int, int, int]]:
+        """The slot (bucket, index in it, position in the layout) of a gradient of this key and
+        size, None where it has none."""
         slot = self.slots.get(key)
-        return slot is not None and self.buckets[slot[0]][slot[1]].size == size
+        return slot if slot is not None and self.buckets[slot[0]][slot[1]].size == size else None
 
     def name(self, bucket: int) -> str:
         return name(self.scope, self.base + bucket)

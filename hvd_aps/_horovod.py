@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from . import _host_memory, exchange
 from ._topology import Topology
@@ -33,11 +33,11 @@ CALL_DEPTH = 2
 _HOROVOD_DIR = os.sep + "horovod" + os.sep
 
 
-@dataclasses.dataclass(frozen=True)
-class Site:
+class Site(NamedTuple):
     """Where Horovod asked for a gradient's compression: its key (the name Horovod negotiates it
     by, None where the caller gave none), the process set its allreduce runs on (None: the
-    global set) and the Horovod optimizer that asked (None: an allreduce function)."""
+    global set) and the Horovod optimizer that asked (None: an allreduce function). A tuple:
+    every gradient of every step makes one, and a frozen dataclass costs several times more."""
     key: Optional[str] = None
     process_set: object = None
     owner: object = None

@@ -281,8 +281,9 @@ class Batches:
         if self._native or key is None or self._handed:
             return self._arrive(adapter, tensor, site.process_set)
         layout = self._layouts.get(scope)
-        if layout is not None and not layout.fits(key, adapter.numel(tensor)):  # not in the layout: by
-            return self._arrive(adapter, tensor, site.process_set)  # arrival, as on every rank alike
+        slot = None if layout is None else layout.slot(key, adapter.numel(tensor))
+        if layout is not None and slot is None:  # not in the layout: by arrival, as on every rank alike
+            return self._arrive(adapter, tensor, site.process_set)
         self._keys.add((scope, key))
         if scope not in self._scopes:
             self._scopes[scope] = (tensor, site.process_set)
@@ -293,9 +294,9 @@ class Batches:
             entry = _agreed.Entry(key, adapter.label(tensor), adapter.numel(tensor))
             self._waiting.append(_Waiting(scope, entry, adapter.flatten(tensor), ticket))
             return adapter.token(tensor, site.process_set), ticket
-        ticket = Ticket(self._generation, tensor, *self._fill(scope, key, adapter.flatten(tensor)))
+        ticket = Ticket(self._generation, tensor, *self._fill(scope, slot, adapter.flatten(tensor)))
         self._launch_ready(scope)
-        return self._tokens[scope][layout.slots[key][2]], ticket
+        return self._tokens[scope][slot[2]], ticket
 
     def _start(self, adapter: Adapter, tensor) -> None:
         """The step's first gradient: the schedule's path for the step, the one-at-a-time warning."""
@@ -336,9 +337,9 @@ class Batches:
                                 reduction=Reduction(averaged=name in self._averaged))
         return self._open
 
-    def _fill(self, scope: tuple, key: str, flat) -> tuple:
+    def _fill(self, scope: tuple, slot: tuple, flat) -> tuple:
         """Put a gradient in its slot of its scope's layout -> (its batch, its index there)."""
-        b, i, _ = self._layouts[scope].slots[key]
+        b, i, _ = slot
         batch = self._placed.get((scope, b)) or self._place(scope, b)
         batch.flats[i] = flat
         batch.present += 1
@@ -405,7 +406,7 @@ class Batches:
             self._layouts[scope] = layout
             self._free[scope] = self._counts[scope] = base + len(layout.buckets)
             for w in items:
-                w.ticket.batch, w.ticket.index = self._fill(scope, w.entry.key, w.flat)
+                w.ticket.batch, w.ticket.index = self._fill(scope, layout.slots[w.entry.key], w.flat)
 
     def _alone(self, waiting: _Waiting) -> _Batch:
         """A batch of the one gradient that waited."""

@@ -138,8 +138,9 @@ def _label(dtype, shape) -> str:
 
 
 def flatten(tensor):
-    """The gradient as join() takes it: the tensor itself (join flattens the batch in one call)."""
-    return tensor.detach()
+    """The gradient as join() takes it: the tensor itself (join flattens the batch in one call),
+    detached where autograd tracks it (a gradient rarely is: no new tensor for every gradient)."""
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def _flat_array(tensor):
