@@ -14,6 +14,11 @@ others.
 
 Horovod calls compress(tensor) with the gradient alone; call_site() reads the gradient's name
 and the process set from the Horovod function that called it.
+
+A collective some rank never joins (ranks that run other models or other process sets) never
+ends in Horovod: its waits have no bound (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, which Horovod
+0.28.1 does not act on under Gloo). The codes path waits `timeout` seconds (APSConfig.timeout,
+one per Levels) and then raises no_answer().
 """
 import dataclasses
 import functools
@@ -25,6 +30,7 @@ from typing import NamedTuple, Optional
 
 from . import _host_memory, exchange
 from ._topology import Topology
+from .config import DEFAULT_TIMEOUT
 
 
 # compress()'s caller, or a comprehension over a group's tensors and then Horovod's function: the
@@ -95,6 +101,19 @@ def included(process_set) -> bool:
     return is_global(process_set) or process_set.included()
 
 
+def no_answer(seconds: float, what: str, process_set, rank: int) -> TimeoutError:
+    """The error every rank raises where its wait for the others in a collective ran out: what it
+    waited for and where, what may differ, and that Horovod keeps the request (its background
+    thread has no way to drop one), so nothing later in this Horovod session can be trusted."""
+    ranks = list(process_set.ranks)
+    where = "the global process set" if is_global(process_set) else f"process set {process_set.process_set_id}"
+    return TimeoutError(f"hvd_aps: rank {rank} had no answer from the other ranks for {seconds:g} s in {what} on "
+                        f"{where} (ranks {ranks}): do all ranks run the same model and optimizer on the same "
+                        "process set, with equal APSCompressor settings? Horovod still holds this rank's request, "
+                        "so the job cannot go on as it is: restart it, or hvd.shutdown() and hvd.init() on every "
+                        "rank (APSCompressor(timeout=...) sets this wait)")
+
+
 def set_key(process_set):
     """A process set as a key (None: the global set): its id and ranks, as a set removed and
     added again may take an id another held."""
@@ -102,27 +121,30 @@ def set_key(process_set):
 
 
 class HorovodLevels:
-    """exchange.Levels per `hierarchical` setting for one Horovod framework module `hvd`, whose
-    process sets `collectives(process_set)` wraps."""
+    """exchange.Levels per `hierarchical` setting and timeout for one Horovod framework module
+    `hvd`, whose process sets `collectives(process_set, timeout)` wraps. `gather(obj, name,
+    timeout)` gathers every rank's picklable obj (default: Horovod's allgather_object, whose
+    wait has no bound)."""
 
-    def __init__(self, hvd, collectives, host_memory: bool = False):
+    def __init__(self, hvd, collectives, host_memory: bool = False, gather=None):
         # host_memory: eager collectives, whose host level may go through shared memory
         self._hvd, self._collectives, self._host_memory = hvd, collectives, host_memory
+        self._gather = gather or (lambda obj, name, timeout: hvd.allgather_object(obj, name=name))
         self._made, self._lock = {}, threading.Lock()
 
-    def get(self, hierarchical, process_set=None) -> exchange.Levels:
+    def get(self, hierarchical, process_set=None, timeout: float = DEFAULT_TIMEOUT) -> exchange.Levels:
         """Collective the first time (every rank gathers every rank's host); on a process set
         other than the global one, flat on that set (module docstring)."""
         if not is_global(process_set):
-            key = set_key(process_set)
+            key = (set_key(process_set), timeout)
             with self._lock:
                 if key not in self._made:
-                    self._made[key] = exchange.Levels.flat(self._collectives(process_set))
+                    self._made[key] = exchange.Levels.flat(self._collectives(process_set, timeout))
                 return self._made[key]
         with self._lock:
-            if hierarchical not in self._made:
-                self._made[hierarchical] = self._make(hierarchical)
-            return self._made[hierarchical]
+            if (hierarchical, timeout) not in self._made:
+                self._made[(hierarchical, timeout)] = self._make(hierarchical, timeout)
+            return self._made[(hierarchical, timeout)]
 
     def forget(self) -> None:
         with self._lock:
@@ -131,14 +153,14 @@ class HorovodLevels:
             if isinstance(levels.local, _host_memory.HostMemory):
                 levels.local.close()
 
-    def _make(self, hierarchical) -> exchange.Levels:
+    def _make(self, hierarchical, timeout: float) -> exchange.Levels:
         hvd = self._hvd
-        world = self._collectives(hvd.global_process_set)
+        world = self._collectives(hvd.global_process_set, timeout)
         if hierarchical is False or hvd.size() == 1:
             return exchange.Levels.flat(world)
         place = (os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), hvd.local_rank(), hvd.local_size(),
                  *_host_memory.place())
-        places = hvd.allgather_object(place, name="hvd_aps.topology")
+        places = self._gather(place, "hvd_aps.topology", timeout)
         topology = Topology.from_places([p[:2] for p in places])
         if not _agrees_with_horovod(topology, places) or not topology.two_levels(hierarchical):
             return exchange.Levels.flat(world)
@@ -146,15 +168,16 @@ class HorovodLevels:
         cross, local = topology.cross_group(rank), topology.local_group(rank)
         try:
             sets = {group: self._process_set(group) for group in topology.groups()}
-            levels = exchange.Levels(world, self._collectives(sets[cross]), self._collectives(sets[local]))
+            levels = exchange.Levels(world, self._collectives(sets[cross], timeout),
+                                     self._collectives(sets[local], timeout))
         except ValueError as err:
             if "HOROVOD_DYNAMIC_PROCESS_SETS" not in str(err):
                 raise
             levels = self._subgroups(world, cross, local)
         if levels.local is None or not self._host_memory:
             return levels
-        gather = lambda obj: hvd.allgather_object(obj, name="hvd_aps.host_memory")  # noqa: E731
-        memory = _host_memory.connect(topology, places, rank, gather, fallback=levels.local)
+        gather = lambda obj: self._gather(obj, "hvd_aps.host_memory", timeout)  # noqa: E731
+        memory = _host_memory.connect(topology, places, rank, gather, fallback=levels.local, timeout=timeout)
         return levels if memory is None else dataclasses.replace(levels, local=memory)
 
     @staticmethod

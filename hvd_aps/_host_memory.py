@@ -11,7 +11,8 @@ too small for a bucket (Docker's default is 64 MiB) raises an error that says so
 SIGBUS. A box's file is unlinked once every peer has mapped it (at the second message, or when
 the rank closes and every peer has read the last one), so a job leaves nothing behind however
 it ends; the files of a process that died before that are removed by the next job that opens
-boxes on the host. A rank waiting for a peer that exited raises instead of hanging.
+boxes on the host. A rank waiting for a peer that exited raises instead of hanging, and so does
+one that waited `timeout` seconds for a peer that runs but never comes (another model).
 
 CUDA arrays never come here: they go through `fallback`, the framework's own collectives of the
 same ranks (NCCL over NVLink).
@@ -28,6 +29,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from . import _arrays, _host_engine, exchange
+from .config import DEFAULT_TIMEOUT
 
 ENV = "HVD_APS_HOST_MEMORY"  # 0: float32 inside a host through the framework's collectives instead
 DIRECTORY = "/dev/shm"
@@ -120,14 +122,15 @@ class _Box:
 class HostMemory(exchange.Eager):
     """Collectives among the ranks of one host (`pids` in local-rank order, this process at
     `rank`) through shared memory boxes; CUDA arrays through `fallback`. `job`: a token equal on
-    every rank of the job and unique to it, `host`: this host's index (both name the files)."""
+    every rank of the job and unique to it, `host`: this host's index (both name the files);
+    `timeout`: seconds a collective waits for a peer before it raises."""
 
     equal_allgather = False
 
     def __init__(self, job: str, host: int, pids: Sequence[int], rank: int,
-                 fallback: Optional[exchange.Collectives] = None):
+                 fallback: Optional[exchange.Collectives] = None, timeout: float = DEFAULT_TIMEOUT):
         self.job, self.host, self.pids = job, host, tuple(int(p) for p in pids)
-        self.world, self.rank, self.fallback = len(self.pids), rank, fallback
+        self.world, self.rank, self.fallback, self.timeout = len(self.pids), rank, fallback, timeout
         self._own, self._peers, self._sent, self._lock = {}, {}, {}, threading.Lock()
         sweep()
 
@@ -230,8 +233,10 @@ class HostMemory(exchange.Eager):
 
     def _until(self, done: Callable[[], bool], peer: int, name: str) -> None:
         """Until done(), looking again after sleeps growing from POLL_FIRST to POLL_MAX; raises if
-        local rank `peer`, whom this rank waits for, exits meanwhile."""
+        local rank `peer`, whom this rank waits for, exits meanwhile or has not come after
+        `timeout` seconds."""
         delay, checked = POLL_FIRST, time.monotonic()
+        deadline = checked + self.timeout
         while not done():
             time.sleep(delay)
             delay = min(2 * delay, POLL_MAX)
@@ -240,6 +245,13 @@ class HostMemory(exchange.Eager):
                     raise RuntimeError(f"hvd_aps: local rank {peer} of this host (pid {self.pids[peer]}) exited "
                                        f"while this rank waited for it in {name}")
                 checked = time.monotonic()
+                if checked >= deadline:
+                    raise TimeoutError(f"hvd_aps: local rank {self.rank} had no answer from local rank {peer} of "
+                                       f"this host (pid {self.pids[peer]}) for {self.timeout:g} s in {name} (shared "
+                                       "memory): do all ranks run the same model and optimizer, with equal "
+                                       "APSCompressor settings? The ranks of this host no longer agree on what "
+                                       "their shared memory holds: restart the job (APSCompressor(timeout=...) "
+                                       "sets this wait)")
 
     def close(self, wait: float = CLOSE_SECONDS) -> None:
         """Unmap every box and remove this rank's files, once every peer has read the last message
@@ -275,14 +287,14 @@ def place() -> tuple:
 
 
 def connect(topology, places: list, rank: int, allgather_object: Callable,
-            fallback: Optional[exchange.Collectives] = None) -> Optional[HostMemory]:
+            fallback: Optional[exchange.Collectives] = None, timeout: float = DEFAULT_TIMEOUT) -> Optional[HostMemory]:
     """HostMemory for `rank`'s host (ranks numbered as in `places`, each place ending in
     place()'s pair) where every rank of it sees the others' files in /dev/shm, else None (with a
     warning where it was possible but the ranks do not share a /dev/shm: containers with one
     hostname on different machines). Collective: every rank of the group calls it together."""
     local = topology.local_group(rank)
     memory = HostMemory(places[0][-1], topology.hosts.index(local), [places[r][-2] for r in local],
-                        local.index(rank), fallback)
+                        local.index(rank), fallback, timeout)
     probe = memory.path(memory.rank, "probe") if available() else None
     if probe:
         open(probe, "w").close()

@@ -103,8 +103,9 @@ class Adapter(Protocol):
     def world(self, process_set) -> int:
         """The ranks Horovod's allreduce spans on the process set."""
 
-    def levels(self, hierarchical, process_set) -> exchange.Levels:
-        """The exchange's groups on the process set (collective on first use)."""
+    def levels(self, hierarchical, process_set, timeout: float) -> exchange.Levels:
+        """The exchange's groups on the process set, each wait for the other ranks bounded by
+        `timeout` seconds where the framework can bound it (collective on first use)."""
 
 
     def forget_groups(self) -> None: ...
@@ -142,8 +143,9 @@ class LayoutAdapter(Adapter, Protocol):
     def tokens(self, like, process_set, count) -> list:
         """`count` tokens made at once (a step's tokens of a layout's gradients)."""
 
-    def gather(self, obj, process_set, name) -> list:
-        """Every rank's picklable `obj`, in rank order (eagerly: the layout's agreement)."""
+    def gather(self, obj, process_set, name, timeout: float) -> list:
+        """Every rank's picklable `obj`, in rank order (eagerly: the layout's agreement), waited
+        for `timeout` seconds at most."""
 
     def zeros(self, like, count):
         """`count` float32 zeros where `like` lies: a gradient a rank did not hand over."""
@@ -397,7 +399,8 @@ class Batches:
                 self._close(self._alone(items[0]))
                 continue
             config = self._ex.config  # settings first: another bucket_bytes cuts other buckets
-            seen = adapter.gather((config.settings(), [w.entry for w in items]), process_set, "hvd_aps.layout")
+            seen = adapter.gather((config.settings(), [w.entry for w in items]), process_set, "hvd_aps.layout",
+                                  config.timeout)
             if any(settings != seen[0][0] for settings, _ in seen):
                 raise _metadata.settings_differ([settings for settings, _ in seen])
             # after the numbers this step's arriving batches of the scope took
@@ -512,7 +515,8 @@ class Batches:
             batch.bucket = Bucket.whole(batch.name, _keys(batch.name, len(batch.sizes)), batch.labels, batch.sizes)
             # threaded: the gradients are joined on the exchange's thread, off backward's
             flat = functools.partial(adapter.join, batch.flats) if adapter.threaded else adapter.join(batch.flats)
-            batch.future = self._ex.bucket(adapter.levels(self._ex.config.hierarchical, batch.process_set),
+            config = self._ex.config
+            batch.future = self._ex.bucket(adapter.levels(config.hierarchical, batch.process_set, config.timeout),
                                            batch.bucket, flat, adapter.threaded, adapter.place(batch.flats[0]),
                                            average=batch.reduction.averaged)
             batch.flats = []  # the join holds them

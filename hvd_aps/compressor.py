@@ -20,7 +20,8 @@ from . import _horovod, _tokens
 from ._schedule import Schedule
 from ._state import ExchangeState
 from ._stats import STATS_SAMPLE, StatsRecorder, TensorStats
-from .config import AUTO, DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS, APSConfig, recipe
+from .config import (AUTO, DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS, DEFAULT_TIMEOUT,
+                     APSConfig, recipe)
 from .exchanger import Exchanger
 from .formats import FloatFormat
 
@@ -56,10 +57,11 @@ class APSCompressor:
             1 / stats_sample of a tensor.
 
     The other arguments (rounding, scaling, saturate, wire, bucket_bytes, min_elements,
-    error_feedback, hybrid, hybrid_threshold, chunk_bytes, hierarchical, policy, fallback) are
-    hvd_aps.APSConfig's fields (defaults: nearest rounding, APS, codes on the wire, 16 MiB buckets,
-    their chunking tuned at run time, tensors under 4096 elements through the framework's plain
-    allreduce, two levels where hosts hold several ranks, codes always).
+    error_feedback, hybrid, hybrid_threshold, chunk_bytes, hierarchical, policy, fallback, timeout)
+    are hvd_aps.APSConfig's fields (defaults: nearest rounding, APS, codes on the wire, 16 MiB
+    buckets, their chunking tuned at run time, tensors under 4096 elements through the framework's
+    plain allreduce, two levels where hosts hold several ranks, codes always, 30 minutes' wait for
+    the other ranks in a collective).
 
     Every rank must use an equal compressor and hand it the same tensors in the same order: the
     metadata allreduce checks the configuration and every tensor's size, and raises on a mismatch.
@@ -77,10 +79,10 @@ class APSCompressor:
                  min_elements: int = DEFAULT_MIN_ELEMENTS, error_feedback: bool = False,
                  hybrid: Union[FloatFormat, str, None] = None, hybrid_threshold: float = DEFAULT_HYBRID_THRESHOLD,
                  chunk_bytes: Union[int, str] = AUTO, hierarchical: Optional[bool] = None, policy: str = "codes",
-                 fallback: str = "float32", seed: Optional[int] = None, stats: bool = True,
-                 stats_sample: int = STATS_SAMPLE):
+                 fallback: str = "float32", timeout: float = DEFAULT_TIMEOUT, seed: Optional[int] = None,
+                 stats: bool = True, stats_sample: int = STATS_SAMPLE):
         config = APSConfig(fmt, rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback,
-                           hybrid, hybrid_threshold, chunk_bytes, hierarchical, policy, fallback)
+                           hybrid, hybrid_threshold, chunk_bytes, hierarchical, policy, fallback, timeout)
         self._setup(config, seed, StatsRecorder(stats, stats_sample))
 
     @classmethod

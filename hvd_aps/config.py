@@ -8,6 +8,7 @@ that through `signature`.
 import dataclasses
 import enum
 import hashlib
+import math
 from typing import Optional, Union
 
 from .formats import FloatFormat
@@ -61,6 +62,9 @@ DEFAULT_HYBRID_THRESHOLD = 0.75  # sampled elementwise relative error above whic
 CHUNK_CANDIDATES = (0, 4 << 20, 1 << 20)
 # Where the schedule cannot be tuned (inside a TF graph, whose chunks are fixed when it is traced):
 GRAPH_CHUNK_BYTES = 4 << 20
+# Seconds a rank waits for the others in one collective before it raises: torch.distributed's
+# default process-group timeout, so that only ranks that will never answer trip it
+DEFAULT_TIMEOUT = 1800.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +106,13 @@ class APSConfig:
             user allows the 16-bit cast), or "auto": float32 and float16 are both timed (or
             predicted) and the faster kept; float16's range ends at 65504, so gradients larger
             than that (before averaging) overflow on that path as with any float16 allreduce.
+        timeout: seconds a rank waits for the other ranks in one collective of the codes path
+            through horovod.torch (the buckets' agreement, the metadata allreduce, the codes'
+            alltoall and allgather, the host's shared memory) before it raises TimeoutError
+            naming the collective and the process set: ranks that disagree (another model,
+            another process set) fail instead of waiting for ever. The DDP hook's own process
+            groups are made with it too. The default is torch.distributed's process-group
+            timeout, so a slow link never trips it.
     """
 
     fmt: FloatFormat
@@ -118,6 +129,7 @@ class APSConfig:
     hierarchical: Optional[bool] = None
     policy: Policy = Policy.CODES
     fallback: Fallback = Fallback.FLOAT32
+    timeout: float = DEFAULT_TIMEOUT
 
     def __post_init__(self):
         object.__setattr__(self, "fmt", FloatFormat.parse(self.fmt))
@@ -147,6 +159,9 @@ class APSConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{field} must be an int >= 0{' or auto' if field == 'chunk_bytes' else ''}, "
                                  f"got {value!r}")
+        if not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool) or \
+                not 0 < self.timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
 
     @property
     def candidates(self) -> tuple:

@@ -12,6 +12,7 @@ CUDA tensors) and codes only between hosts. Gloo on the CPU; NCCL with CUDA tens
 CuPy engine. Importing this module does not import Horovod.
 """
 import concurrent.futures
+import datetime
 import functools
 import threading
 
@@ -75,14 +76,16 @@ class TorchDistributedCollectives(exchange.AsyncEager):
         return _arrays.as_array(out)
 
 
-def group_levels(process_group, hierarchical) -> tuple:
+def group_levels(process_group, hierarchical, timeout: float) -> tuple:
     """(world, cross, local, host memory): a private copy of `process_group` (so the exchange's
     collectives never interleave with DDP's own), and with two levels this rank's host and cross
     groups and, where the ranks of a host share /dev/shm, the HostMemory that carries float32
     between them on the CPU (else cross is world, local and host memory None), made alike on
-    every rank. Collective: every rank of the process group calls it together."""
+    every rank, each collective waiting `timeout` seconds at most (the groups' own timeout).
+    Collective: every rank of the process group calls it together."""
     ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-    world = dist.new_group(ranks)
+    wait = datetime.timedelta(seconds=timeout)
+    world = dist.new_group(ranks, timeout=wait)
     if hierarchical is False or len(ranks) == 1:
         return world, world, None, None
     places = [None] * len(ranks)
@@ -91,8 +94,8 @@ def group_levels(process_group, hierarchical) -> tuple:
     if not topology.two_levels(hierarchical):
         return world, world, None, None
     me = dist.get_rank(world)
-    groups = {g: dist.new_group([ranks[r] for r in g]) for g in topology.groups()}
-    memory = _host_memory.connect(topology, places, me, lambda obj: _all_gather_object(obj, world))
+    groups = {g: dist.new_group([ranks[r] for r in g], timeout=wait) for g in topology.groups()}
+    memory = _host_memory.connect(topology, places, me, lambda obj: _all_gather_object(obj, world), timeout=timeout)
     return world, groups[topology.cross_group(me)], groups[topology.local_group(me)], memory
 
 
@@ -141,7 +144,7 @@ class APSState:
         self.buckets_exchanged = 0
         self._lock = threading.Lock()
         self._seen, self._levels, self._keys, self._buckets = set(), {}, {}, {}
-        self._lanes = [(group_levels(process_group, compressor.config.hierarchical),
+        self._lanes = [(group_levels(process_group, compressor.config.hierarchical, compressor.config.timeout),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hvd_aps_ddp{lane}"))
                        for lane in range(self.LANES)]
 

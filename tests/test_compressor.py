@@ -54,11 +54,13 @@ def test_signature_and_repr_cover_every_option():
     variants += [hvd_aps.APSCompressor("e4m3", chunk_bytes=c) for c in (0, 1 << 20)]
     variants += [hvd_aps.APSCompressor("e4m3", hierarchical=h) for h in (True, False)]
     variants += [hvd_aps.APSCompressor("e4m3", policy="auto", fallback=f) for f in ("float32", "float16")]
+    variants += [hvd_aps.APSCompressor("e4m3", timeout=t) for t in (5, 60)]
     assert len({c.config.signature for c in variants}) == len(variants)
     assert len({repr(c) for c in variants}) == len(variants)
     text = repr(hvd_aps.APSCompressor("e4m3", chunk_bytes=0))
     assert text.startswith("APSCompressor('e4m3', rounding='nearest'") and "chunk_bytes=0" in text
-    for field in ("bucket_bytes", "min_elements", "error_feedback", "hybrid", "hierarchical", "policy", "fallback"):
+    for field in ("bucket_bytes", "min_elements", "error_feedback", "hybrid", "hierarchical", "policy", "fallback",
+                  "timeout"):
         assert f"{field}=" in text
 
 
@@ -66,7 +68,9 @@ def test_configuration_is_validated_once_and_frozen():
     for kwargs, match in ((dict(rounding="up"), "rounding"), (dict(scaling=None), "scaling"),
                           (dict(wire="float16"), "wire"), (dict(bucket_bytes=-1), "bucket_bytes"),
                           (dict(min_elements=2.5), "min_elements"), (dict(chunk_bytes="fast"), "chunk_bytes"),
-                          (dict(policy="always"), "policy"), (dict(fallback="int8"), "fallback")):
+                          (dict(policy="always"), "policy"), (dict(fallback="int8"), "fallback"),
+                          (dict(timeout=0), "timeout"), (dict(timeout=float("inf")), "timeout"),
+                          (dict(timeout="30"), "timeout")):
         with pytest.raises(ValueError, match=match):
             hvd_aps.APSCompressor("e4m3", **kwargs)
     for kwargs, match in ((dict(saturate="yes"), "saturate"), (dict(hierarchical="auto"), "hierarchical")):

@@ -1,19 +1,31 @@
 """APSCompressor as a drop-in for Horovod's Compression under real `horovodrun --gloo` processes:
 every scenario runs with Compression.none and with codes, and both must train alike (the same
-parameters on every rank, within the codes' error of the stock run) or both raise."""
+parameters on every rank, within the codes' error of the stock run) or both raise. Ranks that
+disagree raise within APSCompressor(timeout=...) instead of waiting for ever."""
+import threading
+import time
+import types
+
 import numpy as np
 import pytest
 
 import model
 from horovod_run import horovodrun, load
 from test_ddp import launch_ddp_checks
-from workers.common import KERAS_FEATURES, KERAS_HIDDEN, KERAS_VOCAB, KERAS_WIDTH
+from workers.common import DISAGREE_TIMEOUT, KERAS_FEATURES, KERAS_HIDDEN, KERAS_VOCAB, KERAS_WIDTH
 
 # e4m3 keeps 3 bits of mantissa: three SGD steps at lr 0.1 move parameters of this model by at
 # most about 0.1, and the codes' relative error of about 2^-4 on each step's gradient stays well
 # under this
 TOLERANCE = 2e-3
-SCENARIOS = ["unused", "alone", "disjoint", "pair", "shifted", "zero_filled"]
+# Horovod's optimizer's options and lifecycle, on the global set: num_groups, synchronize() then
+# clipping then step() in skip_synchronize(), backward_passes_per_step=2, an nn.Embedding's sparse
+# gradient with and without sparse_as_dense, training after hvd.shutdown() and hvd.init()
+OPTIONS = ["num_groups", "clipped", "accumulated", "sparse", "sparse_as_dense", "reinit"]
+SCENARIOS = ["unused", "alone", "disjoint", "pair", "shifted", "zero_filled"] + OPTIONS
+# seconds past DISAGREE_TIMEOUT a rank may take to raise: its first step's work before the wait,
+# on a loaded machine (without the bound it waits for ever)
+MARGIN = 20.0
 
 
 def assert_trained_alike(saved: dict, scenario: str) -> None:
@@ -62,10 +74,55 @@ def test_codes_train_as_horovods_own_allreduce(ranks, scenario):
 
 
 @pytest.mark.parametrize("scenario, members", [("unused", [0, 1, 2]), ("pair", [0, 1]), ("allreduce_pair", [0, 1]),
-                                               ("shifted", [1, 2]), ("zero_filled", [0, 1, 2])])
+                                               ("shifted", [1, 2]), ("zero_filled", [0, 1, 2])]
+                         + [(option, [0, 1, 2]) for option in OPTIONS])
 def test_every_rank_of_a_set_ends_with_the_same_parameters(ranks, scenario, members):
     members = [ranks[m] for m in members]
     assert all(r[f"{scenario}_codes"].tobytes() == members[0][f"{scenario}_codes"].tobytes() for r in members)
+
+
+def test_ranks_that_disagree_raise_within_the_timeout_naming_the_collective_and_set(ranks):
+    """Rank 1 builds a model with one layer more, whose gradient the others lack: the ranks that
+    wait in hvd_aps's agreement of the buckets raise TimeoutError once APSCompressor(timeout=...)
+    has passed, naming the allgather and the process set; rank 1 waits in Horovod's own
+    negotiation of that gradient (as with Compression.none, for ever) until their end shuts
+    Horovod down. Then hvd.shutdown() and hvd.init(), and training goes on (OPTIONS' reinit)."""
+    for r, saved in enumerate(ranks):
+        seconds, error = float(saved["disagree_codes_seconds"]), str(saved["disagree_codes_error"])
+        assert seconds <= DISAGREE_TIMEOUT + MARGIN, (r, seconds)
+        if r == 1:
+            assert error.startswith("HorovodInternalError: Horovod has been shut down"), error
+            continue
+        assert seconds >= DISAGREE_TIMEOUT, (r, seconds)
+        assert error.startswith(f"TimeoutError: hvd_aps: rank {r} had no answer from the other ranks for "
+                                f"{DISAGREE_TIMEOUT:g} s in the allgather hvd_aps.layout.sizes on the global process "
+                                "set (ranks [0, 1, 2]): do all ranks run the same model and optimizer"), error
+        assert "restart it, or hvd.shutdown() and hvd.init() on every rank" in error
+
+
+def test_a_wait_on_horovod_ends_after_the_timeout_and_sleeps_between_polls(monkeypatch):
+    """The wait behind every collective of the codes path through horovod.torch, on a handle
+    that never completes: TimeoutError naming the collective, the set and this rank once
+    `timeout` has passed, after a few hundred polls (sleeps between them), not millions."""
+    from hvd_aps.torch import adapter
+    polls, raised, timeout = [], [], 0.2
+    monkeypatch.setattr(adapter.hvd, "poll", lambda handle: polls.append(handle) is not None)
+    monkeypatch.setattr(adapter.hvd, "rank", lambda: 3)
+    process_set = types.SimpleNamespace(process_set_id=2, ranks=[1, 3])
+
+    def wait():
+        try:
+            adapter.wait("handle", "the alltoall hvd_aps.0.codes", process_set, timeout)
+        except TimeoutError as err:
+            raised.append(str(err))
+
+    start = time.monotonic()
+    waiting = threading.Thread(target=wait, daemon=True)  # a wait without a bound fails here, not hangs
+    waiting.start()
+    waiting.join(timeout + MARGIN)
+    assert raised and raised[0].startswith("hvd_aps: rank 3 had no answer from the other ranks for 0.2 s in the "
+                                           "alltoall hvd_aps.0.codes on process set 2 (ranks [1, 3])"), raised
+    assert timeout <= time.monotonic() - start and len(polls) < 2 * timeout / adapter.POLL_MAX + 20
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +130,10 @@ def ddp_ranks(tmp_path_factory):
     return launch_ddp_checks(tmp_path_factory.mktemp("ddpdropin"), 2, "ddp_dropin_checks.py", "ddpdropin")
 
 
-@pytest.mark.parametrize("scenario", ["ddp_unused", "ddp_static", "ddp_view", "ddp_join"])
+@pytest.mark.parametrize("scenario", ["ddp_unused", "ddp_static", "ddp_view", "ddp_join", "ddp_no_sync"])
 def test_ddp_with_codes_trains_as_ddp_alone(ddp_ranks, scenario):
     """find_unused_parameters with a head one rank uses, static_graph, gradient_as_bucket_view,
-    and join() with one batch fewer on rank 1."""
+    join() with one batch fewer on rank 1, and no_sync() accumulation (half a batch each)."""
     for r in ddp_ranks:
         assert_trained_alike(r, scenario)
     if scenario != "ddp_join":  # the rank that joined early took one step fewer

@@ -2,12 +2,13 @@
 local rank's alltoall and allgather results (concatenated, and handed over one writer at a time,
 the alltoall's message written from pieces) against NumPy, message after message; nothing left
 in /dev/shm; a rank that closes before a slow peer read its message; a peer that dies is
-reported, not waited for; a full /dev/shm is an error that says what to do; files of dead
-processes are swept."""
+reported, not waited for, and one that runs but never comes is waited for `timeout` seconds
+only; a full /dev/shm is an error that says what to do; files of dead processes are swept."""
 import errno
 import multiprocessing
 import os
 import secrets
+import subprocess
 import time
 
 import numpy as np
@@ -19,6 +20,7 @@ from hvd_aps._host_memory import HostMemory
 pytestmark = pytest.mark.skipif(not _host_memory.available(), reason="needs /dev/shm and the host engine")
 ROUNDS = 4  # more than the two messages after which a box's file is unlinked
 WORLD = 3
+PEER_SECONDS = 10  # how long the peer that never comes runs
 
 
 def message(rank, step, n):
@@ -138,6 +140,26 @@ def test_a_peer_that_exits_is_reported_and_its_files_are_swept():
     for rank in (0, 2):
         assert "local rank 1" in errors[rank] and "exited" in errors[rank]
     _host_memory.sweep()  # the dead rank's box was never unlinked
+    assert leftovers(job) == []
+
+
+def test_a_peer_that_runs_but_never_comes_is_waited_for_timeout_seconds_only():
+    """A peer that runs but never joins the collective (ranks that disagree): TimeoutError naming
+    it once `timeout` has passed (looked at with the liveness check), not a wait until it ends
+    (the peer, a sleep, exits after PEER_SECONDS: a wait without the bound ends with "exited")."""
+    job, timeout = secrets.token_hex(4), 0.1
+    peer = subprocess.Popen(["sleep", str(PEER_SECONDS)])
+    memory = HostMemory(job, 0, [os.getpid(), peer.pid], 0, timeout=timeout)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=r"^hvd_aps: local rank 0 had no answer from local rank 1 of this "
+                                               rf"host \(pid {peer.pid}\) for 0.1 s in gather"):
+            memory.allgather(np.zeros(4, np.float32), "gather")
+    finally:
+        peer.kill()
+        peer.wait()
+        memory.close(wait=0.0)  # the peer gone, its box goes too
+    assert time.monotonic() - start < timeout + 2 * _host_memory.LIVENESS_SECONDS
     assert leftovers(job) == []
 
 

@@ -138,7 +138,7 @@ def test_hostnames_that_disagree_with_horovods_local_ranks_keep_the_exchange_fla
     read shared memory that is not shared; every rank warns and the exchange stays flat."""
     from hvd_aps._horovod import HorovodLevels
     for rank in range(len(names)):
-        levels = HorovodLevels(HorovodOf(rank, names, local_size), lambda process_set: process_set)
+        levels = HorovodLevels(HorovodOf(rank, names, local_size), lambda process_set, timeout: process_set)
         with pytest.warns(RuntimeWarning, match="found by hostname do not hold the ranks Horovod counts as local"):
             got = levels.get(None)
         assert (got.world, got.cross, got.local) == ("global", "global", None)

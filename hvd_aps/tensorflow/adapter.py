@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from .. import _horovod, _metadata, _tokens, _values, codec, exchange
 from .._horovod import HorovodLevels, is_global
+from ..config import DEFAULT_TIMEOUT
 
 
 # frames above compress() looked at for Horovod's process set: AutoGraph's converted_call and
@@ -18,11 +19,12 @@ TRACED_CALL_DEPTH = 12
 
 class HorovodCollectives(exchange.Collectives):
     """horovod.tensorflow collectives on tf.Tensors within one process set; stages run in
-    tf.numpy_function (at once when eager, as graph ops inside tf.function)."""
+    tf.numpy_function (at once when eager, as graph ops inside tf.function). `timeout` bounds
+    nothing here: Horovod's TF ops wait inside TensorFlow's runtime, with no handle to poll."""
 
     equal_allgather = False  # Horovod gathers messages of any sizes
 
-    def __init__(self, process_set=hvd.global_process_set):
+    def __init__(self, process_set=hvd.global_process_set, timeout: float = DEFAULT_TIMEOUT):
         self.process_set = process_set
         self.world, self.rank = process_set.size(), process_set.rank()
 
@@ -52,10 +54,11 @@ class HorovodCollectives(exchange.Collectives):
 _LEVELS = HorovodLevels(hvd, HorovodCollectives)
 
 
-def levels(hierarchical, process_set=None) -> exchange.Levels:
-    """The exchange's groups (hvd_aps._horovod), found eagerly even while a graph is traced."""
+def levels(hierarchical, process_set=None, timeout=DEFAULT_TIMEOUT) -> exchange.Levels:
+    """The exchange's groups (hvd_aps._horovod), found eagerly even while a graph is traced
+    (`timeout`: HorovodCollectives)."""
     with tf.init_scope():
-        return _LEVELS.get(hierarchical, process_set)
+        return _LEVELS.get(hierarchical, process_set, timeout)
 
 
 def call_site(frame):

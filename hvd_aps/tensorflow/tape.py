@@ -38,7 +38,7 @@ def allreduce_codes(tensors, compression, op=hvd.Average, name="hvd_aps"):
     for i in small:
         out[i] = _plain_allreduce(tensors[i], op, f"{name}.small{i}")
         exchanger.pass_through(label(tensors[i]), sizes[i])
-    lv = levels(cfg.hierarchical)
+    lv = levels(cfg.hierarchical, timeout=cfg.timeout)
     for b, members in enumerate(buckets):
         keys = [f"{name}.bucket{b}[{j}]" for j in range(len(members))]
         bucket = Bucket.whole(f"{name}.bucket{b}", keys, [label(tensors[i]) for i in members],

@@ -13,10 +13,12 @@ from torch._utils import _flatten_dense_tensors
 
 from .. import _arrays, _device, _horovod, _metadata, _tokens, _values, codec, exchange
 from .._horovod import HorovodLevels, is_global
+from ..config import DEFAULT_TIMEOUT
 
 # hvd.synchronize() spins (std::this_thread::yield, taking the GIL back on every turn): two
 # exchange threads waiting in it took a core from backward and the GIL from its hooks. Waiting
-# is instead a poll with sleeps growing from POLL_FIRST to POLL_MAX seconds (the GIL free meanwhile).
+# is instead a poll with sleeps growing from POLL_FIRST to POLL_MAX seconds (the GIL free meanwhile),
+# for `timeout` seconds at most (hvd_aps._horovod.no_answer).
 POLL_FIRST, POLL_MAX = 20e-6, 1e-3
 # One name for every values-path metadata allreduce: the calls are blocking and sequential
 # (backward hooks run one at a time), and a reused name hits Horovod's response cache.
@@ -25,50 +27,67 @@ _TOKENS = {}  # (rank, device) -> the token token() copies
 
 
 class HorovodCollectives(exchange.AsyncEager):
-    """horovod.torch collectives on NumPy/CuPy arrays, within one process set."""
+    """horovod.torch collectives on NumPy/CuPy arrays, within one process set, each waited for
+    `timeout` seconds at most. A handle is (Horovod's handle, what the wait names)."""
 
     equal_allgather = False  # Horovod gathers messages of any sizes
 
-    def __init__(self, process_set=hvd.global_process_set):
-        self.process_set = process_set
+    def __init__(self, process_set=hvd.global_process_set, timeout: float = DEFAULT_TIMEOUT):
+        self.process_set, self.timeout = process_set, timeout
         self.world, self.rank = process_set.size(), process_set.rank()
 
     def max_allreduce(self, vector, name):
-        return self.wait(hvd.allreduce_async(torch.from_dlpack(vector), op=hvd.Max, name=name,
-                                             process_set=self.process_set))
+        return self.wait((hvd.allreduce_async(torch.from_dlpack(vector), op=hvd.Max, name=name,
+                                              process_set=self.process_set), f"the Max-allreduce {name}"))
 
     def allreduce(self, values, name):
-        return self.wait(hvd.allreduce_async(torch.from_dlpack(values), op=hvd.Sum, name=name,
-                                             process_set=self.process_set))
+        return self.wait((hvd.allreduce_async(torch.from_dlpack(values), op=hvd.Sum, name=name,
+                                              process_set=self.process_set), f"the allreduce {name}"))
 
     def alltoall_start(self, send, splits, name):
         return hvd.alltoall_async(torch.from_dlpack(send), splits=torch.from_numpy(_arrays.to_numpy(splits)),
-                                  name=name, process_set=self.process_set)
+                                  name=name, process_set=self.process_set), f"the alltoall {name}"
 
     def allgather_start(self, message, name):
-        return hvd.allgather_async(torch.from_dlpack(message), name=name, process_set=self.process_set)
+        return hvd.allgather_async(torch.from_dlpack(message), name=name,
+                                   process_set=self.process_set), f"the allgather {name}"
 
     def wait(self, handle):
-        out = wait(handle)  # alltoall: (received, received splits)
+        out = wait(*handle, self.process_set, self.timeout)  # alltoall: (received, received splits)
         return _arrays.as_array(out[0] if isinstance(out, tuple) else out)
 
 
-def wait(handle):
-    """hvd.synchronize(handle) without its spinning (POLL_FIRST)."""
-    delay = POLL_FIRST
+def wait(handle, what, process_set, timeout):
+    """hvd.synchronize(handle) without its spinning (POLL_FIRST), and not for ever: `what` (the
+    collective) waited for `timeout` seconds at most."""
+    delay, deadline = POLL_FIRST, time.monotonic() + timeout
     while not hvd.poll(handle):
+        if time.monotonic() >= deadline:
+            raise _horovod.no_answer(timeout, what, process_set, hvd.rank())
         time.sleep(delay)
         delay = min(2 * delay, POLL_MAX)
     return hvd.synchronize(handle)
 
 
-_LEVELS = HorovodLevels(hvd, HorovodCollectives, host_memory=True)
+def gather(obj, process_set, name, timeout=DEFAULT_TIMEOUT):
+    """Every rank's `obj` (picklable), in rank order of the process set: Horovod's own
+    allgather_object spans every rank (a process set's ranks cannot ask the others) and waits
+    without a bound."""
+    coll = HorovodCollectives(process_set or hvd.global_process_set, timeout)
+    data = np.frombuffer(bytearray(pickle.dumps(obj)), np.uint8)
+    sizes = coll.allgather(np.array([data.size]), f"{name}.sizes")
+    blob = coll.allgather(data, name)
+    return [pickle.loads(part.tobytes()) for part in np.split(blob, np.cumsum(sizes)[:-1])]
 
 
-def levels(hierarchical, process_set=None) -> exchange.Levels:
-    """The exchange's groups for this Horovod job or process set (hvd_aps._horovod): collective
-    on first use."""
-    return _LEVELS.get(hierarchical, process_set)
+_LEVELS = HorovodLevels(hvd, HorovodCollectives, host_memory=True,
+                        gather=lambda obj, name, timeout: gather(obj, None, name, timeout))
+
+
+def levels(hierarchical, process_set=None, timeout=DEFAULT_TIMEOUT) -> exchange.Levels:
+    """The exchange's groups for this Horovod job or process set (hvd_aps._horovod), their waits
+    bounded by `timeout` seconds: collective on first use."""
+    return _LEVELS.get(hierarchical, process_set, timeout)
 
 
 def forget_groups() -> None:
@@ -93,16 +112,6 @@ def world(process_set=None):
 
 
 call_site = _horovod.call_site  # a gradient's name and process set, from Horovod's calling frame
-
-
-def gather(obj, process_set, name):
-    """Every rank's `obj` (picklable), in rank order of the process set: Horovod's own
-    allgather_object spans every rank, and a process set's ranks cannot ask the others."""
-    process_set = process_set or hvd.global_process_set
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=process_set)
-    blob = hvd.allgather(data, name=name, process_set=process_set)
-    return [pickle.loads(part.numpy().tobytes()) for part in torch.split(blob, sizes.tolist())]
 
 
 def zeros(like, count):
@@ -222,8 +231,8 @@ def compress_values(tensor, exchanger, process_set=None):
     config, x = exchanger.config, _flat_array(tensor)
     process_set = process_set or hvd.global_process_set
     vector = _metadata.vector(config, [codec.amax(x)], [x.size])
-    agreed = hvd.allreduce(torch.from_numpy(vector), op=hvd.Max, name=_METADATA, process_set=process_set)
-    amax = float(_metadata.read(config, agreed.numpy(), [x.size], [label(tensor)])[0][0])
+    agreed = HorovodCollectives(process_set, config.timeout).max_allreduce(vector, _METADATA)
+    amax = float(_metadata.read(config, agreed, [x.size], [label(tensor)])[0][0])
     seed = exchanger.state.values_seed(process_set.rank(), label(tensor))
     wire, shift = _values.to_wire(config, exchanger.recorder, x, amax, process_set.size(), seed, label(tensor))
     return torch.from_dlpack(wire).reshape(tensor.shape), (shift, tensor.dtype, label(tensor))

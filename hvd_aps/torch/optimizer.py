@@ -10,6 +10,7 @@ synchronize(), skip_synchronize(), and zero_grad() refused between backward and 
 synchronize() that raises leaves the optimizer and the compressor as they were before the step.
 """
 import contextlib
+import time
 import warnings
 
 import horovod.torch as hvd
@@ -43,7 +44,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize, self._synchronized = True, False
         self._reset()
         if hvd.size() > 1:
-            levels(cfg.hierarchical)  # the groups, made now (collectively), not on the first bucket's thread
+            levels(cfg.hierarchical, timeout=cfg.timeout)  # the groups, made now (collectively), not on a thread
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -87,7 +88,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                        for g in grads])
         bucket = Bucket.whole(f"hvd_aps.bucket{b}", [self._names[p] for p in self._buckets[b]],
                               [label(g) for g in grads], [g.numel() for g in grads])
-        lv = levels(self._compression.config.hierarchical)  # anew after an elastic reset
+        cfg = self._compression.config
+        lv = levels(cfg.hierarchical, timeout=cfg.timeout)  # anew after an elastic reset
         array = _arrays.as_array(flat)
         self._futures[b] = self._compression.exchanger.bucket(lv, bucket, array, place=_device.place_of(flat),
                                                               out=array, average=self._op == hvd.Average)
@@ -111,12 +113,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._allreduce_small(p)
             for future in self._futures.values():
                 self._compression.exchanger.result(future)
-            for handle, _ in self._handles.values():
-                wait(handle)
+            for p in self._handles:
+                self._wait_small(p, self._compression.config.timeout)
         except BaseException:
-            for handle, _ in self._handles.values():
+            deadline = time.monotonic() + self._compression.config.timeout  # one bound for them all
+            for p in self._handles:
                 with contextlib.suppress(Exception):
-                    wait(handle)
+                    self._wait_small(p, max(0.0, deadline - time.monotonic()))
             self._compression.exchanger.abort_step()  # after its exchanges: nothing writes once forgotten
             self._reset()
             raise
@@ -130,6 +133,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.bytes_sent = self._compression.bytes_sent - sent_before
         self._reset()
         self._synchronized = True
+
+    def _wait_small(self, p, timeout):
+        """The allreduce of a parameter below min_elements, waited for `timeout` seconds at most."""
+        wait(self._handles[p][0], f"the allreduce hvd_aps.small.{self._names[p]}", hvd.global_process_set, timeout)
 
     @contextlib.contextmanager
     def skip_synchronize(self):

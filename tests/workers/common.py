@@ -43,6 +43,9 @@ DDP_SIZES = [(50, 7), (3001,), (16,), (5,), (1000,)]  # DDP has no empty paramet
 # killed_checks.py: its phases in order, the steps of each, the step whose backward a rank dies in
 KILLED_PHASES, KILLED_STEPS, KILL_STEP = ("ddp", "fsdp", "hsdp"), 5, 3
 
+# dropin_checks.py's ranks that disagree: APSCompressor(timeout=...) of their run
+DISAGREE_TIMEOUT = 1.0
+
 # keras_dropin_checks.py: the layers' widths, which say where each layer's weights lie in a run's flat weights
 KERAS_FEATURES, KERAS_HIDDEN = 6, 8  # a trunk Dense(HIDDEN) on FEATURES inputs, then Dense(1) (a head: Dense(1) too)
 KERAS_VOCAB, KERAS_WIDTH = 40, 4     # an Embedding table, first in its models' weights

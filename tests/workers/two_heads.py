@@ -5,6 +5,7 @@ import torch
 
 FEATURES, HIDDEN, CLASSES = 20, 100, 10
 STEPS = 3
+VOCAB = 50  # rows of SparseTable's embedding
 
 
 class TwoHeads(torch.nn.Module):
@@ -23,19 +24,54 @@ class TwoHeads(torch.nn.Module):
         return y + self.second(h) if both else y
 
 
+class Deeper(TwoHeads):
+    """TwoHeads with one more layer on its output: another model, the first gradient of whose
+    backward is one a TwoHeads lacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Linear(CLASSES, CLASSES)
+
+    def forward(self, x, both):
+        return self.extra(super().forward(x, both))
+
+
+class SparseTable(torch.nn.Module):
+    """An embedding with sparse gradients (rows looked up from the inputs), then a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(VOCAB, HIDDEN, sparse=True)
+        self.head = torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.table((x.abs() * 10).long() % VOCAB).mean(1))
+
+
 def batch(rank, step):
     """Inputs and labels of its own for every rank and step."""
     g = torch.Generator().manual_seed(100 * rank + step)
     return torch.randn(16, FEATURES, generator=g), torch.randint(0, CLASSES, (16,), generator=g)
 
 
-def sgd(model, opt, rank, steps, forward):
-    """`steps` SGD steps of cross entropy on `forward(x)` -> the model's final parameters, flat."""
+def loss(forward, x, y):
+    """Cross entropy of forward(x) against y."""
+    return torch.nn.functional.cross_entropy(forward(x), y)
+
+
+def plain_step(opt, forward, x, y):
+    """A step as most scripts take one: zero_grad() (between steps), backward, step()."""
+    opt.zero_grad()
+    loss(forward, x, y).backward()
+    opt.step()
+
+
+def sgd(model, opt, rank, steps, forward, take_step=plain_step):
+    """`steps` SGD steps of cross entropy on `forward(x)`, each `take_step(opt, forward, x, y)`
+    -> the model's final parameters, flat."""
     for step in range(steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(forward(x), y).backward()
-        opt.step()
+        take_step(opt, forward, *batch(rank, step))
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 
