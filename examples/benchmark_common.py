@@ -1,8 +1,11 @@
 """What the synthetic benchmarks share: timing, the interface's tx counter, the codec speed that
 examples/netns_cluster.py's performance model uses, and rank 0's JSON line."""
+import collections
 import dataclasses
 import json
+import os
 import statistics
+import threading
 import time
 import timeit
 from typing import Callable
@@ -63,6 +66,7 @@ class Variant:
     # CPU seconds a step of each timed block, every thread of the rank's process: the host's cost,
     # which a machine's other load moves far less than it moves the wall clock
     cpu: list = dataclasses.field(default_factory=list)
+    cpu_threads: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # kind -> seconds
     sent: int = 0   # bytes the interface sent during its timed steps
     codes: int = 0  # bytes its compressor counted meanwhile
     steps_run: int = 0  # before the timed ones
@@ -72,8 +76,11 @@ class Variant:
         """One harness block (a step, or Horovod's `timeit` over --num-batches-per-iter steps), its
         bytes counted."""
         before, codes_before, cpu_before = tx_bytes(args.iface), self.codes_sent(), time.process_time()
+        threads_before = thread_cpu()
         seconds, steps = HARNESSES[args.harness](self.step, args)
         self.cpu.append((time.process_time() - cpu_before) / steps)
+        for tid, (kind, ran) in thread_cpu().items():
+            self.cpu_threads[kind] += ran - threads_before.get(tid, (kind, 0.0))[1]
         self.times.append(seconds)
         self.sent += tx_bytes(args.iface) - before
         self.codes += self.codes_sent() - codes_before
@@ -97,7 +104,9 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
             v.run_timed(args)
     codec = codec_gbps(params)
     for v in variants:
+        threads = {kind: ran / v.timed_steps for kind, ran in v.cpu_threads.items()}
         per_rank = allgather_object({"step": statistics.median(v.times), "cpu": statistics.median(v.cpu),
+                                     "threads": threads,
                                      "tx_bytes_per_step": v.sent / v.timed_steps,
                                      "codes": v.codes / v.timed_steps if v.compressor is not None else None,
                                      "phases": phases, "codec_gbps": codec})
@@ -106,6 +115,8 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
                               "steps_run": v.steps_run + v.timed_steps, "harness": args.harness, "threads": args.threads,
                               "step_median": max(r["step"] for r in per_rank),
                               "cpu_per_step": statistics.mean(r["cpu"] for r in per_rank),
+                              "cpu_threads_per_step": {kind: statistics.mean(r["threads"].get(kind, 0.0) for r in per_rank)
+                                                       for kind in THREAD_KINDS},
                               "tx_bytes_per_step": statistics.mean(r["tx_bytes_per_step"] for r in per_rank),
                               "compute": statistics.median(sum(r["phases"].values()) for r in per_rank),
                               **{k: statistics.median(r["phases"][k] for r in per_rank) for k in phases},
@@ -115,6 +126,30 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
                               "schedule": v.compressor.schedule_report() if v.compressor is not None else None,
                               **({"same_job": [u.name for u in variants]} if len(variants) > 1 else {}),
                               **(extra or {})}), flush=True)
+
+
+THREAD_KINDS = ("main", "exchange", "other")  # see thread_cpu
+TASKS = "/proc/self/task"  # Linux: a directory for each thread of this process
+
+
+def thread_cpu() -> dict:
+    """{thread id: (kind, CPU seconds it has run)} of this process's threads, from Linux's
+    schedstat (nanoseconds; {} where there is none). Kinds: the main thread (forward, backward and
+    the framework's hooks, Horovod's compress() and synchronize()), the exchange's threads
+    (hvd_aps's, named hvd_aps*) and every other thread (Horovod's background thread, Gloo's,
+    torch's intra-op workers), which Python's threading does not list."""
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    main, out = threading.main_thread().native_id, {}
+    for tid in os.listdir(TASKS) if os.path.isdir(TASKS) else ():
+        try:
+            with open(f"{TASKS}/{tid}/schedstat") as f:
+                ran = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            continue
+        kind = ("main" if int(tid) == main else "exchange" if named.get(int(tid), "").startswith("hvd_aps")
+                else "other")
+        out[tid] = (kind, ran)
+    return out
 
 
 def settle(step, compressor, allgather_object) -> int:

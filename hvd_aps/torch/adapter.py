@@ -19,7 +19,7 @@ from ..config import DEFAULT_TIMEOUT
 # exchange threads waiting in it took a core from backward and the GIL from its hooks. Waiting
 # is instead a poll with sleeps growing from POLL_FIRST to POLL_MAX seconds (the GIL free meanwhile),
 # for `timeout` seconds at most (hvd_aps._horovod.no_answer).
-POLL_FIRST, POLL_MAX = 20e-6, 1e-3
+POLL_FIRST, POLL_MAX = 20e-6, 250e-6
 # One name for every values-path metadata allreduce: the calls are blocking and sequential
 # (backward hooks run one at a time), and a reused name hits Horovod's response cache.
 _METADATA = "hvd_aps.metadata"
