@@ -17,8 +17,10 @@ module whatever its tensors), tensorflow the one-line compressor in Horovod's TF
 the median step in ms at every tensor count and the cost per tensor: the step's growth from the
 fewest tensors to the most, divided by the tensors added, for codes, for float32, and the
 difference (what the compression itself adds per tensor), and the same difference for the
-framework's 16-bit peer (Horovod's Compression.fp16, DDP's fp16_compress_hook); then the same two
-differences in CPU time a step (every thread of a rank's process: the host's cost, which the
+framework's 16-bit peer (Horovod's Compression.fp16, DDP's fp16_compress_hook), and for horovod
+the floor (recipes.Tokens: Horovod's per-gradient path alone, a token a gradient and no exchange,
+what any compressor that keeps Horovod's optimizer pays per tensor); then the same differences
+in CPU time a step (every thread of a rank's process: the host's cost, which the
 machine's other load moves far less than it moves the wall clock on a shared machine). Stats on, as
 users run it.
 """
@@ -32,6 +34,8 @@ import time
 
 import numpy as np
 
+import recipes
+
 HERE = pathlib.Path(__file__).parent
 BIN = pathlib.Path(sys.executable).parent
 RANKS = 2
@@ -39,7 +43,7 @@ LAUNCH_TIMEOUT_S = 900
 # entry point -> (launcher, script, the compressions it times: the framework's own, its 16-bit
 # peer, then codes)
 ENTRY_POINTS = {
-    "horovod": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,fp16,aps-e4m3"]),
+    "horovod": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,fp16,tokens,aps-e4m3"]),
     "codes": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,fp16,codes-e4m3"]),
     "ddp": ("torchrun", "pytorch_ddp_synthetic_benchmark.py", ["none", "fp16", "aps-e4m3"]),
     "fsdp": ("torchrun", "pytorch_fsdp_synthetic_benchmark.py", ["none", "fp16", "aps-e4m3"]),
@@ -97,14 +101,18 @@ def per_tensor_us(ms: dict) -> float:
 
 
 def entry_row(entry: str, counts: list, args) -> dict:
-    """One entry point's steps at every tensor count: codes, float32 and float16, each as the
-    median step's ms and the CPU ms a step of a rank's process."""
-    row = {f"{name}_{kind}ms": {} for name in ("codes", "float32", "fp16") for kind in ("", "cpu_")}
+    """One entry point's steps at every tensor count: codes, float32 and float16 (and Horovod's
+    per-gradient path alone, recipes.Tokens, where the entry point is Horovod's optimizer), each as
+    the median step's ms and the CPU ms a step of a rank's process."""
+    runs_of = ("codes", "float32", "fp16") + ((recipes.FLOOR,) if entry == "horovod" else ())
+    row = {f"{name}_{kind}ms": {} for name in runs_of for kind in ("", "cpu_")}
     for t in counts:
         steps = {}
         for names in ENTRY_POINTS[entry][2]:
             steps.update(launch(entry, names, t, args.elements, args))
-        runs = {"float32": steps.pop("none"), "fp16": steps.pop("fp16"), "codes": next(iter(steps.values()))}
+        runs = {"float32": steps.pop("none"), "fp16": steps.pop("fp16"),
+                **({recipes.FLOOR: steps.pop(recipes.FLOOR)} if recipes.FLOOR in steps else {}),
+                "codes": next(iter(steps.values()))}
         for name, (ms, cpu_ms) in runs.items():
             row[f"{name}_ms"][t], row[f"{name}_cpu_ms"][t] = ms, cpu_ms
         print(f"[{entry}] {t} tensors: " + ", ".join(f"{name} {ms:.1f} ms ({cpu_ms:.1f} ms CPU)"
@@ -137,9 +145,11 @@ def main():
                 row[f"float32_{kind}us_per_tensor"] = native
                 row[f"extra_{kind}us_per_tensor"] = per_tensor_us(row[f"codes_{kind}ms"]) - native
                 row[f"fp16_extra_{kind}us_per_tensor"] = per_tensor_us(row[f"fp16_{kind}ms"]) - native
+                if f"{recipes.FLOOR}_ms" in row:
+                    row[f"floor_extra_{kind}us_per_tensor"] = per_tensor_us(row[f"{recipes.FLOOR}_{kind}ms"]) - native
     header = f"{'entry point':>12} " + " ".join(f"{f'{t} tensors':>12}" for t in counts) + \
         f" {'us/tensor':>10} {'fp32 us/tensor':>15} {'codes - fp32':>13} {'fp16 - fp32':>12}" + \
-        f" {'CPU: codes - fp32':>18} {'fp16 - fp32':>12}"
+        f" {'CPU: codes - fp32':>18} {'fp16 - fp32':>12} {'floor - fp32':>13} {'CPU: floor - fp32':>18}"
     print(f"{args.elements} float32 elements in 1..{max(counts)} tensors, {RANKS} ranks; codes step ms "
           f"(float32's in brackets)\n{header}")
     for row in rows:
@@ -148,7 +158,9 @@ def main():
         native = (f"{row['float32_us_per_tensor']:15.1f} {row['extra_us_per_tensor']:13.1f} "
                   f"{row['fp16_extra_us_per_tensor']:12.1f} {row['extra_cpu_us_per_tensor']:18.1f} "
                   f"{row['fp16_extra_cpu_us_per_tensor']:12.1f}" if "float32_ms" in row else "")
-        print(f"{row['entry']:>12} {cells} {row['codes_us_per_tensor']:10.1f} {native}")
+        floor = (f" {row['floor_extra_us_per_tensor']:13.1f} {row['floor_extra_cpu_us_per_tensor']:18.1f}"
+                 if "floor_extra_us_per_tensor" in row else "")
+        print(f"{row['entry']:>12} {cells} {row['codes_us_per_tensor']:10.1f} {native}{floor}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -30,6 +30,8 @@ from tqdm import tqdm
 import hvd_aps
 from hvd_aps import perf
 
+import recipes
+
 EXAMPLES = pathlib.Path(__file__).parent
 # none, fp16: the framework's own; aps-*: APSCompressor on horovod.torch.DistributedOptimizer;
 # codes-*: hvd_aps.torch.DistributedOptimizer (examples/recipes.py)
@@ -200,8 +202,11 @@ def repeated(names, compressions, args, progress):
 
 
 def wire_bytes_per_element(compression):
-    """What one gradient element costs on the wire: 4 (fp32), 2 (fp16, float16 values), bits/8 (codes)."""
+    """What one gradient element costs on the wire: 4 (fp32), 2 (fp16, float16 values), bits/8 (codes),
+    0 (recipes.Tokens: a token a gradient and no exchange)."""
     name = compression.rpartition(":")[2]
+    if name == recipes.FLOOR:
+        return 0
     if name in UNCOMPRESSED or name == "bf16":
         return 4 if name == "none" else 2
     config = hvd_aps.recipe("aps-" + name[len("codes-"):] if name.startswith("codes-") else name)

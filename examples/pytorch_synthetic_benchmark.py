@@ -4,7 +4,8 @@ synthetic_models.py.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_synthetic_benchmark.py --compression aps-e4m3
 
---compression (examples/recipes.py): none | fp16 (Horovod's own) | an hvd_aps recipe such as
+--compression (examples/recipes.py): none | fp16 (Horovod's own) | tokens (Horovod's per-gradient
+path alone, no exchange: a floor, not training) | an hvd_aps recipe such as
 aps-e4m3 (APSCompressor on horovod.torch.DistributedOptimizer, codes on the wire), aps-e4m3-values,
 aps-e4m3-auto (policy="auto") | codes-<rest> (the recipe aps-<rest> through
 hvd_aps.torch.DistributedOptimizer); several, comma-separated (none,aps-e4m3): a model and an

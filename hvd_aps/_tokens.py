@@ -63,6 +63,9 @@ from .config import Fallback, Policy
 TOKEN_TOLERANCE = 1e-4
 NOT_A_SUM = ("APSCompressor's codes need an allreduce that sums (op Average or Sum, with any pre/postscale); this "
              "reduction is not one (Adasum, Min, Max or Product?): use APSCompressor(..., wire='values') for it")
+NOT_AVERAGED = ("APSCompressor averaged these sums as the same gradients' allreduce did in the step before, and "
+                "this allreduce does not average (op Sum or other pre/postscale factors): this step is abandoned "
+                "on every rank and the next one runs as this op asks. Use one APSCompressor for each reduction.")
 ADAPTERS = {"torch": "hvd_aps.torch.adapter", "tensorflow": "hvd_aps.tensorflow.adapter"}
 
 
@@ -192,6 +195,7 @@ class _Batch:
     future: object = None  # the exchange's Future (exchanger.bucket), once launched
     bucket: object = None  # its Bucket (hvd_aps._stages), once launched
     parts: Optional[list] = None  # the exchange's results per gradient, once split
+    ranks: int = 0       # the ranks its exchange spans, once launched (every gradient's result asks)
     reduction: Reduction = dataclasses.field(default_factory=Reduction)  # averaged? what its tokens said
 
     @property
@@ -200,7 +204,9 @@ class _Batch:
 
 
 class Context:
-    """decompress()'s context for a gradient compress() took on the codes path."""
+    """decompress()'s context for a gradient compress() took on the codes path (slots: every
+    gradient of every step makes one)."""
+    __slots__ = ("generation", "like", "batch")
 
     def __init__(self, generation: int, like, batch: Optional[_Batch]):
         # like: the gradient (its dtype and shape come back); batch: the one it joined (None
@@ -214,14 +220,15 @@ class Context:
 
 class Ticket(Context):
     """A gradient that went into a batch of codes."""
+    __slots__ = ("index",)
 
     def __init__(self, generation: int, like, batch: Optional[_Batch], index: int):
-        super().__init__(generation, like, batch)
-        self.index = index
+        self.generation, self.like, self.batch, self.index = generation, like, batch, index
 
 
 class Passed(Context):
     """A gradient the framework's own allreduce carried (policy="auto")."""
+    __slots__ = ()
 
 
 @dataclasses.dataclass
@@ -297,7 +304,8 @@ class Batches:
             self._waiting.append(_Waiting(scope, entry, adapter.flatten(tensor), ticket))
             return adapter.token(tensor, site.process_set), ticket
         ticket = Ticket(self._generation, tensor, *self._fill(scope, slot, adapter.flatten(tensor)))
-        self._launch_ready(scope)
+        if ticket.batch.full:  # the layout's order decides what launches
+            self._launch_ready(scope)
         return self._tokens[scope][slot[2]], ticket
 
     def _start(self, adapter: Adapter, tensor) -> None:
@@ -440,8 +448,7 @@ class Batches:
             else:
                 batch = context.batch
                 total = self._parts(batch)[context.index]
-                out = batch.adapter.finish(total, reduced, context.like, batch.reduction,
-                                           batch.adapter.world(batch.process_set))
+                out = batch.adapter.finish(total, reduced, context.like, batch.reduction, batch.ranks)
         except BaseException:
             self.abort()
             raise
@@ -513,6 +520,7 @@ class Batches:
                                                       adapter.world(batch.process_set)))
         else:
             batch.bucket = Bucket.whole(batch.name, _keys(batch.name, len(batch.sizes)), batch.labels, batch.sizes)
+            batch.ranks = adapter.world(batch.process_set)
             # threaded: the gradients are joined on the exchange's thread, off backward's
             flat = functools.partial(adapter.join, batch.flats) if adapter.threaded else adapter.join(batch.flats)
             config = self._ex.config
@@ -575,30 +583,41 @@ class Cast:
 def _said(token, world: int, reduction: Optional[Reduction]) -> tuple:
     """(scale, whether it is an average) of a reduced token, checked to be a sum of tokens and,
     where the batch averaged already, an average; recorded in `reduction`."""
-    scale, ranks = float(token[0]), float(token[1])
-    if abs(ranks - scale * (world - 1) / 2) > TOKEN_TOLERANCE * max(1.0, abs(scale) * world * world):
+    scale = float(token[0])
+    summed, average = _read(scale, float(token[1]), world)
+    if not summed:
         raise ValueError(NOT_A_SUM)
-    average = abs(scale - 1.0) <= TOKEN_TOLERANCE
+    average = bool(average)
     if reduction is not None:
         reduction.said_average.append(average)
         if reduction.averaged and not average:
-            raise RuntimeError("APSCompressor averaged these sums as the same gradients' allreduce did in the "
-                               "step before, and this allreduce does not average (op Sum or other pre/postscale "
-                               "factors): this step is abandoned on every rank and the next one runs as this "
-                               "op asks. Use one APSCompressor for each reduction.")
+            raise RuntimeError(NOT_AVERAGED)
     return scale, average
+
+
+def _read(scale, ranks, world):
+    """(whether it is a sum of tokens, whether an average) of reduced tokens [scale, ranks] over
+    `world` ranks: floats, or NumPy arrays of a step's tokens checked at once."""
+    summed = np.abs(ranks - scale * (world - 1) / 2) <= TOKEN_TOLERANCE * np.maximum(1.0, np.abs(scale) * world * world)
+    return summed, np.abs(scale - 1.0) <= TOKEN_TOLERANCE
 
 
 def _check_unread(launched: list) -> None:
     """The step's tokens left unread (averaged batches: their results needed none), read in one
-    go and checked as apply_op checks each: on a device, one read a step instead of one a
-    gradient."""
+    go and checked at once as _said checks each: on a device, one read a step instead of one a
+    gradient, and no Python per token but the record of what it said."""
     for adapter in {batch.adapter for batch in launched if batch.reduction.unread}:
         batches = [batch for batch in launched if batch.adapter is adapter]
-        values = adapter.read_tokens([token for batch in batches for token, _ in batch.reduction.unread])
         unread = [(batch.reduction, ranks) for batch in batches for _, ranks in batch.reduction.unread]
-        for (reduction, ranks), token in zip(unread, values):
-            _said(token, ranks, reduction)
+        values = np.asarray(adapter.read_tokens([token for batch in batches for token, _ in batch.reduction.unread]),
+                            np.float64).reshape(len(unread), 2)
+        summed, average = _read(values[:, 0], values[:, 1], np.array([ranks for _, ranks in unread], np.float64))
+        if not summed.all():
+            raise ValueError(NOT_A_SUM)
+        for (reduction, _), said in zip(unread, average.tolist()):
+            reduction.said_average.append(said)
+        if not average.all():  # only an averaged batch leaves its tokens unread (Adapter.finish)
+            raise RuntimeError(NOT_AVERAGED)
 
 
 def token_values(rank: int) -> np.ndarray:

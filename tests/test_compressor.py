@@ -2,6 +2,7 @@
 wire, stats, configuration and recipes, the token, the public surface and the lifecycle."""
 import itertools
 import pickle
+import types
 import warnings
 
 import numpy as np
@@ -126,6 +127,36 @@ def test_a_batch_averaged_by_its_exchange_comes_back_as_it_is():
     assert (_tokens.apply_op(total.copy(), average, 4, averaged) == total).all()  # divided already
     with pytest.raises(RuntimeError, match="Use one APSCompressor for each reduction"):
         _tokens.apply_op(total.copy(), tokens, 4, averaged)
+
+
+def test_a_steps_unread_tokens_are_checked_at_once_as_each_alone():
+    """_check_unread reads the averaged batches' tokens in one go and checks them as apply_op
+    checks each: averages recorded, a Sum's token refused, a reduction that is no sum refused."""
+    class Rows:  # an adapter's read_tokens: the tokens as rows, in one read
+        reads = 0
+
+        @classmethod
+        def read_tokens(cls, tokens):
+            cls.reads += 1
+            return [list(token) for token in tokens]
+
+    summed = np.sum([_tokens.token_values(r) for r in range(4)], axis=0)
+
+    def launched(*batches_tokens):
+        out = []
+        for tokens in batches_tokens:
+            reduction = _tokens.Reduction(averaged=True)
+            reduction.unread = [(token, 4) for token in tokens]
+            out.append(types.SimpleNamespace(adapter=Rows, reduction=reduction))
+        return out
+
+    steps = launched([summed * np.float32(0.25)] * 3, [summed * np.float32(0.25)])
+    _tokens._check_unread(steps)
+    assert [b.reduction.said_average for b in steps] == [[True] * 3, [True]] and Rows.reads == 1
+    with pytest.raises(RuntimeError, match="Use one APSCompressor for each reduction"):
+        _tokens._check_unread(launched([summed * np.float32(0.25)], [summed * np.float32(0.25), summed]))
+    with pytest.raises(ValueError, match="wire='values'"):
+        _tokens._check_unread(launched([summed * np.float32(0.25), np.array([1.0, 3.0], np.float32)]))
 
 
 def test_missing_host_engine_warns_once(monkeypatch):

@@ -57,3 +57,17 @@ def test_compressions_in_one_job_count_their_own_bytes(tmp_path):
     rows = {r["compression"]: r for r in json.loads(out.read_text())}
     assert rows["none"]["same_job"] == rows["aps-e4m3"]["same_job"] == ["none", "aps-e4m3"]
     assert rows["aps-e4m3"]["bytes_ratio"] <= 0.25 + 0.03
+
+
+def test_the_floor_hands_horovod_a_token_and_sends_no_gradient(monkeypatch):
+    """--compression tokens (examples/recipes.Tokens): a two-element token a gradient in place of
+    the gradient, the gradient back unreduced, and no gradient bytes in the cluster's floor."""
+    import torch
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import netns_cluster
+    import recipes
+    grad = torch.randn(3, 5)
+    token, ctx = recipes.compression("tokens").compress(grad)
+    assert token.shape == (recipes.TOKEN_ELEMENTS,) and token.dtype == grad.dtype
+    assert recipes.Tokens.decompress(token, ctx) is grad
+    assert netns_cluster.wire_bytes_per_element("tokens") == 0 < netns_cluster.wire_bytes_per_element("aps-e4m3")

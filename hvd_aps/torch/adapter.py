@@ -203,7 +203,9 @@ def finish(total, token_out, like, reduction, ranks):
 
 
 def read_tokens(tokens):
-    return torch.stack([token.reshape(-1) for token in tokens]).tolist()
+    """The step's reduced tokens (each the two elements token() and tokens() make) as rows, in
+    one stack and one read."""
+    return torch.stack(tokens).tolist()
 
 
 def at_step_end(out, end_step, results):
