@@ -41,7 +41,7 @@ BIN = pathlib.Path(sys.executable).parent
 RANKS = 2
 LAUNCH_TIMEOUT_S = 900
 # entry point -> (launcher, script, the compressions it times: the framework's own, its 16-bit
-# peer, then codes)
+# peer, for Horovod's optimizer its per-gradient path alone (recipes.FLOOR), then codes)
 ENTRY_POINTS = {
     "horovod": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,fp16,tokens,aps-e4m3"]),
     "codes": ("horovodrun", "pytorch_synthetic_benchmark.py", ["none,fp16,codes-e4m3"]),

@@ -9,11 +9,12 @@
     codes-<rest>    the recipe aps-<rest> through hvd_aps.torch.DistributedOptimizer
 """
 import hvd_aps
+from hvd_aps._tokens import token_values
 
 STOCK = ("none", "fp16")
 CODES_PREFIX = "codes-"
 FLOOR = "tokens"
-TOKEN_ELEMENTS = 2  # APSCompressor's token: [1, rank]
+TOKEN_ELEMENTS = token_values(0).size  # what APSCompressor hands Horovod in place of a gradient
 
 
 class Tokens:
