@@ -66,7 +66,7 @@ class Variant:
     # CPU seconds a step of each timed block, every thread of the rank's process: the host's cost,
     # which a machine's other load moves far less than it moves the wall clock
     cpu: list = dataclasses.field(default_factory=list)
-    cpu_threads: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # kind -> seconds
+    cpu_threads: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # thread id -> seconds
     sent: int = 0   # bytes the interface sent during its timed steps
     codes: int = 0  # bytes its compressor counted meanwhile
     steps_run: int = 0  # before the timed ones
@@ -75,12 +75,12 @@ class Variant:
     def run_timed(self, args) -> None:
         """One harness block (a step, or Horovod's `timeit` over --num-batches-per-iter steps), its
         bytes counted."""
+        threads_before = thread_cpu()  # first: its reads of /proc are not the step's CPU
         before, codes_before, cpu_before = tx_bytes(args.iface), self.codes_sent(), time.process_time()
-        threads_before = thread_cpu()
         seconds, steps = HARNESSES[args.harness](self.step, args)
         self.cpu.append((time.process_time() - cpu_before) / steps)
-        for tid, (kind, ran) in thread_cpu().items():
-            self.cpu_threads[kind] += ran - threads_before.get(tid, (kind, 0.0))[1]
+        for tid, ran in thread_cpu().items():
+            self.cpu_threads[tid] += ran - threads_before.get(tid, 0.0)
         self.times.append(seconds)
         self.sent += tx_bytes(args.iface) - before
         self.codes += self.codes_sent() - codes_before
@@ -104,7 +104,9 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
             v.run_timed(args)
     codec = codec_gbps(params)
     for v in variants:
-        threads = {kind: ran / v.timed_steps for kind, ran in v.cpu_threads.items()}
+        threads = collections.Counter()
+        for tid, ran in v.cpu_threads.items():  # kinds summed once every thread had its chance to tell
+            threads[thread_kind(tid)] += ran / v.timed_steps
         per_rank = allgather_object({"step": statistics.median(v.times), "cpu": statistics.median(v.cpu),
                                      "threads": threads,
                                      "tx_bytes_per_step": v.sent / v.timed_steps,
@@ -128,28 +130,55 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
                               **(extra or {})}), flush=True)
 
 
-THREAD_KINDS = ("main", "exchange", "other")  # see thread_cpu
+THREAD_KINDS = ("main", "exchange", "codec", "gloo", "horovod", "other")  # see thread_kind
 TASKS = "/proc/self/task"  # Linux: a directory for each thread of this process
+# Threads by name (hvd_aps names its own in the OS, torch's Gloo names its threads), first match
+NAMED_KINDS = (("hvd_aps_codec", "codec"), ("hvd_aps", "exchange"), ("gloo", "gloo"), ("pt_gloo", "gloo"))
+# The others by where Linux saw them wait (wchan): Gloo's event loops inside Horovod wait in
+# epoll, Horovod's background loop sleeps between its negotiation cycles
+WAIT_KINDS = {"do_epoll_wait": "gloo", "ep_poll": "gloo", "hrtimer_nanosleep": "horovod"}
+_kinds = {}  # thread id -> its kind, once its name or one of its waits told it
 
 
 def thread_cpu() -> dict:
-    """{thread id: (kind, CPU seconds it has run)} of this process's threads, from Linux's
-    schedstat (nanoseconds; {} where there is none). Kinds: the main thread (forward, backward and
-    the framework's hooks, Horovod's compress() and synchronize()), the exchange's threads
-    (hvd_aps's, named hvd_aps*) and every other thread (Horovod's background thread, Gloo's,
-    torch's intra-op workers), which Python's threading does not list."""
+    """{thread id: CPU seconds it has run} of this process's threads, from Linux's schedstat
+    (nanoseconds; {} where there is none); each read also looks at what each thread waits in, for
+    thread_kind."""
     named = {t.native_id: t.name for t in threading.enumerate()}
     main, out = threading.main_thread().native_id, {}
     for tid in os.listdir(TASKS) if os.path.isdir(TASKS) else ():
         try:
             with open(f"{TASKS}/{tid}/schedstat") as f:
-                ran = int(f.read().split()[0]) / 1e9
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+            _learn_kind(int(tid), main, named.get(int(tid)))
         except (OSError, ValueError, IndexError):  # the thread ended meanwhile
             continue
-        kind = ("main" if int(tid) == main else "exchange" if named.get(int(tid), "").startswith("hvd_aps")
-                else "other")
-        out[tid] = (kind, ran)
     return out
+
+
+def _learn_kind(tid: int, main: int, python_name) -> None:
+    if tid in _kinds:
+        return
+    if tid == main:
+        _kinds[tid] = "main"
+        return
+    with open(f"{TASKS}/{tid}/comm") as f:
+        name = python_name or f.read().strip()
+    kind = next((k for prefix, k in NAMED_KINDS if name.startswith(prefix)), None)
+    if kind is None:
+        with open(f"{TASKS}/{tid}/wchan") as f:
+            kind = WAIT_KINDS.get(f.read().strip())
+    if kind is not None:
+        _kinds[tid] = kind
+
+
+def thread_kind(tid: int) -> str:
+    """A thread's kind: the main thread (forward, backward and the framework's hooks, Horovod's
+    compress() and synchronize()), hvd_aps's exchange threads (its lanes, the DDP hook's), its
+    codec pool, Gloo's threads (torch's by name, Horovod's event loops by their epoll wait),
+    Horovod's background loop (by its sleep between cycles) and every other thread (torch's
+    intra-op workers, OpenBLAS's, a Horovod thread never seen in its wait)."""
+    return _kinds.get(tid, "other")
 
 
 def settle(step, compressor, allgather_object) -> int:

@@ -198,7 +198,11 @@ def repeated(names, compressions, args, progress):
         progress.update()
     return {c: dict(rs[-1], step_median=statistics.median(r["step_median"] for r in rs),
                     step_runs=[r["step_median"] for r in rs],
-                    tx_bytes_per_step=statistics.median(r["tx_bytes_per_step"] for r in rs)) for c, rs in runs.items()}
+                    tx_bytes_per_step=statistics.median(r["tx_bytes_per_step"] for r in rs),
+                    cpu_per_step=statistics.median(r["cpu_per_step"] for r in rs),
+                    cpu_threads_per_step={kind: statistics.median(r["cpu_threads_per_step"].get(kind, 0.0) for r in rs)
+                                          for kind in rs[-1]["cpu_threads_per_step"]})
+            for c, rs in runs.items()}
 
 
 def wire_bytes_per_element(compression):
@@ -282,7 +286,19 @@ def table(results, hosts, per_host, rate, args):
         print(f"{c:>18} {r['step_median']:8.3f} {row['step_ratio'] or 0:7.2f} {row['best_ratio'] or 0:7.2f} "
               f"{floor:8.3f} {r['step_median'] / floor:7.2f} "
               f"{r['tx_bytes_per_step'] / 1e6:8.2f} {row['bytes_ratio'] or 0:7.3f}  {', '.join(chosen)}", flush=True)
+    cpu_table(rows)
     return rows
+
+
+def cpu_table(rows):
+    """CPU a step by kind of thread (examples/benchmark_common.thread_kind; the ranks' mean, the
+    runs' median): on a machine whose cores the ranks share, what the steps cost beside their
+    wall time."""
+    kinds = list(rows[0]["cpu_threads_per_step"])
+    print(f"\nCPU ms a step (a rank), by thread\n{'compression':>18} {'all':>6} " + " ".join(f"{k:>8}" for k in kinds))
+    for row in rows:
+        print(f"{row['compression']:>18} {1e3 * row['cpu_per_step']:6.1f} "
+              + " ".join(f"{1e3 * row['cpu_threads_per_step'][k]:8.1f}" for k in kinds), flush=True)
 
 
 def main():

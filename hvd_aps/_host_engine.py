@@ -3,7 +3,6 @@ through ctypes; codec's engine contract, its table functions, and nothing else o
 large table is cut into one share of its blocks per core, run in a thread pool; ctypes releases
 the GIL during each call, so the shares really run in parallel.
 """
-import concurrent.futures
 import contextlib
 import ctypes
 import functools
@@ -17,6 +16,7 @@ import numpy as np
 
 from . import _numpy_engine
 from ._tables import SAMPLE_SUMS
+from ._threads import pool as named_pool
 
 _MIN_CHUNK = 1 << 18  # below this, thread hand-off costs more than it saves
 
@@ -78,7 +78,7 @@ def _thread_count():
 _lib = _load()
 available = _lib is not None
 _threads = _thread_count()
-_pool = concurrent.futures.ThreadPoolExecutor(_threads, thread_name_prefix="hvd_aps") if _threads > 1 else None
+_pool = named_pool(_threads, "hvd_aps_codec") if _threads > 1 else None
 # Exchanges on threads beside the step's compute (beside_compute) encode and decode on their own
 # thread while nothing waits for them (awaited): the backward holds every core then, and more
 # codec threads only slow it down (docs/benchmarks.md, "Where the time goes")

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from . import _arrays, codec
+from . import _arrays, _threads, codec
 from ._schedule import Schedule
 
 WORKER_THREADS = 2  # one exchange's encoding and decoding overlap another's transfers
@@ -289,8 +289,7 @@ class ExchangeState:
             if self._closed:
                 raise RuntimeError("this compressor was closed: make a new one")
             if self._workers is None:
-                self._workers = concurrent.futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="hvd_aps",
-                                                                      initializer=codec.beside_compute)
+                self._workers = _threads.pool(WORKER_THREADS, "hvd_aps_lane", codec.beside_compute)
             return self._workers
 
     def close(self) -> None:

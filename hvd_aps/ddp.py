@@ -11,7 +11,6 @@ the host (through shared memory on the CPU, hvd_aps._host_memory; all_to_all and
 CUDA tensors) and codes only between hosts. Gloo on the CPU; NCCL with CUDA tensors through the
 CuPy engine. Importing this module does not import Horovod.
 """
-import concurrent.futures
 import datetime
 import functools
 import threading
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from . import _arrays, _device, _host_memory, _metadata, exchange
+from . import _arrays, _device, _host_memory, _metadata, _threads, exchange
 from ._stages import Bucket
 from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
@@ -145,7 +144,7 @@ class APSState:
         self._lock = threading.Lock()
         self._seen, self._levels, self._keys, self._buckets = set(), {}, {}, {}
         self._lanes = [(group_levels(process_group, compressor.config.hierarchical, compressor.config.timeout),
-                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hvd_aps_ddp{lane}"))
+                        _threads.pool(1, f"hvd_aps_ddp{lane}"))
                        for lane in range(self.LANES)]
 
     def lane(self, index: int, device) -> tuple:

@@ -1,7 +1,10 @@
 """The one step protocol (hvd_aps.exchanger) and the adapters' declared contract."""
 import concurrent.futures
 import inspect
+import pathlib
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -142,3 +145,48 @@ def test_each_adapter_is_the_declared_protocol(framework, protocol):
         expected = list(inspect.signature(declared).parameters)[1:]  # less self
         assert list(inspect.signature(getattr(module, name)).parameters) == expected, name
     assert isinstance(module.threaded, bool)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+def test_the_exchange_threads_carry_their_names_in_the_os():
+    """The exchanger's lanes name themselves in the OS (top -H, perf, /proc show them apart from
+    Horovod's and Gloo's threads), and still run the exchanger's own initializer."""
+    def os_name():
+        return pathlib.Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+    comp = hvd_aps.APSCompressor("e4m3")
+    try:
+        names = {comp.state.workers().submit(os_name).result() for _ in range(8)}
+        beside = comp.state.workers().submit(lambda: hvd_aps._host_engine._width()).result()
+    finally:
+        comp.close()
+    assert names and all(name.startswith("hvd_aps_lane_") for name in names), names
+    assert beside == 1  # codec.beside_compute ran too: its codec calls take one thread
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and waits in /proc are Linux's")
+def test_the_benchmarks_tell_the_threads_apart():
+    """examples/benchmark_common.thread_kind: the main thread, the exchanger's lanes by their OS
+    name, and a thread no name tells (as Horovod's background loop) by its sleep between cycles."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    import benchmark_common
+    stop, ids = threading.Event(), []
+
+    def cycling():  # Horovod's background loop: sleeps between cycles
+        ids.append(threading.get_native_id())
+        while not stop.is_set():
+            time.sleep(1e-3)
+
+    comp, loop = hvd_aps.APSCompressor("e4m3"), threading.Thread(target=cycling, name="Thread-horovod-like")
+    try:
+        lane = comp.state.workers().submit(threading.get_native_id).result()
+        loop.start()
+        for _ in range(50):  # each read looks at every thread's wait once
+            benchmark_common.thread_cpu()
+            time.sleep(2e-3)
+    finally:
+        stop.set()
+        loop.join()
+        comp.close()
+    kinds = [benchmark_common.thread_kind(t) for t in (threading.get_native_id(), lane, ids[0])]
+    assert kinds == ["main", "exchange", "horovod"]
