@@ -162,8 +162,10 @@ def _learn_kind(tid: int, main: int, python_name) -> None:
     if tid == main:
         _kinds[tid] = "main"
         return
-    with open(f"{TASKS}/{tid}/comm") as f:
-        name = python_name or f.read().strip()
+    name = python_name
+    if name is None:  # a thread Python did not start: its name in the OS
+        with open(f"{TASKS}/{tid}/comm") as f:
+            name = f.read().strip()
     kind = next((k for prefix, k in NAMED_KINDS if name.startswith(prefix)), None)
     if kind is None:
         with open(f"{TASKS}/{tid}/wchan") as f:
