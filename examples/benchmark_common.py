@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import json
 import os
+import random
 import statistics
 import threading
 import time
@@ -139,7 +140,9 @@ NAMED_KINDS = (("hvd_aps_codec", "codec"), ("hvd_aps", "exchange"), ("gloo", "gl
 # epoll, Horovod's background loop sleeps between its negotiation cycles
 WAIT_KINDS = {"do_epoll_wait": "gloo", "ep_poll": "gloo", "hrtimer_nanosleep": "horovod"}
 _kinds = {}  # thread id -> its kind, once its name or one of its waits told it
-LEARN_SECONDS, LEARN_INTERVAL = 0.5, 1e-3  # learn_kinds: Horovod's loop sleeps in about 6 % of 1 ms reads
+LEARN_SECONDS = 0.5  # learn_kinds: how long it reads every thread's wait
+LEARN_INTERVAL = 1e-3  # its mean interval between reads, drawn anew each time to fall out of step
+                       # with Horovod's 1 ms cycle
 
 
 def thread_cpu() -> dict:
@@ -177,13 +180,13 @@ def _learn_kind(tid: int, main: int, python_name) -> None:
 
 
 def learn_kinds(seconds: float = LEARN_SECONDS) -> None:
-    """Look at every thread's wait each millisecond for `seconds`, before a measurement: Horovod's
-    background loop spends most of a cycle in its collective and only a few percent in the sleep
-    that tells it, so the reads around timed steps alone can miss it."""
+    """Look at every thread's wait about every millisecond for `seconds`, before a measurement:
+    Horovod's background loop spends most of a cycle in its collective and only a small part in
+    the sleep that tells it, so the reads around timed steps alone can miss it."""
     until = time.perf_counter() + seconds
     while time.perf_counter() < until:
         thread_cpu()
-        time.sleep(LEARN_INTERVAL)
+        time.sleep(random.uniform(0.5, 1.5) * LEARN_INTERVAL)
 
 
 def thread_kind(tid: int) -> str:

@@ -5,6 +5,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -291,6 +292,26 @@ def test_links_measured_inside_a_horovodrun_job(tmp_path):
     assert calibration.load(out).link.bandwidth == links["bandwidth"] > 0
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and waits in /proc are Linux's")
+def test_an_idle_horovod_rank_shows_its_loops_cycling():
+    """examples/horovod_idle_cpu.py under 2 real ranks (docs/benchmarks.md's bound on the one
+    line): with nothing queued, each rank's CPU is Horovod's background loop and Gloo's event
+    loop cycling, each found by its wait (benchmark_common.learn_kinds)."""
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable))
+    assert horovodrun, "horovodrun is not installed next to this Python: run scripts/install.sh"
+    script = pathlib.Path(__file__).parent.parent / "examples" / "horovod_idle_cpu.py"
+    job = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
+                          "--seconds", "1"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    lines = [json.loads(line[line.index("{"):]) for line in job.stdout.splitlines() if "cpu_ms_per_s" in line]
+    assert sorted(line["rank"] for line in lines) == [0, 1], job.stdout
+    for line in lines:
+        cpu = line["cpu_ms_per_s"]
+        assert cpu.get("horovod", 0.0) > 0 and cpu.get("gloo", 0.0) > 0, line
+        assert cpu["horovod"] + cpu["gloo"] > cpu.get("main", 0.0), line  # the loops, not the reads
+
+
 @pytest.mark.parametrize("params, link, codec, policy", [
     ("100M", "100mbit", perf.Codec(1e-3, 1e-9), "codes"),   # the wire is the step: codes clearly shorter
     ("100M", "100gbit", perf.Codec(1.0, 1e-9), "native"),   # a codec of a second an exchange
@@ -378,7 +399,6 @@ def test_a_step_profile_measures_when_gradients_are_ready_and_plans_from_it(tmp_
 def test_at_scale_tables_and_the_dettmers_shape():
     """examples/perf_at_scale.py: the link found for 32-bit's 23x on 96 GPUs really gives 23x,
     and fewer bits scale further there; on NVLink alone nothing is worth compressing."""
-    import pathlib
     sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
     import perf_at_scale
     shape = perf_at_scale.dettmers()
