@@ -106,9 +106,8 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
             v.run_timed(args)
     codec = codec_gbps(params)
     for v in variants:
-        threads = collections.Counter()
-        for tid, ran in v.cpu_threads.items():  # kinds summed once every thread had its chance to tell
-            threads[thread_kind(tid)] += ran / v.timed_steps
+        # kinds summed once every thread had its chance to tell
+        threads = {kind: ran / v.timed_steps for kind, ran in cpu_by_kind(v.cpu_threads).items()}
         per_rank = allgather_object({"step": statistics.median(v.times), "cpu": statistics.median(v.cpu),
                                      "threads": threads,
                                      "tx_bytes_per_step": v.sent / v.timed_steps,
@@ -187,6 +186,14 @@ def learn_kinds(seconds: float = LEARN_SECONDS) -> None:
     while time.perf_counter() < until:
         thread_cpu()
         time.sleep(random.uniform(0.5, 1.5) * LEARN_INTERVAL)
+
+
+def cpu_by_kind(cpu_by_thread: dict) -> collections.Counter:
+    """{thread id: CPU seconds} summed by thread_kind."""
+    by_kind = collections.Counter()
+    for tid, ran in cpu_by_thread.items():
+        by_kind[thread_kind(tid)] += ran
+    return by_kind
 
 
 def thread_kind(tid: int) -> str:

@@ -9,7 +9,6 @@ and rank 0 prints one JSON line a rank, in CPU milliseconds a second of wall tim
     HOROVOD_CYCLE_TIME=3 horovodrun -np 2 -H localhost:2 --gloo python examples/horovod_idle_cpu.py
 """
 import argparse
-import collections
 import json
 import os
 import time
@@ -17,7 +16,7 @@ import time
 import horovod.torch as hvd
 import torch
 
-from benchmark_common import learn_kinds, thread_cpu, thread_kind
+from benchmark_common import cpu_by_kind, learn_kinds, thread_cpu
 
 
 def idle_cpu(seconds: float) -> dict:
@@ -26,9 +25,7 @@ def idle_cpu(seconds: float) -> dict:
     start, began = thread_cpu(), time.perf_counter()
     time.sleep(seconds)
     end, wall = thread_cpu(), time.perf_counter() - began
-    by_kind = collections.Counter()
-    for tid, cpu in end.items():
-        by_kind[thread_kind(tid)] += cpu - start.get(tid, 0.0)
+    by_kind = cpu_by_kind({tid: cpu - start.get(tid, 0.0) for tid, cpu in end.items()})
     by_kind["all"] = sum(by_kind.values())
     return {kind: round(1e3 * cpu / wall, 2) for kind, cpu in by_kind.items()}
 

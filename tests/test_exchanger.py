@@ -190,4 +190,3 @@ def test_the_benchmarks_tell_the_threads_apart():
         comp.close()
     kinds = [benchmark_common.thread_kind(t) for t in (threading.get_native_id(), lane, ids[0])]
     assert kinds == ["main", "exchange", "horovod"]
-
