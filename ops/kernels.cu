@@ -63,19 +63,27 @@ extern "C" __global__ void hvd_table_amax(const float *x, const long long *table
   hvd_block_max(m, peaks + blockIdx.x);
 }
 
-/* Byte j of a stream: `mask` the bits this row's codes own, `byte` their values. A byte the row
- * owns whole is stored; one it shares with a neighbouring row of the same stream has only its
- * own bits replaced, atomically on the aligned word, while the neighbour replaces its own. */
-__device__ __forceinline__ void hvd_store_bits(unsigned char *stream, long long j, unsigned int mask, unsigned int byte) {
-  if (mask == 0xFFu) {
-    stream[j] = (unsigned char)byte;
+/* The aligned 32-bit word a byte lies in: the unit of the device's atomics. */
+__device__ __forceinline__ size_t hvd_word_of(const unsigned char *at) {
+  return reinterpret_cast<size_t>(at) & ~(size_t)3;
+}
+
+/* Byte `at` of a row's stream, `first` and `last` the row's first and last bytes: `mask` the bits
+ * this row's codes own, `byte` their values. A word another row can touch holds the first or the
+ * last byte of each row touching it, so the row's first and last words are written only through
+ * atomics on the aligned word, each row replacing its own bits (the rest of the word unchanged);
+ * a word between them is the row's alone and stored plainly. A stream's array is therefore
+ * reached in whole aligned words at its ends. */
+__device__ __forceinline__ void hvd_store_bits(unsigned char *at, const unsigned char *first, const unsigned char *last,
+                                               unsigned int mask, unsigned int byte) {
+  const size_t word = hvd_word_of(at);
+  if (mask == 0xFFu && word != hvd_word_of(first) && word != hvd_word_of(last)) {
+    *at = (unsigned char)byte;
     return;
   }
-  unsigned char *at = stream + j;
-  unsigned int *word = reinterpret_cast<unsigned int *>(reinterpret_cast<size_t>(at) & ~(size_t)3);
-  const unsigned int shift = 8u * (unsigned int)(reinterpret_cast<size_t>(at) & 3);
-  atomicAnd(word, ~(mask << shift));
-  atomicOr(word, (byte & mask) << shift);
+  const unsigned int shift = 8u * (unsigned int)(reinterpret_cast<size_t>(at) - word);
+  atomicAnd(reinterpret_cast<unsigned int *>(word), ~(mask << shift));
+  atomicOr(reinterpret_cast<unsigned int *>(word), (byte & mask) << shift);
 }
 
 /* Every row's codes at its exponent into its stream, one thread per byte of it (a code that
@@ -92,8 +100,8 @@ extern "C" __global__ void hvd_table_encode(const float *x, const long long *tab
   const float *xb = x + row[HVD_SRC];
   unsigned char *stream = message + row[HVD_BASE];
   const unsigned long long seed = stochastic ? seeds[blockIdx.x] : 0ull;
-  const long long end = ((pos + n) * bits + 7) / 8;
-  for (long long j = pos * bits / 8 + threadIdx.x; j < end; j += blockDim.x) {
+  const long long begin = pos * bits / 8, end = ((pos + n) * bits + 7) / 8;
+  for (long long j = begin + threadIdx.x; j < end; j += blockDim.x) {
     unsigned int byte = 0u, mask = 0u;
     const long long first = max(hvd_pack_first(j, bits), pos), last = hvd_pack_last(j, bits, pos + n);
     for (long long i = first; i <= last; ++i) {
@@ -103,7 +111,7 @@ extern "C" __global__ void hvd_table_encode(const float *x, const long long *tab
       mask |= hvd_pack_piece((1u << bits) - 1u, i, bits, j);
       if (res && i * bits / 8 == j) res[row[HVD_SRC] + i - pos] = xb[i - pos] - hvd_decode_one(code, f, shift);
     }
-    hvd_store_bits(stream, j, mask, byte);
+    hvd_store_bits(stream + j, stream + begin, stream + end - 1, mask, byte);
   }
 }
 
@@ -145,7 +153,8 @@ extern "C" __global__ void hvd_table_decode(const unsigned char *message, const 
 
 
 /* host.c's hvd_table_stats: row b's sample (elements first[b], + step[b], ...) against the values
- * its codes carry, summed per row into sums[HVD_STATS * b ...] (doubles; a tree's order). */
+ * its codes carry, summed per row into sums[HVD_STATS * b ...] (doubles; a tree's order). The
+ * products are __dmul_rn: never fused into the adds, so every device and the CPU agree bit for bit. */
 extern "C" __global__ void hvd_table_stats(const float *x, const unsigned char *message, const long long *table,
                                            const long long *first, const long long *step, int e, int m, int policy,
                                            const int *shifts, const float *limits, double *sums) {
@@ -162,7 +171,7 @@ extern "C" __global__ void hvd_table_stats(const float *x, const unsigned char *
     const float sent = hvd_decode_one(hvd_unpack_code(stream, row[HVD_POS] + i, bits), f, shift);
     const double d = (double)sent - (double)v;
     s[0] += 1.0, s[1] += v != 0.0f, s[2] += sent != 0.0f, s[3] += v > limit || v < -limit;
-    s[4] += d * d, s[5] += (double)v * (double)v;
+    s[4] += __dmul_rn(d, d), s[5] += __dmul_rn((double)v, (double)v);
   }
   for (int k = 0; k < HVD_STATS; ++k) partial[k][threadIdx.x] = s[k];
   __syncthreads();

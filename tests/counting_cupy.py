@@ -9,8 +9,8 @@ implicit conversion to NumPy and host arrays as operands, so a read or an upload
 not spell out fails instead of passing unseen. `RawModule` parses the `extern "C"` kernels'
 signatures from the source it is given, checks every launch's arguments against them (a pointer
 takes a device array of the pointee's dtype on the launch's device, a scalar the NumPy scalar of
-its C type) and runs the kernel's twin from hvd_aps._numpy_engine (bit for bit with ops/fpcodec.h)
-on the memory the pointers reach, writing what the kernel writes.
+its C type) and runs the kernel itself: ops/kernels.cu compiled for the CPU by tests/simt.py, on
+the memory the pointers reach.
 
 Use `installed()` (or the `counting_cupy` fixture of conftest.py): it makes this stand-in `cupy`,
 `cupy.cuda`, `cupy.cuda.runtime` and `cupyx` for the package and yields the `Counts`.
@@ -21,7 +21,6 @@ import functools
 import itertools
 import operator
 import os
-import re
 import sys
 import threading
 import types
@@ -30,9 +29,7 @@ from collections import Counter
 import numpy as np
 
 import hvd_aps
-from hvd_aps import _numpy_engine
-from hvd_aps._tables import BASE, COLUMNS, COUNT, INDEX, POS, SAMPLE_SUMS, SRC, Blocks
-from hvd_aps.formats import IEEE, FloatFormat
+import simt
 
 _PACKAGE = os.path.dirname(os.path.abspath(hvd_aps.__file__)) + os.sep
 _REPO = os.path.dirname(os.path.dirname(_PACKAGE))
@@ -249,16 +246,6 @@ def _root(a: np.ndarray) -> np.ndarray:
 
 def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
-
-
-def _memory(pointer: MemoryPointer, dtype, count: int) -> np.ndarray:
-    """`count` elements of `dtype` from a device address on, as a kernel reaches them through a
-    pointer; an IndexError where they would run past the allocation."""
-    dtype = np.dtype(dtype)
-    offset = pointer.ptr - _address(pointer.owner)
-    if offset < 0 or offset + count * dtype.itemsize > pointer.owner.nbytes:
-        raise IndexError(f"{count} {dtype} at byte {offset} of an allocation of {pointer.owner.nbytes} bytes")
-    return np.ndarray((count,), dtype, buffer=pointer.owner, offset=offset)
 
 
 def _read(name: str, nbytes: int) -> None:
@@ -609,42 +596,18 @@ def _numpy_attribute(name: str):
 
 
 # Kernels --------------------------------------------------------------------------------------------
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
-_PARAMETER = re.compile(r"\s*(?:const\s+)?([\w\s]+?)\s*(\*?)\s*(\w+)\s*")
-_C_TYPES = {"float": np.float32, "double": np.float64, "unsigned char": np.uint8, "unsigned short": np.uint16,
-            "int": np.int32, "unsigned int": np.uint32, "long long": np.int64, "unsigned long long": np.uint64}
-
-
-@dataclasses.dataclass(frozen=True)
-class Parameter:
-    name: str
-    dtype: np.dtype  # the C type, or the pointee's
-    pointer: bool
-
-
-def signatures(code: str) -> dict:
-    """Every `extern "C"` kernel of CUDA source: name -> its Parameters."""
-    kernels = {}
-    for name, parameters in _KERNEL.findall(code):
-        parsed = []
-        for text in parameters.split(","):
-            c_type, star, parameter = _PARAMETER.fullmatch(text).groups()
-            parsed.append(Parameter(parameter, np.dtype(_C_TYPES[" ".join(c_type.split())]), bool(star)))
-        kernels[name] = tuple(parsed)
-    return kernels
-
-
 class RawModule:
-    """CUDA source as CuPy compiles it: each `extern "C"` kernel launched through its NumPy twin."""
+    """CUDA source as CuPy compiles it: each `extern "C"` kernel of ops/kernels.cu launched on the
+    CPU through the SIMT layer (tests/simt.py), its own text running thread for thread."""
 
     def __init__(self, code: str = None, options: tuple = (), **kwargs):
-        self.code, self.options, self._kernels = code, tuple(options), signatures(code)
+        self.code, self.options, self._kernels = code, tuple(options), simt.signatures(code)
+        if self._kernels != simt.KERNELS.kernels:
+            raise ValueError("the stand-in runs ops/kernels.cu as it is on disk, not other source")
 
     def get_function(self, name: str) -> "RawKernel":
         if name not in self._kernels:
             raise LookupError(f"no kernel {name!r} in the module's source")
-        if name not in _TWINS:
-            raise NotImplementedError(f"kernel {name!r} has no NumPy twin in counting_cupy")
         return RawKernel(name, self._kernels[name])
 
 
@@ -654,144 +617,31 @@ class RawKernel:
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream: Stream = None) -> None:
         """Checks the arguments against the signature, records the launch (on `stream`, else the
-        thread's current one) and runs the twin."""
+        thread's current one) and runs the kernel."""
         grid, block = tuple(np.atleast_1d(grid).tolist()), tuple(np.atleast_1d(block).tolist())
         if len(args) != len(self.parameters):
             raise TypeError(f"{self.name} takes {len(self.parameters)} arguments, got {len(args)}")
         if min(grid) < 1 or not 1 <= int(np.prod(block)) <= 1024:
             raise ValueError(f"{self.name}: grid {grid}, block {block}")
-        values = {p.name: self._argument(p, a) for p, a in zip(self.parameters, args)}
+        arguments = [self._argument(p, a) for p, a in zip(self.parameters, args)]
         COUNTS.record("launch", self.name, stream=(stream or _current.stream).ptr, device=_current.device,
                       grid=grid, block=block)
-        with np.errstate(all="ignore"):  # a kernel's NaN and overflow raise nothing
-            _TWINS[self.name](Launch(grid, values))
+        simt.KERNELS.launch(self.name, grid, block, arguments)
 
-    def _argument(self, parameter: Parameter, arg):
+    def _argument(self, parameter: simt.Parameter, arg):
+        """A device array as the bytes it spans; a null pointer as None; a scalar as it is."""
         if parameter.pointer:
             if isinstance(arg, ndarray):
                 if arg.dtype != parameter.dtype or arg._device != _current.device:
                     raise TypeError(f"{self.name}: {parameter.name} takes {parameter.dtype} on device "
                                     f"{_current.device}, got {arg.dtype} on device {arg._device}")
-                return arg.data, parameter.dtype
+                return simt.KERNELS.span(self.name, parameter, arg._a)
             if isinstance(arg, np.generic) and arg.dtype.kind in "iu" and arg == 0:
-                return None  # a null pointer
+                return None
         elif isinstance(arg, np.generic) and arg.dtype == parameter.dtype:
-            return int(arg) if parameter.dtype.kind in "iu" else arg
+            return arg
         raise TypeError(f"{self.name}: {parameter.name} takes {'a device array of ' * parameter.pointer}"
                         f"{parameter.dtype}, got {type(arg).__name__} {getattr(arg, 'dtype', '')}")
-
-
-class Launch:
-    """One launch's grid and arguments, as its twin reads them: scalars by name, the memory
-    behind a pointer by name and element count."""
-
-    def __init__(self, grid: tuple, values: dict):
-        self.grid, self.values = grid, values
-
-    def __getitem__(self, name: str):
-        return self.values[name]
-
-    def memory(self, name: str, count: int):
-        """`count` elements at pointer `name` (None for a null pointer)."""
-        if self.values[name] is None:
-            return None
-        pointer, dtype = self.values[name]
-        return _memory(pointer, dtype, count)
-
-    def rows(self, name: str, ranks: int, stride: int, width: int) -> np.ndarray:
-        """`ranks` rows of `width` bytes, `stride` bytes apart, from pointer `name` on."""
-        flat = self.memory(name, (ranks - 1) * stride + width if ranks else 0)
-        return np.lib.stride_tricks.as_strided(flat, (ranks, width), (stride, 1))
-
-    @property
-    def fmt(self) -> FloatFormat:
-        fmt = FloatFormat(self["e"], self["m"], "ieee" if self["policy"] == IEEE else "fn")
-        if fmt.policy != self["policy"]:
-            raise ValueError(f"policy {self['policy']} does not go with e{self['e']}m{self['m']}")
-        return fmt
-
-    @property
-    def rounding(self) -> str:
-        return "stochastic" if self["stochastic"] else "nearest"
-
-
-def _magnitudes(x: np.ndarray) -> np.ndarray:
-    """The bits of |x|: their integer order is the magnitudes', every NaN above Inf."""
-    return x.view(np.uint32) & np.uint32(0x7FFFFFFF)
-
-
-# Table kernels: one thread block per row of a (blocks, COLUMNS) int64 table on the device
-@dataclasses.dataclass(frozen=True)
-class _Table:
-    """A table kernel's rows as the NumPy engine's table functions take them (Blocks), each
-    element's row and place in the float32 arrays, and the `elements` of those arrays they reach."""
-    blocks: Blocks
-    block: np.ndarray
-    source: np.ndarray
-    elements: int
-
-    @classmethod
-    def of(cls, k: Launch) -> "_Table":
-        count = k.grid[0]
-        rows = k.memory("table", count * COLUMNS).reshape(count, COLUMNS)
-        blocks = Blocks.of(rows[:, SRC], rows[:, COUNT], rows[:, BASE], rows[:, POS], rows[:, INDEX], 0, 0)
-        block = np.repeat(np.arange(count), rows[:, COUNT])
-        source = rows[block, SRC] + np.arange(blocks.elements) - blocks.starts[:-1][block]
-        return cls(blocks, block, source, int(source.max(initial=-1)) + 1)
-
-    def bytes(self, fmt: FloatFormat) -> int:
-        """The bytes of the streams the rows' codes reach (BASE + their packed POS + COUNT codes)."""
-        rows = self.blocks.rows[self.blocks.rows[:, COUNT] > 0]
-        return int((rows[:, BASE] + -(-(rows[:, POS] + rows[:, COUNT]) * fmt.bits // 8)).max(initial=0))
-
-    def peaks(self, k: Launch, values: np.ndarray) -> None:
-        """peaks[b] = max(itself, the bits of max |values| over row b's elements)."""
-        np.maximum.at(k.memory("peaks", self.blocks.count), self.block, _magnitudes(values[self.source]))
-
-
-def _table_amax(k: Launch) -> None:
-    table = _Table.of(k)
-    table.peaks(k, k.memory("x", table.elements))
-
-
-def _table_encode(k: Launch) -> None:
-    fmt, table = k.fmt, _Table.of(k)
-    count = table.blocks.count
-    _numpy_engine.table_encode(k.memory("x", table.elements), fmt, table.blocks, k.memory("shifts", count), k.rounding,
-                               k.memory("seeds", count if k["stochastic"] else 0), k["saturate"],
-                               k.memory("message", table.bytes(fmt)), k.memory("res", table.elements))
-
-
-def _table_sum(k: Launch) -> None:
-    fmt, table = k.fmt, _Table.of(k)
-    out = k.memory("out", table.elements)
-    _numpy_engine.table_sum(k.rows("rows", k["ranks"], k["stride"], table.bytes(fmt)), fmt, table.blocks,
-                            k.memory("shifts", table.blocks.count), out)
-    table.peaks(k, out)
-
-
-def _table_decode(k: Launch) -> None:
-    fmt, table = k.fmt, _Table.of(k)
-    _numpy_engine.table_decode(k.memory("message", table.bytes(fmt)), fmt, table.blocks,
-                               k.memory("shifts", table.blocks.count), k.memory("out", table.elements), k["divisor"])
-
-
-def _table_stats(k: Launch) -> None:
-    fmt, table = k.fmt, _Table.of(k)
-    count = table.blocks.count
-    sums = _numpy_engine.table_stats(k.memory("x", table.elements), k.memory("message", table.bytes(fmt)), fmt,
-                                     table.blocks, k.memory("shifts", count), k.memory("first", count),
-                                     k.memory("step", count), k.memory("limits", count))
-    k.memory("sums", count * SAMPLE_SUMS)[:] = sums.ravel()
-
-
-def _table_shifts(k: Launch) -> None:
-    n = k["n"]
-    k.memory("shifts", n)[:] = _numpy_engine.table_shifts(k.memory("peaks", n), k["limit"], k.memory("exponents", 2 * n))
-
-
-_TWINS = {"hvd_table_amax": _table_amax, "hvd_table_encode": _table_encode, "hvd_table_sum": _table_sum,
-          "hvd_table_decode": _table_decode, "hvd_table_shifts": _table_shifts, "hvd_table_stats": _table_stats}
 
 
 # The modules ----------------------------------------------------------------------------------------
