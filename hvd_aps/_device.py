@@ -13,20 +13,21 @@ never wait behind another lane's on a shared stream (two ranks could queue them 
 orders), and its one read waits for its bucket only, not for the backward queued after it.
 
 Host arrays the stages index the device with (a table's rows and tensor column, a message's
-exponent bytes) are copied to the device once and kept (`on_device`): tables are made once per
-bucket layout, so a stage uploads nothing in steady state (an agreement uploads its shifts).
+exponent bytes) are copied to the device once and kept as long as the host array lives
+(`on_device`): tables are made once per bucket layout, so a stage uploads nothing in steady state
+(an agreement uploads its shifts), and a one-off table's copy goes with it instead of crowding out
+a live one. The copy is made on the stream that first needs it; any other stream waits for an
+event recorded behind that copy before its first use.
 """
-import collections
 import contextlib
 import dataclasses
 import threading
+import weakref
 from typing import Optional
 
 import numpy as np
 
 from . import _arrays
-
-COPIES_KEPT = 4096  # device copies of host index arrays: a few per chunk and lane of every bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,29 +122,43 @@ def _torch_allocation(size: int):
     return cupy.cuda.MemoryPointer(memory, 0)
 
 
-_copies = collections.OrderedDict()  # (id of the host array, device) -> (host array, its device copy)
+@dataclasses.dataclass
+class _Copy:
+    """A host array's copy on one device: the stream it was made on, an event recorded behind it,
+    and the streams known to run after it (that one, and those that waited for the event)."""
+    array: object
+    event: object
+    after: set
+
+
+_copies = {}  # (id of the host array, device) -> its _Copy, dropped when the host array goes
 _copies_lock = threading.Lock()
 
 
 def on_device(host: np.ndarray, like):
-    """`host` as an array of `like`'s kind: itself for NumPy, else its copy on the current
-    device, made once and kept while the host array lives in the cache (held, so its id is not
-    reused)."""
+    """`host` as an array of `like`'s kind: itself for NumPy, else its copy on the current device,
+    made once and kept while `host` lives; the current stream ordered after the copy."""
     xp = _arrays.array_module(like)
     if xp is np:
         return host
-    key = (id(host), xp.cuda.Device().id)
+    key, stream = (id(host), xp.cuda.Device().id), xp.cuda.get_current_stream()
     with _copies_lock:
         kept = _copies.get(key)
-        if kept is not None:
-            _copies.move_to_end(key)
-            return kept[1]
-    copy = xp.asarray(host)
-    with _copies_lock:
-        _copies[key] = (host, copy)
-        while len(_copies) > COPIES_KEPT:
-            _copies.popitem(last=False)
-    return copy
+        if kept is not None and stream.ptr in kept.after:
+            return kept.array
+    if kept is None:
+        copy, event = xp.asarray(host), xp.cuda.Event(disable_timing=True)
+        event.record(stream)
+        with _copies_lock:
+            if key not in _copies:  # another thread may have made one meanwhile: keep the first
+                _copies[key] = _Copy(copy, event, {stream.ptr})
+                weakref.finalize(host, _copies.pop, key, None)
+            kept = _copies[key]
+    if stream.ptr not in kept.after:
+        stream.wait_event(kept.event)
+        with _copies_lock:
+            kept.after.add(stream.ptr)
+    return kept.array
 
 
 def take(values, index: np.ndarray):

@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -141,6 +142,80 @@ class DeviceSynchronized(RuntimeError):
     """A read inside cupyx.allow_synchronize(False)."""
 
 
+class StreamOrderError(RuntimeError):
+    """Device memory uploaded on one stream, read on another that is not ordered after the upload."""
+
+
+class _Order:
+    """Which uploads each stream is ordered after. The stand-in runs every copy at once, so a hazard
+    is checked, not suffered: on a device a host-to-device copy lands when its stream gets to it,
+    and another stream sees it only after waiting for an event recorded behind it, or after the
+    host synchronised with its stream before queueing the read."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.queued = Counter()          # stream -> uploads queued on it so far
+        self.waited = {}                 # stream -> {other stream: its uploads this one waits for}
+        self.synced = Counter()          # stream -> its uploads the host has seen complete
+        self.uploads = {}                # id(an upload's allocation) -> (stream, its place on it)
+
+    def upload(self, allocation: np.ndarray) -> None:
+        stream = _current.stream.ptr
+        with self.lock:
+            self.queued[stream] += 1
+            self.uploads[id(allocation)] = (stream, self.queued[stream])
+        weakref.finalize(allocation, self.uploads.pop, id(allocation), None)
+
+    def point(self, stream: int) -> tuple:
+        with self.lock:
+            return stream, self.queued[stream]
+
+    def wait(self, stream: int, point: tuple) -> None:
+        other, count = point
+        with self.lock:
+            waited = self.waited.setdefault(stream, {})
+            waited[other] = max(waited.get(other, 0), count)
+
+    def synchronize(self, stream: int) -> None:
+        with self.lock:
+            self.synced[stream] = self.queued[stream]
+
+    def check(self, what: str, array: "ndarray") -> None:
+        """Raise unless the current stream may read `array`'s memory now."""
+        reader = _current.stream.ptr
+        with self.lock:
+            uploaded = self.uploads.get(id(_root(array._a)))
+            if uploaded is None or uploaded[0] == reader:
+                return
+            stream, count = uploaded
+            if self.waited.get(reader, {}).get(stream, 0) >= count or self.synced[stream] >= count:
+                return
+        raise StreamOrderError(f"{what} on stream {reader:#x} reads memory uploaded on stream {stream:#x}, "
+                               f"which it neither waited for (an event) nor the host synchronised with")
+
+    def reset(self) -> None:
+        with self.lock:
+            self.queued.clear(), self.waited.clear(), self.synced.clear(), self.uploads.clear()
+
+
+ORDER = _Order()
+
+
+class CudaEvent:
+    """cupy.cuda.Event: a point in a stream's queue that other streams (wait_event) and the host
+    (synchronize) can wait for."""
+
+    def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False):
+        self.at = None
+
+    def record(self, stream: "Stream" = None) -> None:
+        self.at = ORDER.point((stream or _current.stream).ptr)
+
+    def synchronize(self) -> None:
+        if self.at is not None:
+            ORDER.synchronize(self.at[0])
+
+
 class Stream:
     """A CUDA stream: `ptr` its handle (0: the null stream); current in a thread inside `with`."""
     _handles = itertools.count(0x1000, 0x10)
@@ -161,7 +236,13 @@ class Stream:
         return self
 
     def synchronize(self) -> None:
-        """Work on this stand-in is done when it returns."""
+        """Work on this stand-in is done when it returns; the host has seen this stream's uploads."""
+        ORDER.synchronize(self.ptr)
+
+    def wait_event(self, event: CudaEvent) -> None:
+        """What this stream queues from now on runs after the event's point."""
+        if event.at is not None:
+            ORDER.wait(self.ptr, event.at)
 
 
 class ExternalStream(Stream):
@@ -191,7 +272,9 @@ class Device:
         _current.device = self.id
 
     def synchronize(self) -> None:
-        """Work on this stand-in is done when it returns."""
+        """Work on this stand-in is done when it returns; the host has seen every stream's uploads."""
+        for stream in list(ORDER.queued):
+            ORDER.synchronize(stream)
 
 
 Stream.null = Stream(null=True)
@@ -249,9 +332,11 @@ def _address(a: np.ndarray) -> int:
 
 
 def _read(name: str, nbytes: int) -> None:
+    """A device-to-host copy on the current stream: the host waits for the stream's work."""
     if not _current.synchronize:
         raise DeviceSynchronized(f"{name}: a device-to-host read inside cupyx.allow_synchronize(False)")
     COUNTS.record("read", name, nbytes)
+    ORDER.synchronize(_current.stream.ptr)
 
 
 class ndarray:
@@ -441,6 +526,7 @@ def _unwrap(x, inputs: list):
     """An operand as NumPy sees it: a device array's memory (noted in `inputs`); a host array
     refused, as CuPy refuses it (0-d ones pass, as scalars)."""
     if isinstance(x, ndarray):
+        ORDER.check("an operation", x)
         inputs.append(x)
         return x._a
     if isinstance(x, (list, tuple)):
@@ -467,6 +553,7 @@ def _host(x, name: str):
     """Host data bound for the device (an index, a value): a NumPy copy, counted as an upload."""
     host = np.array(x)
     COUNTS.record("upload", name, host.nbytes)
+    ORDER.upload(host)
     return host
 
 
@@ -475,6 +562,7 @@ def _index(index):
     if isinstance(index, tuple):
         return tuple(_index(i) for i in index)
     if isinstance(index, ndarray):
+        ORDER.check("indexing", index)
         return index._a
     if isinstance(index, list) or isinstance(index, np.ndarray) and index.ndim:
         return _host(index, "index")
@@ -484,6 +572,7 @@ def _index(index):
 def _value(value):
     """A value written into a device array: a device array's memory, host arrays uploaded."""
     if isinstance(value, ndarray):
+        ORDER.check("an assignment", value)
         return value._a
     if isinstance(value, list) or isinstance(value, np.ndarray) and value.ndim:
         return _host(value, "value")
@@ -499,6 +588,7 @@ def _allocated(name: str, a: np.ndarray) -> ndarray:
 def _uploaded(name: str, data, dtype) -> ndarray:
     host = np.array(data, dtype=dtype, copy=True)
     COUNTS.record("upload", name, host.nbytes)
+    ORDER.upload(host)
     return _allocated(name, host)
 
 
@@ -635,6 +725,7 @@ class RawKernel:
                 if arg.dtype != parameter.dtype or arg._device != _current.device:
                     raise TypeError(f"{self.name}: {parameter.name} takes {parameter.dtype} on device "
                                     f"{_current.device}, got {arg.dtype} on device {arg._device}")
+                ORDER.check(f"{self.name}'s {parameter.name}", arg)
                 return simt.KERNELS.span(self.name, parameter, arg._a)
             if isinstance(arg, np.generic) and arg.dtype.kind in "iu" and arg == 0:
                 return None
@@ -656,6 +747,7 @@ runtime = _module("cupy.cuda.runtime", "CUDA's runtime calls the package makes."
                   getDeviceCount=lambda: DEVICE_COUNT,
                   getDeviceProperties=lambda device: {"name": b"counting_cupy stand-in"})
 cuda = _module("cupy.cuda", "Devices, streams and memory.", Device=Device, Stream=Stream, ExternalStream=ExternalStream,
+               Event=CudaEvent,
                get_current_stream=get_current_stream, MemoryPointer=MemoryPointer, runtime=runtime)
 cupyx = _module("cupyx", "cupyx's scatter functions and synchronisation guard.", scatter_add=scatter_add,
                 scatter_max=scatter_max, allow_synchronize=allow_synchronize, DeviceSynchronized=DeviceSynchronized)
@@ -677,6 +769,7 @@ def installed():
     sys.modules.update(_MODULES)
     sys.modules.pop("hvd_aps._cupy_engine", None)
     COUNTS.reset()
+    ORDER.reset()
     try:
         yield COUNTS
     finally:

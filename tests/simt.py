@@ -29,7 +29,8 @@ import numpy as np
 HERE = pathlib.Path(__file__).parent / "simt"
 OPS = HERE.parent.parent / "ops"
 BUILD = HERE / ".build"
-RUNTIME = [HERE / "cuda_on_host.h", HERE / "simt.cc", OPS / "fpcodec.h"]
+HEADERS = [HERE / "cuda_on_host.h", OPS / "fpcodec.h"]
+UNITS = [HERE / "simt.cc", HERE / "kernels.cc"]  # the runtime, and the source's kernels with their table
 FLAGS = ["-std=c++20", "-Wall", "-Wextra", "-Wno-unused-parameter", "-ffp-contract=off", "-pthread",
          f"-I{HERE}", f"-I{OPS}"]
 # What the checked builds add: a sanitizer, and replay.cc's main
@@ -117,7 +118,7 @@ class Module:
         command = ["g++", *FLAGS, *flags, f'-DHVD_SIMT_SOURCE="{self.source.resolve()}"',
                    f"-DHVD_SIMT_KERNELS={listed}"]
         digest = hashlib.sha256(repr(command).encode())
-        for source in RUNTIME + [self.source] + sources:
+        for source in HEADERS + [self.source] + sources:
             digest.update(source.read_bytes())
         path = BUILD / f"{target}-{self.source.stem}-{digest.hexdigest()[:16]}{suffix}"
         if path.exists():
@@ -136,7 +137,7 @@ class Module:
     @functools.cached_property
     def library(self) -> ctypes.CDLL:
         """The kernels and the SIMT runtime as a shared library, loaded once a process."""
-        path = self._build("libsimt", ["-O2", "-fPIC", "-shared", "-fvisibility=hidden"], [HERE / "simt.cc"], ".so")
+        path = self._build("libsimt", ["-O2", "-fPIC", "-shared", "-fvisibility=hidden"], UNITS, ".so")
         lib = ctypes.CDLL(str(path))
         lib.hvd_simt_launch.restype = ctypes.c_char_p
         lib.hvd_simt_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint),
@@ -146,7 +147,7 @@ class Module:
     def checked(self, sanitizer: str) -> pathlib.Path:
         """replay.cc's binary with the kernels built under `sanitizer` ("thread" or "address")."""
         return self._build(f"replay-{sanitizer}", ["-DHVD_SIMT_CHECKED", *SANITIZERS[sanitizer]],
-                           [HERE / "simt.cc", HERE / "replay.cc"], "")
+                           UNITS + [HERE / "replay.cc"], "")
 
     def span(self, name: str, parameter: Parameter, array: np.ndarray) -> Span:
         """What `array` handed to `name`'s `parameter` lets the kernel reach."""

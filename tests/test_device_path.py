@@ -20,7 +20,7 @@ import pytest
 import counting_cupy as standin
 import hvd_aps
 from counting_cupy import cupy as cp
-from hvd_aps import _arrays, _inprocess, codec, exchange
+from hvd_aps import _arrays, _device, _inprocess, _tables, codec, exchange
 from hvd_aps._stages import Bucket
 from horovod_run import WORKERS, free_port, horovodrun
 
@@ -360,6 +360,50 @@ def test_every_launch_records_the_stream_and_device_it_ran_on(counting_cupy):
 def test_ranks_on_devices_of_their_own(counting_cupy):
     """Thread ranks each on a device of its own: every launch's arrays on the launch's device."""
     run_exchange(Case("e4m3", 10, 1), counting_cupy, spread=True)
+
+
+# Device copies of host tables ------------------------------------------------------------------------
+def test_a_tables_copy_made_on_one_stream_is_waited_for_on_another(counting_cupy):
+    """Thread ranks on one device share a layout's tables: the copy is made on the stream that first
+    needs it, and a kernel on another stream runs after it (an event waited for), not before."""
+    blocks, peaks = _tables.run(5000, 2048), []
+    for stream in (cp.cuda.Stream(), cp.cuda.Stream()):
+        with stream:
+            x = cp.asarray(np.arange(5000, dtype=np.float32))
+            peaks.append(standin.peek(codec.engine_for(x).table_amax(x, blocks)))
+    assert peaks[0].tobytes() == peaks[1].tobytes()
+    assert sum(e.stack[0].endswith(" on_device") for e in counting_cupy.uploads) == 1  # the table's one copy
+
+
+def test_the_stand_in_refuses_a_read_on_a_stream_not_ordered_after_the_upload(counting_cupy):
+    with cp.cuda.Stream():
+        index = cp.asarray(np.arange(3))
+    values = cp.arange(5, dtype=np.float32)
+    with cp.cuda.Stream() as other, pytest.raises(standin.StreamOrderError, match="neither waited for"):
+        values[index]
+    event = cp.cuda.Event()
+    with cp.cuda.Stream() as first:
+        later = cp.asarray(np.arange(2))
+        event.record(first)
+    other.wait_event(event)
+    with other:
+        assert values[later].shape == (2,)
+
+
+def test_one_off_tables_leave_a_live_tables_copy_in_place(counting_cupy):
+    """A bucket's table, copied once, is still on the device after thousands of one-off runs (the
+    codec's public functions, a table of their own each): it uploads nothing when used again, and
+    the one-off tables' copies went with them."""
+    live, x = _tables.run(5000, 2048), cp.asarray(np.ones(5000, np.float32))
+    engine = codec.engine_for(x)
+    engine.table_amax(x, live)
+    copies = len(_device._copies)
+    for n in range(1, 4500):
+        hvd_aps.encode(x[:n], "e4m3")
+    counting_cupy.reset()
+    engine.table_amax(x, live)
+    assert not counting_cupy.uploads, counting_cupy.summary()
+    assert len(_device._copies) <= copies + _tables.RUNS_KEPT  # the codec's run tables kept, no more
 
 
 # The stand-in's own strictness --------------------------------------------------------------------

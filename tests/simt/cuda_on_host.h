@@ -52,7 +52,18 @@ const Lane &lane();  // the running fiber's
 void sync_block();
 unsigned long long shuffle_down(unsigned int mask, unsigned long long bits, unsigned int delta, int width);
 
+/* A kernel by name, called by every thread of a launch with cudaLaunchKernel's argument array
+ * (args[i] points at parameter i's value). kernels.cc lists the source's kernels. */
+struct Registered {
+  const char *name;
+  void *kernel;
+  void (*entry)(void *kernel, void **args);
+};
+
 }  // namespace hvd_simt
+
+extern "C" const hvd_simt::Registered hvd_simt_kernels[];
+extern "C" const int hvd_simt_kernel_count;
 
 /* The kernel language */
 #define __global__

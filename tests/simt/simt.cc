@@ -53,10 +53,7 @@
 #include <ucontext.h>
 #endif
 
-#include "cuda_on_host.h"  // ends with __CUDACC__ defined: kernels.cu (and fpcodec.h) as device code
-#include HVD_SIMT_SOURCE  // ops/kernels.cu (tests/simt.py), or the layer's own test kernels
-
-#undef __CUDACC__
+#include "cuda_on_host.h"
 
 namespace hvd_simt {
 namespace {
@@ -216,11 +213,8 @@ void swap(Fiber &from, Fiber &to, bool leaving, const void *done = nullptr) {
 }
 
 /* ---- Launches and blocks -------------------------------------------------------------------- */
-typedef void (*Entry)(void *kernel, void **args);
-
 struct Launch {
-  void *kernel;
-  Entry entry;
+  const Registered *kernel;
   void **args;
   dim3 grid, block;
   unsigned long long blocks;
@@ -287,7 +281,7 @@ void fiber_main(void *arg) {
   running.store(&t, std::memory_order_relaxed);
   Launch &l = *t.block->launch;
   acquired(l.start_token());
-  l.entry(l.kernel, l.args);
+  l.kernel->entry(l.kernel->kernel, l.args);
   released(l.done_token());
   t.state.store(State::kDone, std::memory_order_relaxed);
   swap(t.fiber, t.block->scheduler, true, t.block);  // the block's bookkeeping: its scheduler frees it
@@ -506,34 +500,6 @@ void run_launch(Launch &l) {
 }
 #endif
 
-/* ---- Kernels by name ------------------------------------------------------------------------ */
-template <class... A>
-struct Kernel {
-  template <size_t... I>
-  static void call(void (*fn)(A...), void **args, std::index_sequence<I...>) {
-    fn(*static_cast<std::remove_cv_t<A> *>(args[I])...);
-  }
-  static void entry(void *fn, void **args) {
-    call(reinterpret_cast<void (*)(A...)>(fn), args, std::index_sequence_for<A...>{});
-  }
-};
-
-struct Registered {
-  const char *name;
-  void *kernel;
-  Entry entry;
-};
-
-template <class... A>
-Registered registered(const char *name, void (*fn)(A...)) {
-  return {name, reinterpret_cast<void *>(fn), &Kernel<A...>::entry};
-}
-
-/* HVD_SIMT_KERNELS: X(name) for every extern "C" kernel of the source (tests/simt.py lists them) */
-#define X(name) registered(#name, &name),
-const Registered kKernels[] = {HVD_SIMT_KERNELS};
-#undef X
-
 }  // namespace
 
 /* ---- What device code calls ------------------------------------------------------------------- */
@@ -572,15 +538,14 @@ extern "C" __attribute__((visibility("default"))) const char *hvd_simt_launch(co
   using namespace hvd_simt;
   static thread_local std::string why;
   const Registered *found = nullptr;
-  for (const Registered &k : kKernels)
-    if (strcmp(k.name, kernel) == 0) found = &k;
+  for (int k = 0; k < hvd_simt_kernel_count; ++k)
+    if (strcmp(hvd_simt_kernels[k].name, kernel) == 0) found = &hvd_simt_kernels[k];
   if (!found) return (why = std::string("no kernel ") + kernel + " in kernels.cu").c_str();
   const unsigned long long threads = (unsigned long long)block[0] * block[1] * block[2];
   if (threads == 0 || threads > kMaxThreads || !grid[0] || !grid[1] || !grid[2])
     return (why = "a launch needs 1 to 1024 threads a block and a grid of at least one block").c_str();
   Launch l;
-  l.kernel = found->kernel;
-  l.entry = found->entry;
+  l.kernel = found;
   l.args = args;
   l.grid = {grid[0], grid[1], grid[2]};
   l.block = {block[0], block[1], block[2]};
