@@ -7,13 +7,12 @@ hvd_aps's codes against float32, bf16 and NCCL's own FP8 allreduce; and the shap
 
 Nothing here was measured on such a cluster: every number below is an assumption, stated where it
 is set, and the model is hvd_aps.perf (docs/performance-model.md), checked only on the 2-core
-netns cluster.
+netns cluster. The GPU codec is projected, not measured (examples/gpu_projection.py).
 """
 import argparse
 import dataclasses
 import json
 import math
-import pathlib
 
 from hvd_aps import calibration, perf
 
@@ -25,18 +24,12 @@ BETWEEN_LATENCY = 5e-6
 # inside a host: nccl-tests' allreduce bus bandwidth on an 8-GPU H100 host is about 360 GB/s,
 # some 80 % of NVLink 4's 450 GB/s a direction
 NVLINK = perf.Link(360e9, 3e-6)
-# The GPU codec as measured: `python -m hvd_aps calibrate --device cuda --world 8` on one NVIDIA
-# H200 on 2026-11-26 (scripts/gpu_check.sh; docs/gpu.md), the codes exchange's own time as rank 0 of
-# 8 fitted as a cost per exchange, per tensor and per element: e4m3 4.2 ms, 0.25 ms and 29 ps, e3m0
-# 7.0 ms, 0.49 ms and 12 ps. The costs per exchange and per tensor are the host's driver (kernel
-# launches, copies of shifts and samples, Python), which delay the exchange and leave the GPU to
-# backward (Codec.busy); the world it was measured at stands for every world here.
-GPU_CALIBRATION = pathlib.Path(__file__).parent.parent / "docs" / "perf_model_calibration_h200.json"
-GPU_CODECS = calibration.load(GPU_CALIBRATION).codecs
-# The kernels alone: the packed-row stages at 1 GiB on that H200 (encode 611 GB/s of bytes read and
-# written, the sum of 8 ranks' rows 401 GB/s, decode 745 GB/s: about 20 ps an element together) and
-# five launches of 10 us a bucket: the codec as if its driver's host time were cut to its launches
-KERNELS_ONLY_CODEC = perf.Codec(fixed=50e-6, per_element=20e-12, device=True)
+# The GPU codec projected, not measured (examples/gpu_projection.py: the kernels' launches, reads
+# and bytes counted on the CPU, at an H200's measured rates): a cost per exchange (the host's
+# driver: launches, reads, Python), per tensor and per element (the kernels' passes, Codec.busy);
+# the world it was counted at (8) stands for every world here. A calibration file measured on a
+# device (scripts/gpu_check.sh) takes its place with --calibration.
+GPU = calibration.load(calibration.GPU_PROJECTION)
 # A step's compute on one H100 (bf16, mixed precision), forward + backward, two thirds backward:
 # ResNet-50 at 256 images a GPU and about 2,850 images/s (MLPerf-class); transformers at
 # 6 x parameters x tokens FLOPs and 400 TFLOP/s (40 % of the H100's dense bf16 peak).
@@ -46,8 +39,14 @@ WORKLOADS = {
     "transformer 1B": perf.Workload(1_000_000_000, 6 * 1e9 * 16_384 / TRANSFORMER_FLOPS),
     "transformer 7B": perf.Workload(7_000_000_000, 6 * 7e9 * 8_192 / TRANSFORMER_FLOPS),
 }
-PATHS = (perf.Path("float32", 32), perf.Path("bf16", 16), perf.Path("NCCL fp8", 8),
-         perf.Path("e4m3", 8, GPU_CODECS["e4m3"]), perf.Path("e3m0", 4, GPU_CODECS["e3m0"]))
+
+
+def paths(codecs: dict) -> tuple:
+    return (perf.Path("float32", 32), perf.Path("bf16", 16), perf.Path("NCCL fp8", 8),
+            perf.Path("e4m3", 8, codecs["e4m3"]), perf.Path("e3m0", 4, codecs["e3m0"]))
+
+
+PATHS = paths(GPU.codecs)
 DETTMERS_GPUS, DETTMERS_FP32_SPEEDUP = 96, 23
 BUCKET_CAPS_MB = (25, 100, 400)  # DDP's bucket_cap_mb: 25 by default
 
@@ -116,10 +115,8 @@ def main():
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args()
     table = rows()
-    kernels = rows(PATHS[:2] + tuple(dataclasses.replace(p, codec=KERNELS_ONLY_CODEC) for p in PATHS[3:]))
+    print(f"The GPU codec: {GPU.describe()}\n")
     print(markdown(table))
-    print("\nThe codec's kernels alone (50 us an exchange, 20 ps an element):\n")
-    print(markdown([r for r in kernels if r["gpus"] != GPUS_PER_HOST]))
     shape = dettmers()
     print(f"\n{DETTMERS_GPUS} GPUs, ResNet-50: float32 scales {shape['float32']:.0f}x at {shape['gbit']:.1f} Gbit/s a host; "
           + ", ".join(f"{name} {shape[name]:.0f}x" for name in ("bf16", "NCCL fp8", "e4m3", "e3m0")))
@@ -128,7 +125,8 @@ def main():
           + "; ".join(f"{key}: " + ", ".join(f"{name} {x:.2f}" for name, x in v.items()) for key, v in caps.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": table, "kernels_only_rows": kernels, "dettmers": shape, "bucket_caps": caps}, f, indent=1)
+            json.dump({"codec": {"kind": GPU.kind.value, "device": GPU.device, "date": GPU.date, "command": GPU.command},
+                       "rows": table, "dettmers": shape, "bucket_caps": caps}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,8 @@ def _torch_job() -> tuple:
 
 def plan_command(args):
     formats = [str(f) for f in args.format]
+    if args.device == "cuda" and not args.calibration:
+        args.calibration = calibration.GPU_PROJECTION
     loaded = calibration.load(args.calibration) if args.calibration else calibration.Calibration(
         {fmt: calibration.fit_codec(fmt, args.hosts * args.ranks_per_host)[0] for fmt in formats})
     codecs = loaded.codecs
@@ -135,6 +137,8 @@ def plan_command(args):
               f"after forward): the framework's {_fsdp_peer(args)}" if args.fsdp else "the framework's allreduce") +
           " against codes" + (" through Horovod's collectives" if args.horovod else "") +
           "; predicted step (x float32's), and what its exchanges spend")
+    if args.device == "cuda":
+        print(f"(on a GPU: {loaded.describe()})")
     for rate, cluster in zip(args.links.split(","), clusters):
         rows = perf.table(work, paths, cluster, step)
         print(f"\n{rate} between hosts: fastest {min(rows, key=lambda row: row[1])[0].name}")
@@ -286,6 +290,9 @@ def main(argv=None):
     plan.add_argument("--horovod", action="store_true", help="codes through Horovod's collectives (APSCompressor in "
                       "hvd.DistributedOptimizer), whose chunks do not overlap codec and wire; default: the DDP hook's")
     plan.add_argument("--accelerator", action="store_true", help="compute runs on an accelerator, not the codec's CPU")
+    plan.add_argument("--device", choices=calibration.DEVICES, default="cpu",
+                      help="where the codec runs: cuda plans it on a GPU (compute there too) with the GPU "
+                           "codec projected from its kernels' work, or --calibration's measured one")
     plan.add_argument("--fsdp", type=_count_arg, help="plan FSDP2 with this many units of equal size (reduce-scatters "
                                                       "and all-gathers) in place of bucket allreduces")
     plan.add_argument("--no-reshard", action="store_true", help="FSDP2 with reshard_after_forward=False")
@@ -306,6 +313,8 @@ def main(argv=None):
         parser.error("plan needs --params and --compute-ms (or a saved --profile)")
     if args.command == "plan" and args.hsdp and not args.fsdp:
         parser.error("--hsdp plans FSDP2's units: give --fsdp UNITS too")
+    if args.command == "plan" and args.device == "cuda":
+        args.accelerator = True
     if args.command == "plan" and args.horovod and args.fsdp:
         parser.error("--horovod plans Horovod's optimizer; FSDP2 (--fsdp) runs on torch.distributed")
     try:

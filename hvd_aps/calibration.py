@@ -14,6 +14,7 @@ run, and each exchange is timed to the device's synchronisation.
 import concurrent.futures
 import contextlib
 import dataclasses
+import enum
 import json
 import os
 import pathlib
@@ -43,6 +44,16 @@ COPY_ELEMENTS = 1 << 23  # float32 a core copies per timed copy: 32 MiB, past th
 # float32 elements of the framework's allreduces timed for the link fit: latency-bound to bandwidth-bound
 LINK_ELEMENTS = (1 << 6, 1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)
 FORMAT = "calibration/1"
+
+
+class Kind(str, enum.Enum):
+    """Where a calibration file's codec figures come from."""
+    MEASURED = "measured"
+    PROJECTED = "projected"
+
+# The GPU codec, projected from the kernels' own work counted on the CPU (examples/gpu_projection.py):
+# what `plan --device cuda` uses until a device's measurement is given
+GPU_PROJECTION = pathlib.Path(__file__).parent / "gpu_projection.json"
 LINK_ENV = "HVD_APS_LINK"  # the link the run-time schedule predicts the framework's step over (job_link)
 
 
@@ -128,11 +139,17 @@ def fit_codec(fmt: str, world: int, buckets: Sequence = BUCKETS, repeats: int = 
     element (none below zero); a Codec of a GPU is a `device` one (perf.Codec.busy)."""
     rows = [(n, t, time_exchange(fmt, world, n, t, repeats, device))
             for n, t in tqdm(buckets, desc=f"calibrate {fmt} on {device}", unit="bucket", leave=False)]
+    return fit_rows(rows, device=device != "cpu"), rows
+
+
+def fit_rows(rows: Sequence, device: bool) -> Codec:
+    """The Codec whose time() best fits (elements, tensors, seconds) rows: least squares relative to
+    each time, on a cost per exchange, per tensor and per element (none below zero)."""
     seconds = np.array([s for *_, s in rows])
     a = np.array([[1.0, t, n] for n, t, _ in rows]) / seconds[:, None]
     coef, *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
     fixed, per_tensor, per_element = (max(float(c), 0.0) for c in coef)
-    return Codec(fixed, per_element, per_tensor, device=device != "cpu"), rows
+    return Codec(fixed, per_element, per_tensor, device=device)
 
 
 def time_copy(elements: int = COPY_ELEMENTS, repeats: int = REPEATS) -> float:
@@ -189,11 +206,23 @@ def time_links(allreduce: Callable[[np.ndarray], object], cluster: perf.Cluster,
 class Calibration:
     """A calibration file's contents for the model: a Codec per format name, the host's copy rate,
     the link measured inside a job and the (hosts, ranks a host) it was measured on (None where the
-    file has none)."""
+    file has none); whether its codecs were measured or projected, on which device, when, and the
+    command that made them."""
     codecs: dict
     copy: Optional[float] = None
     link: Optional[perf.Link] = None
     link_shape: Optional[tuple] = None
+    kind: Kind = Kind.MEASURED
+    device: Optional[str] = None
+    date: Optional[str] = None
+    command: Optional[str] = None
+
+    def describe(self) -> str:
+        """Where its codec figures come from, in a line."""
+        if self.kind is Kind.PROJECTED:
+            return (f"the codec projected for an {self.device}, not measured ({self.command}, {self.date}); "
+                    f"scripts/gpu_check.sh measures it on a device")
+        return f"the codec measured on {self.device or 'this machine'}" + (f" on {self.date}" if self.date else "")
 
 
 def calibrate(formats: Sequence[str], world: int, buckets: Optional[Sequence] = None, repeats: int = REPEATS,
@@ -268,4 +297,5 @@ def load(path) -> Calibration:
     links = data.get("links")
     return Calibration({fmt: Codec(**fitted) for fmt, fitted in data.get("codecs", {}).items()}, data.get("copy"),
                        perf.Link(links["bandwidth"], links["latency"]) if links else None,
-                       (links["hosts"], links["ranks_per_host"]) if links else None)
+                       (links["hosts"], links["ranks_per_host"]) if links else None,
+                       Kind(data.get("kind", Kind.MEASURED)), data.get("device"), data.get("date"), data.get("command"))

@@ -71,7 +71,7 @@ def _largest_shift(xp, peak, limit):
     """Largest integer s with peak * 2**s <= limit (exact: float64 products of float32 values and
     small integers, and powers of two)."""
     _, exp = xp.frexp(limit / peak)
-    s = exp.astype(xp.int64) - 1  # floor(log2(limit / peak)), up to the division's last-bit error
+    s = exp.astype(xp.int64) - 1  # floor(log2(limit / peak)): exact but for a subnormal quotient (below)
     s += xp.ldexp(peak, (s + 1).astype(xp.int32)) <= limit
     s -= xp.ldexp(peak, s.astype(xp.int32)) > limit
     return s

@@ -194,8 +194,8 @@ extern "C" __global__ void hvd_table_shifts(const float *peaks, long long n, dou
     if (isfinite(peak) && peak > 0) {
       int e;
       frexp(limit / peak, &e);
-      s = e - 1;  /* floor(log2(limit / peak)), up to the division's last-bit error */
-      s += ldexp(peak, s + 1) <= limit;
+      s = e - 1; /* floor(log2(limit / peak)): exact unless the quotient is a subnormal double (a limit */
+      s += ldexp(peak, s + 1) <= limit; /* under 2^-1022 x peak), whose rounding these two steps undo */
       s -= ldexp(peak, s) > limit;
     }
     shifts[i] = s;

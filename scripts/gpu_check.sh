@@ -4,15 +4,18 @@
 # start besides). Each step is bounded by `timeout` and by what is left of the budget, so one that
 # hangs leaves the rest their turn, and a step with too little time left is skipped, not started:
 #   build      the C engine in place, nothing fetched (only where the copy is not installed)
-#   tests      the CUDA tests: the CuPy engine bit for bit against the CPU, the exchange on CuPy
-#              arrays, the DDP hook over NCCL with one rank and over Gloo with two on the one GPU
+#   tests      the CUDA tests: the CuPy engine bit for bit against the CPU (and the stats' sums against
+#              the kernels' emulation on the CPU), the exchange on CuPy arrays, the DDP hook over NCCL
+#              with one rank and over Gloo with two on the one GPU
+#   calibrate  the GPU codec for the performance model (calibration_gpu.json: `plan --device cuda
+#              --calibration` takes it in place of the projection), printed beside the projection
 #   bench      examples/gpu_step_benchmark.py under torchrun, world 1 over NCCL: DDP's step with no
 #              hook, bf16_compress_hook and aps_hook, FSDP2 alone and with hvd_aps.fsdp.apply, their
 #              ratios against the targets, the profiler's synchronisation and launch counts per step
 #   codec      examples/benchmark_codec.py, short: encode/decode against a copy and torch's cast
 #   sanitizer  compute-sanitizer memcheck and racecheck over the block-table and packed-row tests
 #   ncu        Nsight Compute on the table kernels
-# Named only: `calibrate` (the performance model's GPU codec), `exchange` (8 emulated workers).
+# Named only: `exchange` (8 emulated workers).
 # GPU_CHECK_STEPS="tests bench" runs only the named steps; GPU_CHECK_BENCH_ARGS adds arguments to
 # the benchmark (e.g. "--models gpt2 fsdp-gpt2"). Writes under $OUT (default ./gpu-results), at
 # most 4 files: log.txt, gpu-tests.xml, step_benchmark.json, calibration_gpu.json. Run it from a
@@ -23,7 +26,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 PY=$(command -v "${PYTHON:-python3}")
 [[ $PY == /* ]] || PY=$PWD/$PY  # the install check below runs it from /
-STEPS=${GPU_CHECK_STEPS:-"tests bench codec sanitizer ncu"}
+STEPS=${GPU_CHECK_STEPS:-"tests calibrate bench codec sanitizer ncu"}
 BUDGET=${GPU_CHECK_BUDGET_S:-330}
 MIN_STEP_S=20  # a step with less than this left of the budget is skipped
 KILL_AFTER_S=10  # after its limit a step gets this long to exit on its signal before SIGKILL
@@ -64,6 +67,10 @@ if wanted tests; then
   SIG=INT run 90 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel_build.py \
       --junitxml "$OUT/gpu-tests.xml"
 fi
+if wanted calibrate; then
+  run 90 $PY -m hvd_aps calibrate --device cuda --world 8 --out "$OUT/calibration_gpu.json"
+  run 20 $PY examples/gpu_projection.py --against "$OUT/calibration_gpu.json"
+fi
 if wanted bench; then
   # ~3 minutes at the benchmark's default pace (30 warm-up steps and more until settled, 6 rounds
   # of 5 timed steps, 3 profiled and 3 checked steps a variant); it rewrites its JSON after each model
@@ -85,9 +92,6 @@ if wanted ncu && command -v ncu >/dev/null; then
   run 60 ncu --target-processes all -k regex:"hvd_table_(encode|sum|decode)" --launch-count 3 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section ComputeWorkloadAnalysis \
       $PY examples/benchmark_codec.py --device cuda --repeats 1
-fi
-if wanted calibrate; then
-  run 120 $PY -m hvd_aps calibrate --device cuda --world 8 --out "$OUT/calibration_gpu.json"
 fi
 if wanted exchange; then
   run 90 $PY examples/benchmark_exchange.py --device cuda --model resnet50 --workers 8

@@ -23,6 +23,7 @@ import re
 import struct
 import subprocess
 import tempfile
+import threading
 
 import numpy as np
 
@@ -112,32 +113,51 @@ class Module:
         self.source = source
         self.kernels = signatures(source.read_text())  # name -> Parameters
 
-    def _build(self, target: str, flags: list, sources: list, suffix: str) -> pathlib.Path:
-        """g++ `sources` with `flags` into BUILD, once per digest of the sources' text and the flags."""
+    def _build(self, target: str, flags: list, sources: list, suffix: str, counted: tuple = ()) -> pathlib.Path:
+        """g++ `sources` with `flags` into BUILD, once per digest of the sources' text and the flags;
+        `counted` sources compiled apart with the instrumentation count.cc answers."""
         listed = "".join(f"X({name})" for name in sorted(self.kernels))
         command = ["g++", *FLAGS, *flags, f'-DHVD_SIMT_SOURCE="{self.source.resolve()}"',
                    f"-DHVD_SIMT_KERNELS={listed}"]
-        digest = hashlib.sha256(repr(command).encode())
-        for source in HEADERS + [self.source] + sources:
+        digest = hashlib.sha256(repr((command, [str(c) for c in counted])).encode())
+        for source in HEADERS + [self.source] + sources + list(counted):
             digest.update(source.read_bytes())
         path = BUILD / f"{target}-{self.source.stem}-{digest.hexdigest()[:16]}{suffix}"
         if path.exists():
             return path
         BUILD.mkdir(exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=BUILD, prefix=f".{target}-", suffix=suffix)
-        os.close(fd)
-        run = subprocess.run([*command, *map(str, sources), "-o", partial], capture_output=True, text=True,
-                             timeout=600)
-        if run.returncode:
-            os.unlink(partial)
-            raise RuntimeError(f"building {target} failed:\n{' '.join(command)}\n{run.stderr}")
-        os.replace(partial, path)
+        with tempfile.TemporaryDirectory(dir=BUILD) as scratch:
+            objects = []
+            for source in counted:
+                objects.append(f"{scratch}/{source.stem}.o")
+                self._compile([*command, "-fsanitize=thread", "-c", str(source), "-o", objects[-1]], target)
+            partial = f"{scratch}/{path.name}"
+            self._compile([*command, *map(str, sources), *objects, "-o", partial], target)
+            os.replace(partial, path)
         return path
+
+    @staticmethod
+    def _compile(command: list, target: str) -> None:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if run.returncode:
+            raise RuntimeError(f"building {target} failed:\n{' '.join(command)}\n{run.stderr}")
 
     @functools.cached_property
     def library(self) -> ctypes.CDLL:
         """The kernels and the SIMT runtime as a shared library, loaded once a process."""
         path = self._build("libsimt", ["-O2", "-fPIC", "-shared", "-fvisibility=hidden"], UNITS, ".so")
+        lib = ctypes.CDLL(str(path))
+        lib.hvd_simt_launch.restype = ctypes.c_char_p
+        lib.hvd_simt_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint),
+                                        ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_void_p)]
+        return lib
+
+    @functools.cached_property
+    def counting(self) -> ctypes.CDLL:
+        """The kernels built to count the memory they reach (count.cc): hvd_simt_watch, launch,
+        hvd_simt_traffic."""
+        path = self._build("libsimt-count", ["-O2", "-fPIC", "-shared", "-fvisibility=hidden"],
+                           [HERE / "simt.cc", HERE / "count.cc"], ".so", counted=(HERE / "kernels.cc",))
         lib = ctypes.CDLL(str(path))
         lib.hvd_simt_launch.restype = ctypes.c_char_p
         lib.hvd_simt_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint),
@@ -163,9 +183,12 @@ class Module:
         values = [ctypes.c_void_p(a.address if a is not None else 0) if p.pointer else _CTYPES[p.dtype](a.item())
                   for p, a in zip(parameters, arguments)]
         argv = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        recording = Recording.active
+        recording, traffic = Recording.active, Traffic.active
         before = recording.before(name, parameters, arguments) if recording is not None else None
-        why = self.library.hvd_simt_launch(name.encode(), _dims(grid), _dims(block), argv)
+        if traffic is None:
+            why = self.library.hvd_simt_launch(name.encode(), _dims(grid), _dims(block), argv)
+        else:
+            why = traffic.launch(self.counting, name, _dims(grid), _dims(block), argv, parameters, arguments)
         if why is not None:
             raise RuntimeError(f"emulated launch failed: {why.decode()}")
         if recording is not None:
@@ -180,6 +203,51 @@ class Module:
 
 
 KERNELS = Module(OPS / "kernels.cu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """One counted launch: the bytes of global memory it read and wrote, by parameter (32-byte
+    sectors, each counted once a launch: count.cc)."""
+    name: str
+    thread: str  # the launching thread's name
+    blocks: int
+    read: dict
+    written: dict
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.read.values()) + sum(self.written.values())
+
+
+class Traffic:
+    """Launches made inside `with Traffic() as t:` run on the counting build, one at a time, and
+    leave what each moved in `t.launches` (Moved)."""
+    active = None
+
+    def __init__(self):
+        self.launches, self._lock = [], threading.Lock()
+
+    def __enter__(self) -> "Traffic":
+        Traffic.active = self
+        return self
+
+    def __exit__(self, *exc):
+        Traffic.active = None
+
+    def launch(self, lib, name, grid, block, argv, parameters, arguments):
+        watched = [(p.name, a) for p, a in zip(parameters, arguments) if p.pointer and a is not None]
+        lows = (ctypes.c_uint64 * len(watched))(*[a.low for _, a in watched])
+        sizes = (ctypes.c_uint64 * len(watched))(*[a.size for _, a in watched])
+        read, written = (ctypes.c_uint64 * len(watched))(), (ctypes.c_uint64 * len(watched))()
+        with self._lock:
+            lib.hvd_simt_watch(lows, sizes, len(watched))
+            why = lib.hvd_simt_launch(name.encode(), grid, block, argv)
+            lib.hvd_simt_traffic(read, written)
+        names = [n for n, _ in watched]
+        self.launches.append(Moved(name, threading.current_thread().name, int(np.prod(list(grid))),
+                                   dict(zip(names, read)), dict(zip(names, written))))
+        return why
 
 
 _FLOATS = {np.dtype(np.float32): 4, np.dtype(np.float64): 8}  # replay.cc compares these NaN for NaN

@@ -19,6 +19,7 @@ import pytest
 
 import counting_cupy as standin
 import hvd_aps
+from device_ranks import DeviceCollectives, run_ranks
 from counting_cupy import cupy as cp
 from hvd_aps import _arrays, _device, _inprocess, _tables, codec, exchange
 from hvd_aps._stages import Bucket
@@ -111,33 +112,6 @@ def test_packed_rows_on_device_arrays_give_the_host_engines_bits(counting_cupy, 
 
 
 # The exchange ---------------------------------------------------------------------------------------
-class DeviceCollectives(_inprocess.ThreadCollectives):
-    """Thread ranks' collectives that move device memory as NCCL does: nothing they do counts as
-    the package's reads, uploads or allocations."""
-
-    def max_allreduce(self, vector, name):
-        return self._everyone(name, vector, lambda parts: _like(vector, np.max([_bytes(p) for p in parts], axis=0)))
-
-    def alltoall(self, send, splits, name):
-        def mine(parts):
-            cuts = [np.concatenate([[0], np.cumsum(_bytes(s))]) for _, s in parts]
-            pieces = [_bytes(m)[c[self.rank]:c[self.rank + 1]] for (m, _), c in zip(parts, cuts)]
-            return _like(send, np.concatenate(pieces))
-        return self._everyone(name, (send, splits), mine)
-
-    def allgather(self, message, name):
-        return self._everyone(name, message, lambda parts: _like(message, np.concatenate([_bytes(p) for p in parts])))
-
-
-def _bytes(a) -> np.ndarray:
-    return standin.peek(a)
-
-
-def _like(given, result: np.ndarray):
-    """A collective's result where its input was: on this thread's device, or on the host."""
-    return standin.on_device(result) if isinstance(given, standin.ndarray) else result
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One bucket's exchange: ELEMENTS float32 in `tensors` tensors over `world` ranks, cut into
@@ -210,28 +184,6 @@ def run_exchange(case: Case, counts: standin.Counts = None, spread: bool = False
 
     run_ranks(rank, world, [levels[0].world.group.barrier, last_step])
     return run
-
-
-def run_ranks(rank, world: int, barriers: list) -> None:
-    """rank(r) on a thread a rank; a rank that raises breaks the `barriers`, so the others stop at
-    once, and its error is raised (not one of the broken barriers it left behind)."""
-    errors = []
-
-    def run(r):
-        try:
-            rank(r)
-        except BaseException as error:
-            errors.append(error)
-            for barrier in barriers:
-                barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
 
 
 @dataclasses.dataclass(frozen=True)

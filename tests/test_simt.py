@@ -3,9 +3,6 @@ kernel bit for bit with the compiled host engine (the stats and shifts with NumP
 every kind of format, both roundings, saturation, sizes that end mid-byte and mid-row, rows sharing
 packed bytes, 1 to 8 ranks and every special value; and the kernels' launches replayed under
 ThreadSanitizer and AddressSanitizer."""
-import contextlib
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -14,7 +11,7 @@ import hvd_aps
 import simt
 from counting_cupy import cupy as cp
 from hvd_aps import _host_engine, _numpy_engine, scaling
-from hvd_aps._tables import BASE, COUNT, POS, SAMPLE_SUMS, SRC, Blocks
+from kernel_cases import LARGE, SIZES, Table, device, inputs, same, shifts_for, tree_sums
 
 pytestmark = pytest.mark.skipif(not _host_engine.available, reason="the compiled host engine is not built")
 
@@ -22,9 +19,6 @@ SELF = simt.Module(simt.HERE / "selftest.cu")
 Span = simt.Span.of
 # 8-bit (IEEE, fn), 16-bit, the 4-bit packings, 6-bit, and codes that straddle bytes (5 and 7 bits)
 FORMATS = ["e4m3", "e5m2", "e4m3fn", "e5m10", "e8m7", "e3m0", "e2m1fn", "e3m2fn", "e2m2", "e4m2"]
-SIZES = [1, 31, 4095, 4097]  # ending mid-byte and mid-row; LARGE once a format
-LARGE = (1 << 20) + 3
-ROW = 2048  # rows of at most a re-encode block (hvd_aps._layout.BLOCK)
 
 
 # The SIMT layer --------------------------------------------------------------------------------------
@@ -78,83 +72,6 @@ def test_what_would_hang_a_device_fails_the_launch_with_its_reason(kernel, why):
 
 
 # kernels.cu against the host engine -----------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Table:
-    """n elements in rows of 1..ROW elements, listed in shuffled order, their codes packed into a
-    few streams one row after another (neighbours sharing bytes), each stream starting mid-byte
-    behind a gap; `size` the bytes a message needs."""
-    blocks: Blocks
-    size: int
-
-    @classmethod
-    def of(cls, n: int, fmt, rng) -> "Table":
-        cuts = np.unique(np.concatenate([[0, n], rng.integers(1, max(n, 2), max(1, n // 700))]))
-        counts = np.concatenate([_parts(int(c), -(-int(c) // ROW)) for c in np.diff(cuts)])
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        stream = np.minimum(rng.integers(0, 3, len(counts)).cumsum() // 2, 2)  # up to 3 streams, in order
-        base, pos, at = np.zeros(len(counts), np.int64), np.zeros(len(counts), np.int64), 0
-        for s in np.unique(stream):
-            rows = np.flatnonzero(stream == s)
-            first = int(rng.integers(1, 8))
-            base[rows] = at + 3
-            pos[rows] = first + np.concatenate([[0], np.cumsum(counts[rows])[:-1]])
-            at += 3 + fmt.packed_size(first + int(counts[rows].sum())) + 1
-        order = rng.permutation(len(counts))
-        index = rng.integers(0, 1 << 40, len(counts))
-        blocks = Blocks.of(starts[order], counts[order], base[order], pos[order], index[order], 0, 0)
-        return cls(blocks, at + 2)
-
-
-def _parts(n: int, k: int) -> list:
-    """n cut into k near-equal parts."""
-    return [n // k + (i < n % k) for i in range(k)]
-
-
-def inputs(n: int, fmt, rng) -> np.ndarray:
-    """float32 over every binade, the format's grid and its ties at shift 0, float32 subnormals,
-    signed zeros, NaN and Inf."""
-    with np.errstate(over="ignore"):
-        x = (rng.standard_normal(n) * np.exp2(rng.uniform(-150, 129, n))).astype(np.float32)
-    grid = hvd_aps.decode(np.arange(1 << fmt.bits, dtype=fmt.code_dtype), fmt).astype(np.float64)
-    grid = grid[np.isfinite(grid)]
-    ties = np.sort(grid)[:-1] + np.diff(np.sort(grid)) / 2
-    pick = rng.random(n)
-    x = np.where(pick < 0.3, rng.choice(grid, n), x)
-    x = np.where((pick >= 0.3) & (pick < 0.5), rng.choice(ties, n), x).astype(np.float32)
-    specials = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -3e-39, 3e38])
-    at = rng.integers(0, n, min(n, 40))
-    x[at] = rng.choice(specials, at.size)
-    return x
-
-
-def shifts_for(count: int, rng) -> np.ndarray:
-    """Per row: mostly small APS shifts, some far enough to flush every code or overflow them all."""
-    shifts = rng.integers(-6, 9, count)
-    far = rng.random(count) < 0.1
-    shifts[far] = rng.choice([-60, -30, 30, 60], far.sum())
-    return shifts.astype(np.int32)
-
-
-@contextlib.contextmanager
-def device():
-    """The stand-in installed and the package's CuPy engine as it imports against it."""
-    with standin.installed():
-        from hvd_aps import _cupy_engine
-        yield _cupy_engine
-
-
-def same(got, want: np.ndarray, nan: bool = False) -> bool:
-    """A device array holding exactly want's bytes; nan: float32 where any NaN equals any NaN (a
-    sum where NaNs meet: which one an add returns is the compiled operand order's, and a device's
-    is its canonical NaN: cuda_on_host.h)."""
-    got = standin.peek(got)
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return False
-    if not nan:
-        return got.tobytes() == want.tobytes()
-    return bool(((got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))).all())
-
-
 def runs(fmt: str):
     """(size, rounding, saturate) for one format: every small size both ways, LARGE once."""
     cases = [(n, r, s) for n in SIZES for r in ("nearest", "stochastic") for s in (False, True)]
@@ -175,8 +92,8 @@ def test_encode_gives_the_host_engines_bytes_and_residuals(name):
             _host_engine.table_encode(x, fmt, table.blocks, shifts, rounding, seeds, saturate, want, want_res)
             got, got_res = cp.asarray(stale), cp.zeros(n, np.float32)
             engine.table_encode(cp.asarray(x), fmt, table.blocks, shifts, rounding, seeds, saturate, got, got_res)
-            assert same(got, want), (n, rounding, saturate)
-            assert same(got_res, want_res), (n, rounding, saturate)
+            assert same(standin.peek(got), want), (n, rounding, saturate)
+            assert same(standin.peek(got_res), want_res), (n, rounding, saturate)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -195,12 +112,13 @@ def test_decode_and_the_ranks_sum_give_the_host_engines_bits(name):
             want_peaks = _host_engine.table_sum(rows[:, 2:-3], fmt, table.blocks, shifts, want_out)
             got_out = cp.zeros(n, np.float32)
             got_peaks = engine.table_sum(cp.asarray(rows)[:, 2:-3], fmt, table.blocks, shifts, got_out)
-            assert same(got_out, want_out, nan=True) and same(got_peaks, want_peaks), (n, ranks)
+            assert same(standin.peek(got_out), want_out, nan=True), (n, ranks)
+            assert same(standin.peek(got_peaks), want_peaks), (n, ranks)
             for divisor in (np.float32(1), np.float32(ranks)):
                 want = _host_engine.table_decode(rows[0], fmt, table.blocks, shifts, np.zeros(n, np.float32), divisor)
                 got = engine.table_decode(cp.asarray(rows[0]), fmt, table.blocks, shifts, cp.zeros(n, np.float32),
                                           divisor)
-                assert same(got, want), (n, divisor)
+                assert same(standin.peek(got), want), (n, divisor)
 
 
 @pytest.mark.parametrize("n", SIZES + [LARGE])
@@ -211,30 +129,8 @@ def test_amax_gives_the_host_engines_peaks(n):
         for _ in range(3):
             table = Table.of(n, hvd_aps.e4m3, rng)
             x = inputs(n, hvd_aps.e4m3, rng)
-            assert same(engine.table_amax(cp.asarray(x), table.blocks), _host_engine.table_amax(x, table.blocks))
-
-
-def tree_sums(x, sent, blocks, first, step, limits, threads=256) -> np.ndarray:
-    """hvd_table_stats' arithmetic in NumPy: per row, each thread's float64 sums over its samples in
-    order, then the pairwise tree of the block's shared memory, in the kernel's order."""
-    sums = np.zeros((blocks.count, SAMPLE_SUMS))
-    for b, row in enumerate(blocks.rows):
-        taken = np.arange(first[b], row[COUNT], step[b])
-        v = x[row[SRC] + taken].astype(np.float64)
-        s = sent[row[SRC] + taken].astype(np.float64)
-        d = s - v
-        columns = [np.ones_like(v), v != 0, s != 0, (v > limits[b]) | (v < -limits[b]), d * d, v * v]
-        partial = np.zeros((SAMPLE_SUMS, threads))
-        for k, column in enumerate(columns):
-            for t in range(threads):
-                for value in column[t::threads]:
-                    partial[k, t] += value
-        width = threads // 2
-        while width:
-            partial[:, :width] += partial[:, width:2 * width]
-            width //= 2
-        sums[b] = partial[:, 0]
-    return sums
+            got = engine.table_amax(cp.asarray(x), table.blocks)
+            assert same(standin.peek(got), _host_engine.table_amax(x, table.blocks))
 
 
 @pytest.mark.parametrize("name", ["e4m3", "e2m1fn", "e3m2fn", "e5m10"])
@@ -280,7 +176,7 @@ def test_shifts_are_numpys_float64_arithmetic_with_the_exponents_in_the_message(
             want = _numpy_engine.table_shifts(peaks, limit, want_bytes[1:-2])
             got_bytes = cp.zeros(2 * peaks.size + 3, np.uint8)
             got = engine.table_shifts(cp.asarray(peaks), limit, got_bytes[1:-2])
-            assert same(got, want) and same(got_bytes, want_bytes), limit
+            assert same(standin.peek(got), want) and same(standin.peek(got_bytes), want_bytes), limit
 
 
 # The kernels under the sanitizers ---------------------------------------------------------------------
@@ -344,3 +240,28 @@ def test_the_sanitized_replay_reports_races_and_overruns(tmp_path, kernel, grid,
     run = SELF.replay(tmp_path / "k.rec", sanitizer, timeout=120)
     assert run.returncode == simt.SANITIZER_FAILED, run.stdout + run.stderr[-3000:]
     assert pytest.importorskip("re").search(report, run.stderr.replace("\n", " ")), run.stderr[-3000:]
+
+
+# The GPU projection, from the kernels' counted work ---------------------------------------------------
+def test_the_shipped_gpu_projection_is_what_the_kernels_count_now(tmp_path, capsys):
+    """hvd_aps/gpu_projection.json (plan --device cuda's codec) holds what one exchange launches, reads,
+    uploads and moves as the kernels and the exchange stand now: rerun examples/gpu_projection.py
+    when this fails. And a device's measured file prints beside it."""
+    import json
+    import sys
+    sys.path.insert(0, str(simt.HERE.parent.parent / "examples"))
+    import gpu_projection
+    from hvd_aps import calibration
+    shipped = json.loads(calibration.GPU_PROJECTION.read_text())
+    assert shipped["kind"] == "projected" and calibration.load(calibration.GPU_PROJECTION).kind.value == "projected"
+    row = next(r for r in shipped["counted"]["e4m3"] if (r["elements"], r["tensors"]) == (1 << 18, 16))
+    counted = gpu_projection.count("e4m3", 1 << 18, 16)
+    assert (counted.launches, counted.operations, counted.reads, counted.uploads) == (
+        row["launches"], row["operations"], row["reads"], row["uploads"])
+    assert sum(b for _, b in counted.kernel_bytes) == row["kernel_bytes"]
+    assert counted.seconds == pytest.approx(row["projected_seconds"], rel=1e-12)
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"format": calibration.FORMAT, "device": "a GPU", "date": "today", "measured": {
+        "e4m3": [{"elements": 1 << 18, "tensors": 16, "seconds": 2 * row["projected_seconds"]}]}}))
+    gpu_projection.against(measured)
+    assert "262144      16" in capsys.readouterr().out
