@@ -61,7 +61,7 @@ def codec_inputs(fmt, shift: int, n: int = 3000) -> np.ndarray:
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_the_codec_on_device_arrays_gives_the_host_engines_bits(counting_cupy, fmt, rounding):
     """encode, decode, quantize, decode_sum, pack and unpack, amax and amax_blocks at APS shifts
-    of both signs: the kernels' twins on device arrays against the compiled host engine."""
+    of both signs: the kernels on device arrays (their text, on the CPU) against the compiled host engine."""
     for shift in (0, 5, -3):
         x = codec_inputs(fmt, shift)
         options = dict(rounding=rounding, seed=7, shift=shift)
@@ -82,7 +82,7 @@ def test_the_codec_on_device_arrays_gives_the_host_engines_bits(counting_cupy, f
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_packed_rows_on_device_arrays_give_the_host_engines_bits(counting_cupy, fmt, rounding):
     """encode_into (pieces at odd code positions, then blocks at their own exponents), decode_sum_rows
-    over rows lying apart, decode_row and codes_at: the row kernels' twins against the host engine."""
+    over rows lying apart, decode_row and codes_at: the kernels on device arrays against the host engine."""
     x = codec_inputs(fmt, 2)
     n, block = x.size, 512
     shifts = np.random.default_rng(1).integers(-3, 6, -(-(n + 5) // block))
@@ -360,7 +360,7 @@ def test_one_off_tables_leave_a_live_tables_copy_in_place(counting_cupy):
 
 # The stand-in's own strictness --------------------------------------------------------------------
 def test_the_stand_in_refuses_what_cupy_refuses(counting_cupy):
-    """Implicit conversion to NumPy, host arrays as operands, a kernel without a twin, arguments
+    """Implicit conversion to NumPy, host arrays as operands, a kernel the source lacks, arguments
     that do not fit a kernel's signature, reads inside cupyx.allow_synchronize(False)."""
     x = cp.arange(4, dtype=np.float32)
     with pytest.raises(TypeError, match="Implicit conversion"):
