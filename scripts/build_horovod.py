@@ -1,8 +1,8 @@
 """Build Horovod 0.28.1 against today's torch / TensorFlow and install it from a wheel cache.
 
 Horovod's last release predates torch 2.x, TF 2.21 and Keras 3. Three things break its build, one
-its TF2 API on Keras 3 models and one the loading of its TF operations built for GPUs; each patch
-below names the one it fixes and fails loudly if the text it replaces has moved, so a different
+its TF2 API on Keras 3 models and one the loading of its TF operations built for GPUs, and one bug
+keeps its stall check from acting under Gloo; each patch below names the one it fixes and fails loudly if the text it replaces has moved, so a different
 sdist can never be "patched" silently into something untested.
 """
 import argparse
@@ -61,6 +61,13 @@ PATCHES = [
                       ("is_local_source = s.ref() in", "is_local_source = _ref(s) in"),
                       ("{var.ref(): grad", "{_ref(var): grad"), ("if var.ref() not in", "if _ref(var) not in"),
                       ("v2g[rv.ref()]", "v2g[_ref(rv)]"), ("self._local_vars.add(var.ref())", "self._local_vars.add(_ref(var))"))
+] + [
+    # The Gloo controller reserve()s its rank list and fills it through .data(): the vector stays
+    # empty, so the stall inspector (HOROVOD_STALL_CHECK_TIME_SECONDS, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS),
+    # which walks it, never finds a missing rank: under Gloo a rank whose peer never submits a
+    # tensor waited for ever. MPI's controller sizes the vector first, as this does.
+    ("horovod/common/gloo/gloo_controller.cc", "  global_ranks_.reserve(size_);", "  global_ranks_.resize(size_);",
+     "Horovod's stall check never acted under Gloo (its rank list was empty)"),
 ] + [
     ("horovod/tensorflow/functions.py", "from horovod.tensorflow.util import _cache, _executing_eagerly, _make_subgraph",
      "from horovod.tensorflow.util import _cache, _executing_eagerly, _make_subgraph, _tf_variable",
