@@ -3,7 +3,7 @@
 #
 #   scripts/soak.sh [ROUNDS] [TEST FILE ...]     (default: 20 rounds of every multi-process test file)
 #
-# Each round runs pytest under a time limit (SOAK_ROUND_S, default 1800 s); a round past it is
+# Each round runs pytest (the slow tests too, pytest.ini) under a time limit (SOAK_ROUND_S, default 1800 s); a round past it is
 # interrupted (SIGINT: pytest prints where it waited) and counted as a hang. Every round's output
 # goes to SOAK_OUT (default results/soak/round<N>.txt); the summary line counts passes, failures
 # and hangs, and the exit status is non-zero if any round failed or hung. The tests' own launchers
@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 passed=0 failed=0 hung=0
 for round in $(seq 1 "$ROUNDS"); do
   started=$(date +%s)
-  timeout --signal=INT --kill-after=60 "$LIMIT" .venv/bin/python -m pytest -q -x "${FILES[@]}" \
+  timeout --signal=INT --kill-after=60 "$LIMIT" .venv/bin/python -m pytest -q -x -m "slow or not slow" "${FILES[@]}" \
     > "$OUT/round$round.txt" 2>&1
   rc=$?
   took=$(( $(date +%s) - started ))

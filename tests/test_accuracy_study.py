@@ -6,25 +6,24 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 
 import pytest
 
+from horovod_run import bounded, torchrun
+
 EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "accuracy_study.py"
+pytestmark = pytest.mark.slow  # minutes of training: .ci/run and scripts/soak.sh run it (pytest.ini)
 
 
 def launch(kind, out, task="digits"):
+    args = ["--task", task, "--quick", "--out", out]
     if kind == "horovod":
         horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable))
         assert horovodrun, "horovodrun is not installed next to this Python: run scripts/install.sh"
-        prefix = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(EXAMPLE)]
+        bounded([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, EXAMPLE, *args], 600)
     else:
-        prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                  "127.0.0.1", "--master-port", "29411", str(EXAMPLE), "--ddp"]
-    run = subprocess.run(prefix + ["--task", task, "--quick", "--out", str(out)], capture_output=True, text=True,
-                         timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        torchrun(EXAMPLE, "--ddp", *args, timeout=600)
     folder = out / f"{task}-{kind}-2"
     assert json.loads((folder / "checks.json").read_text())["parameters_identical_on_all_ranks"] is True
     assert (folder / "curves.png").stat().st_size > 10_000 and (folder / "results.csv").exists()

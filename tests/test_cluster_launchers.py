@@ -4,13 +4,11 @@ same mpirun inside a faked Slurm allocation (Hydra reads the hosts from SLURM_JO
 torch.distributed started as `srun` starts tasks (the hosts told apart by SLURM_NODEID alone: every
 namespace keeps this machine's hostname). Against the NumPy model of tests/test_levels.py.
 Needs root and network namespaces; the MPI launches also Horovod built with MPI."""
-import os
-import subprocess
 import sys
 
 import pytest
 
-from horovod_run import WORKERS, load
+from horovod_run import WORKERS, bounded, load, worker_env
 from test_levels import BIG, check_levels_ddp, want
 from test_netns_smoke import SCRIPT, namespaces_work
 from workers.common import CODES_SIZES
@@ -20,11 +18,9 @@ pytestmark = pytest.mark.skipif(not namespaces_work(), reason="needs root, ip an
 
 
 def netns_launch(launcher, worker, tmp_path, *args):
-    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1", HVD_APS_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
     cmd = [sys.executable, str(HOSTS), "--launcher", launcher, "--timeout", "240", "--",
            sys.executable, str(WORKERS / worker), str(tmp_path), *args]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    bounded(cmd, 300, worker_env(HVD_APS_THREADS="1"))
 
 
 def mpi_built():

@@ -1,34 +1,16 @@
 """hvd_aps.ddp.aps_hook in DistributedDataParallel under real `torchrun` processes (Gloo on
 loopback), 2 and 3 ranks, against the NumPy + ml_dtypes model of the exchange."""
-import os
-import signal
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 import model
-from horovod_run import WORKERS, free_port, load
+from horovod_run import load, torchrun, worker_env
 from workers.common import DDP_SIZES, check_slow_rank_runs, codes_grads, format_mismatch
 
 
-def launch_ddp_checks(tmp, ranks, script="ddp_checks.py", prefix=None, **env):
+def launch_ddp_checks(tmp, ranks, script="ddp_checks.py", prefix=None, timeout=240, **env):
     """workers/<script> under torchrun with `ranks` processes: every rank's saved results."""
-    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1", **env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(WORKERS / script), str(tmp)]
-    # a session of its own: a launch that times out takes its ranks with it, not left running
-    run = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
-    try:
-        stdout, stderr = run.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)
-        stdout, stderr = run.communicate()
-        pytest.fail(f"{' '.join(cmd)} still running after 240 s:\n{stdout[-3000:]}\n{stderr[-4000:]}")
-    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-3000:]}\n{stderr[-4000:]}"
+    torchrun(script, tmp, ranks=ranks, timeout=timeout, env=worker_env(**env))
     return load(tmp, prefix or f"ddp{ranks}", ranks)
 
 

@@ -7,8 +7,6 @@ import dataclasses
 import functools
 import importlib.resources
 import json
-import os
-import subprocess
 import sys
 import threading
 import types
@@ -23,7 +21,7 @@ from device_ranks import DeviceCollectives, run_ranks
 from counting_cupy import cupy as cp
 from hvd_aps import _arrays, _device, _inprocess, _tables, codec, exchange
 from hvd_aps._stages import Bucket
-from horovod_run import WORKERS, free_port, horovodrun
+from horovod_run import horovodrun, torchrun
 
 FORMATS = ["e4m3", "e5m2", "e3m0", "e2m1fn"]  # e3m0 and e2m1fn: 4-bit codes, two a byte
 TENSORS, CHUNKS = (1, 10, 1000), (1, 8)
@@ -409,11 +407,7 @@ def test_installing_leaves_the_modules_as_they_were(monkeypatch):
 def entry_points(tmp_path_factory):
     """tests/workers/device_checks.py under torchrun, 2 ranks: each rank's JSON."""
     tmp = tmp_path_factory.mktemp("device")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKERS), str(WORKERS.parent)]), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(WORKERS / "device_checks.py"), str(tmp)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-8000:]}"
+    torchrun("device_checks.py", tmp, timeout=300)
     return [json.loads((tmp / f"device_rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from horovod_run import WORKERS, free_port, horovodrun, load
+from horovod_run import horovodrun, load, torchrun
 from workers.readme_checks import README, blocks
 
 ROOT = README.parent
@@ -88,19 +88,15 @@ def test_every_test_a_page_cites_exists():
     assert not missing, f"cited tests that do not exist: {missing}"
 
 
-def torchrun(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(WORKERS / "readme_checks.py"), "torchrun", str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-4000:]}"
+def readme_torchrun(tmp_path):
+    torchrun("readme_checks.py", "torchrun", tmp_path)
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
 def launched(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "torchrun":
-        torchrun(tmp)
+        readme_torchrun(tmp)
     else:
         horovodrun("readme_checks.py", tmp, args=(request.param,))
     return request.param, load(tmp, f"readme_{request.param}")

@@ -1,28 +1,20 @@
 """hvd_aps.fsdp in FSDP2 under real `torchrun` processes (Gloo on loopback), 2 and 3 ranks: the
 codes reduce-scatter bit-exact to the NumPy model for every shard, FSDP's own calls included;
 training with nested units, resharding on and off, bf16 and fp16 reduce dtypes, error feedback, hybrid."""
-import os
-import subprocess
-import sys
-
 import ml_dtypes
 import numpy as np
 import pytest
 
 import model
 from hvd_aps._schedule import max_trial_steps
-from horovod_run import WORKERS, free_port, load
+from horovod_run import load, torchrun
 from workers.common import codes_grads, format_mismatch
 
 
 @pytest.fixture(scope="module", params=[2, 3])
 def ranks(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"fsdp{request.param}")
-    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(request.param),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKERS / "fsdp_checks.py"), str(tmp)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-8000:]}"
+    torchrun("fsdp_checks.py", tmp, ranks=request.param, timeout=300)
     return load(tmp, f"fsdp{request.param}", request.param)
 
 

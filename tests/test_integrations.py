@@ -3,24 +3,19 @@ the CPU: HF Accelerate and PyTorch Lightning (torchrun, 2 ranks, Gloo) and Horov
 (horovodrun's elastic mode on localhost, a host-discovery script that grows the job; a worker
 killed mid-step)."""
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from horovod_run import WORKERS, free_port, load
+from horovod_run import WORKERS, bounded, load, torchrun
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("integrations")
-    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(WORKERS / "integrations_checks.py"), str(tmp)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-4000:]}"
+    torchrun("integrations_checks.py", tmp, timeout=300)
     return load(tmp, "integrations", 2)
 
 
@@ -45,9 +40,7 @@ def test_horovod_elastic_keeps_each_ranks_compressor_state(tmp_path):
     cmd = [horovodrun, "--network-interface", "lo", "-np", "2", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", str(discover), "--gloo", sys.executable, str(WORKERS / "elastic_checks.py"),
            str(tmp_path), str(hosts)]
-    run = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True,
-                         text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    bounded(cmd, 240)
     ranks = [dict(np.load(tmp_path / f"elastic_{r}.npz")) for r in range(3)]
     assert all(int(r["size"]) == 3 for r in ranks)
     assert [int(r["resets"]) for r in ranks] == [1, 1, 0]  # rank 2 joined after the reset
@@ -68,12 +61,10 @@ def test_horovod_elastic_survives_a_killed_worker_on_the_bits_of_a_job_never_int
     discover.chmod(0o755)
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     worker = [sys.executable, str(WORKERS / "elastic_kill_checks.py"), wrapper]
-    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
     for cmd in ([horovodrun, "--network-interface", "lo", "-np", "3", "--min-np", "2", "--max-np", "3",
                  "--host-discovery-script", str(discover), "--gloo", *worker, "elastic", str(tmp_path)],
                 [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", *worker, "reference", str(tmp_path)]):
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        bounded(cmd, 240)
     for rank in range(2):
         restored = torch.load(tmp_path / f"reset_rank{rank}.pt", weights_only=False)
         assert restored["step"] == 4  # the killed step was not committed

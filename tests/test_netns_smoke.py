@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from horovod_run import bounded
+
 SCRIPT = Path(__file__).parent.parent / "examples" / "netns_cluster.py"
 
 
@@ -25,11 +27,8 @@ def namespaces_work():
 @pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc, and network namespaces")
 def test_quick_cluster_run(tmp_path):
     out = tmp_path / "rows.json"
-    run = subprocess.Popen([sys.executable, str(SCRIPT), "--quick", "--compressions",
-                            "none,aps-e4m3,aps-e3m0,ddp:none,ddp:aps-e4m3", "--json", str(out)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = run.communicate(timeout=300)
-    assert run.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    run = bounded([sys.executable, SCRIPT, "--quick", "--compressions", "none,aps-e4m3,aps-e3m0,ddp:none,ddp:aps-e4m3",
+                   "--json", out], 300, dict(os.environ))
     rows = {r["compression"]: r for r in json.loads(out.read_text())}
     # 0.25x and 0.125x of fp32's bytes, plus what a step sends whatever the model's size: Horovod's
     # controller exchanges a few hundred bytes every 1 ms cycle, the tokens, the fp32 biases. Here
@@ -51,9 +50,8 @@ def test_compressions_in_one_job_count_their_own_bytes(tmp_path):
     """--same-job: both models step in one job, each variant's bytes read around its own timed
     steps (summed over both, the codes row would show about 1.25x of fp32's bytes)."""
     out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--same-job", "--compressions", "none,aps-e4m3",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    bounded([sys.executable, SCRIPT, "--quick", "--same-job", "--compressions", "none,aps-e4m3", "--json", out], 300,
+            dict(os.environ))
     rows = {r["compression"]: r for r in json.loads(out.read_text())}
     assert rows["none"]["same_job"] == rows["aps-e4m3"]["same_job"] == ["none", "aps-e4m3"]
     assert rows["aps-e4m3"]["bytes_ratio"] <= 0.25 + 0.03

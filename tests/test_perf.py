@@ -18,7 +18,7 @@ from hvd_aps import calibration, emulate, exchange, perf
 from hvd_aps import _layout
 from hvd_aps._stages import Bucket
 
-from horovod_run import free_port
+from horovod_run import bounded, free_port
 
 ALPHA, BW = 1e-4, 1e8
 SLOW = perf.Link(BW, ALPHA)
@@ -255,11 +255,9 @@ def test_links_measured_inside_a_torchrun_job_feed_the_plan(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "hvd_aps", "calibrate", "--links", "--out", str(out)],
                              capture_output=True, text=True)
     assert refused.returncode != 0 and "horovodrun" in refused.stderr and "torchrun" in refused.stderr
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", str(free_port()), "-m", "hvd_aps", "calibrate", "--links",
-                          "--out", str(out)], capture_output=True, text=True, timeout=240,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert job.returncode == 0, job.stderr[-3000:]
+    bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+             "--master-port", free_port(), "-m", "hvd_aps", "calibrate", "--links", "--out", out], 240,
+            dict(os.environ, OMP_NUM_THREADS="1"))
     saved = json.loads(out.read_text())
     assert saved["links"]["hosts"] == 1 and saved["links"]["ranks_per_host"] == 2
     assert [r["elements"] for r in saved["links"]["measured"]] == list(calibration.LINK_ELEMENTS)
@@ -279,10 +277,8 @@ def test_links_measured_inside_a_horovodrun_job(tmp_path):
     allreduce at every size and writes the link it gets, with the job's shape."""
     horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable))
     out = tmp_path / "cal.json"
-    job = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvd_aps",
-                          "calibrate", "--links", "--out", str(out)], capture_output=True, text=True, timeout=240,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    job = bounded([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvd_aps", "calibrate",
+                   "--links", "--out", out], 240, dict(os.environ, OMP_NUM_THREADS="1"))
     assert "Horovod's float32 allreduce gets" in job.stdout
     links = json.loads(out.read_text())["links"]
     assert links["hosts"] == 1 and links["ranks_per_host"] == 2
@@ -300,10 +296,8 @@ def test_an_idle_horovod_rank_shows_its_loops_cycling():
     horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable))
     assert horovodrun, "horovodrun is not installed next to this Python: run scripts/install.sh"
     script = pathlib.Path(__file__).parent.parent / "examples" / "horovod_idle_cpu.py"
-    job = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
-                          "--seconds", "1"], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    job = bounded([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, script, "--seconds", "1"],
+                  120, dict(os.environ, OMP_NUM_THREADS="1"))
     lines = [json.loads(line[line.index("{"):]) for line in job.stdout.splitlines() if "cpu_ms_per_s" in line]
     assert sorted(line["rank"] for line in lines) == [0, 1], job.stdout
     for line in lines:

@@ -5,35 +5,29 @@ and hvd_aps.torch.DistributedOptimizer, TensorFlow's tape and Keras 3's model.fi
 half, saves (model, optimizer, compressor), and a fresh process loads and trains the rest. With
 error feedback (residuals that DDP's rebuilt buckets and the resumed process's first buckets
 lay out differently) and stochastic rounding (seeds from parameter names and steps), the two
-runs end on the same bits on every rank."""
+runs end on the same bits on every rank. The straight run saves the checkpoint at half its steps
+(a run never stopped, checkpointing), and the resumed one is a fresh process that loads it."""
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from horovod_run import WORKERS, free_port, horovodrun, load
+from horovod_run import horovodrun, load, torchrun
 from hosts_run import launch
+from workers.common import RESUME_MODES
 
 RANKS = 2
 
 
-def torchrun(tmp_path, mode):
-    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), str(WORKERS / "ddp_resume_checks.py"), str(tmp_path), mode]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-4000:]}"
+def ddp_resume(tmp_path, mode):
+    torchrun("ddp_resume_checks.py", tmp_path, mode, ranks=RANKS)
     return load(tmp_path, mode, RANKS)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
-    straight = torchrun(tmp, "straight")
-    torchrun(tmp, "first")
-    return straight, torchrun(tmp, "second")
+    return ddp_resume(tmp, "straight"), ddp_resume(tmp, "second")
 
 
 @pytest.mark.parametrize("setting", ["feedback", "stochastic", "feedback_one_bucket", "fsdp"])
@@ -62,7 +56,7 @@ def horovod_resumed(tmp, worker, prefix, levels):
     (levels "flat"), or 2 hosts x 2 ranks (tests/hosts_run.py: float32 inside a host through
     shared memory, codes between hosts)."""
     done = {}
-    for mode in ("straight", "first", "second"):
+    for mode in RESUME_MODES:
         os.environ["HVD_APS_MODE"] = mode  # the launchers hand their environment to the workers
         try:
             if levels == "flat":

@@ -97,16 +97,19 @@ def leave_torchrun():
 
 
 
+RESUME_MODES = ("straight", "second")  # the resume checks' two launches
+
+
 def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, width=256, unloaded=()):
-    """The resume checks' three runs (tests/test_resume.py): `straight` trains every step,
-    `first` half of them and saves a checkpoint (model, optimizer, compressor) per rank, `second`
-    loads it and trains the rest. build(setting) -> (net, the module to call, optimizer,
+    """The resume checks' two runs (tests/test_resume.py): `straight` trains every step and, at
+    half of them, saves a checkpoint (model, optimizer, compressor) per rank; `second`, a fresh
+    process, loads it and trains the rest. build(setting) -> (net, the module to call, optimizer,
     compressor, what closes it). Saves every setting's final parameters to
     OUTDIR/<prefix><mode>_rank<r>.npz; for the settings in `unloaded`, `second` also resumes
     without the compressor's state (the negative control: <setting>_unloaded)."""
     import torch
 
-    def train(setting, span, checkpoint=None, compressor_state=True):
+    def train(setting, span, checkpoint=None, compressor_state=True, save=None):
         net, call, opt, compressor, close = build(setting)
         if checkpoint is not None:
             saved = torch.load(checkpoint, weights_only=False)
@@ -115,6 +118,9 @@ def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, wi
             if compressor_state:
                 compressor.load_state_dict(saved["compressor"])
         for step in span:
+            if step == steps // 2 and save is not None:
+                torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
+                            "compressor": compressor.state_dict()}, save)
             gen = torch.Generator().manual_seed(1000 * step + rank)
             x, y = torch.randn(8, width, generator=gen), torch.randn(8, width, generator=gen)
             opt.zero_grad()
@@ -127,11 +133,7 @@ def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, wi
     for setting in settings:
         path = f"{outdir}/{prefix}{setting}_rank{rank}.pt"
         if mode == "straight":
-            net, _, _ = train(setting, range(steps))
-        elif mode == "first":
-            net, opt, compressor = train(setting, range(steps // 2))
-            torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
-                        "compressor": compressor.state_dict()}, path)
+            net, _, _ = train(setting, range(steps), save=path)
         else:
             net, _, _ = train(setting, range(steps // 2, steps), checkpoint=path)
             if setting in unloaded:

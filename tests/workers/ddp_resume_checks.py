@@ -1,6 +1,6 @@
-"""Run under `torchrun --nproc-per-node 2` (Gloo on loopback) three times: `straight` trains
-STEPS steps; `first` trains STEPS // 2 and saves a checkpoint per rank (model, optimizer,
-compressor); `second`, a fresh process, loads it and trains the rest (for UNLOADED settings,
+"""Run under `torchrun --nproc-per-node 2` (Gloo on loopback) twice: `straight` trains STEPS
+steps, saving a checkpoint per rank (model, optimizer, compressor) at STEPS // 2; `second`, a
+fresh process, loads it and trains the rest (for UNLOADED settings,
 also once without the compressor's state). DDP rebuilds its buckets
 after its first step in each process, so the resumed half starts on other buckets than the
 straight run had at that step. Each rank saves OUTDIR/<mode>_rank<r>.npz (final parameters per

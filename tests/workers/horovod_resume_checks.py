@@ -1,8 +1,7 @@
-"""Run by tests/test_resume.py under `horovodrun -np 2 --gloo`, three times (mode in HVD_APS_MODE):
+"""Run by tests/test_resume.py under `horovodrun -np 2 --gloo`, twice (mode in HVD_APS_MODE):
 `straight` trains STEPS steps through hvd.DistributedOptimizer with APSCompressor (and through
-hvd_aps.torch.DistributedOptimizer, the codes optimizer); `first` trains STEPS // 2 and saves a
-checkpoint per rank (model, optimizer, compressor); `second`, a fresh process, loads it and
-trains the rest (for UNLOADED settings, also once without the compressor's state). Each rank
+hvd_aps.torch.DistributedOptimizer, the codes optimizer), saving a checkpoint per rank (model,
+optimizer, compressor) at STEPS // 2; `second`, a fresh process, loads it and trains the rest (for UNLOADED settings, also once without the compressor's state). Each rank
 saves OUTDIR/hvd_<mode>_rank<r>.npz."""
 import os
 import sys

@@ -1,7 +1,7 @@
 """Resume bit for bit through TensorFlow's tape and Keras 3's model.fit (tests/test_resume.py),
-three times (mode in HVD_APS_MODE): `straight` trains STEPS steps (the tape: through
+twice (mode in HVD_APS_MODE): `straight` trains STEPS steps (the tape: through
 hvd.DistributedGradientTape with an APSCompressor; fit: EPOCHS epochs through
-hvd_aps.keras.DistributedOptimizer), `first` trains half and saves per rank the weights, the
+hvd_aps.keras.DistributedOptimizer) and at half of them saves per rank the weights, the
 optimizer's variables and the compressor's state_dict, `second`, a fresh process, loads them and
 trains the rest. Run under horovodrun -np 2 --gloo, or by tests/hosts_run.py as 2 hosts x 2 ranks
 (two levels). The tape takes plain SGD steps (w -= lr * g); fit runs Adam, whose moments and step
@@ -30,15 +30,16 @@ rank = hvd.rank()
 outdir, mode = sys.argv[1], os.environ["HVD_APS_MODE"]
 
 
-def train(setting, steps, checkpoint=None, compressor_state=True):
+def train(setting, steps, checkpoint=None, compressor_state=True, save=None):
     model, compressor = model_and_compressor(setting)
     if checkpoint is not None:
-        with open(checkpoint, "rb") as saved:
-            weights, state = pickle.load(saved)
+        weights, state = load(checkpoint)
         model.set_weights(weights)
         if compressor_state:
             compressor.load_state_dict(state)
     for step in steps:
+        if step == STEPS // 2 and save is not None:
+            dump(save, (model.get_weights(), compressor.state_dict()))
         gen = np.random.default_rng(1000 * step + rank)
         x, y = gen.normal(size=(16, WIDTH)).astype(np.float32), gen.normal(size=(16, WIDTH)).astype(np.float32)
         with tf.GradientTape() as tape:
@@ -46,7 +47,7 @@ def train(setting, steps, checkpoint=None, compressor_state=True):
         tape = hvd.DistributedGradientTape(tape, compression=compressor, num_groups=1)
         for var, grad in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
             var.assign_sub(LR * grad)
-    return model, (model.get_weights(), compressor.state_dict())
+    return model
 
 
 def model_and_compressor(setting):
@@ -56,15 +57,15 @@ def model_and_compressor(setting):
     return model, hvd_aps.APSCompressor("e3m0", min_elements=0, **SETTINGS[setting])
 
 
-def fit(setting, epochs, checkpoint=None):
+def fit(setting, epochs, checkpoint=None, save=None):
     """model.fit as a Keras user runs it; a checkpoint holds the weights, the optimizer's variables
-    (Adam's moments and step count) and the compressor's state."""
+    (Adam's moments and step count) and the compressor's state. save: fit to half the epochs,
+    save the checkpoint there, fit the rest (as a user's checkpoint callback would)."""
     model, compressor = model_and_compressor(setting)
     opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.Adam(1e-3), compression=compressor)
     model.compile(optimizer=opt, loss="mse")
     if checkpoint is not None:
-        with open(checkpoint, "rb") as saved:
-            weights, optimizer_values, state = pickle.load(saved)
+        weights, optimizer_values, state = load(checkpoint)
         model.set_weights(weights)
         opt.build(model.trainable_variables)
         for variable, value in zip(opt.variables, optimizer_values, strict=True):
@@ -72,28 +73,38 @@ def fit(setting, epochs, checkpoint=None):
         compressor.load_state_dict(state)
     gen = np.random.default_rng(rank)
     x, y = (gen.normal(size=(BATCH * BATCHES, WIDTH)).astype(np.float32) for _ in range(2))
-    model.fit(x, y, batch_size=BATCH, epochs=epochs.stop, initial_epoch=epochs.start, shuffle=False, verbose=0,
-              callbacks=[hvd_aps.keras.BroadcastInitialState()])
-    return model, (model.get_weights(), [v.numpy() for v in opt.variables], compressor.state_dict())
+    spans = [range(epochs.start, EPOCHS // 2), range(EPOCHS // 2, epochs.stop)] if save is not None else [epochs]
+    for span in spans:
+        if span.start == EPOCHS // 2 and save is not None:
+            dump(save, (model.get_weights(), [v.numpy() for v in opt.variables], compressor.state_dict()))
+        model.fit(x, y, batch_size=BATCH, epochs=span.stop, initial_epoch=span.start, shuffle=False, verbose=0,
+                  callbacks=[hvd_aps.keras.BroadcastInitialState()])
+    return model
+
+
+def dump(path, checkpoint):
+    with open(path, "wb") as saved:
+        pickle.dump(checkpoint, saved)
+
+
+def load(path):
+    with open(path, "rb") as saved:
+        return pickle.load(saved)
 
 
 def final_weights(run, prefix, total, unloaded=()):
-    """Each setting's final weights on this rank after `run` (train or fit, which return the model
-    and what a checkpoint holds) over `total` steps or epochs, straight or in this mode's half;
-    `second` also resumes the `unloaded` settings without the compressor's state."""
+    """Each setting's final weights on this rank after `run` (train or fit) over `total` steps or
+    epochs: straight (saving a checkpoint at half), or the second half from it; `second` also
+    resumes the `unloaded` settings without the compressor's state."""
     weights = {}
     for setting in SETTINGS:
         path = f"{outdir}/{prefix}_{setting}_rank{rank}.pkl"
         if mode == "straight":
-            model, _ = run(setting, range(total))
-        elif mode == "first":
-            model, checkpoint = run(setting, range(total // 2))
-            with open(path, "wb") as saved:
-                pickle.dump(checkpoint, saved)
+            model = run(setting, range(total), save=path)
         else:
-            model, _ = run(setting, range(total // 2, total), checkpoint=path)
+            model = run(setting, range(total // 2, total), checkpoint=path)
             if setting in unloaded:
-                weights[f"{setting}_unloaded"] = flat(run(setting, range(total // 2, total), path, False)[0])
+                weights[f"{setting}_unloaded"] = flat(run(setting, range(total // 2, total), path, False))
         weights[setting] = flat(model)
     return weights
 
