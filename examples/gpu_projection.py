@@ -30,11 +30,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-import counting_cupy as standin  # noqa: E402
-import simt  # noqa: E402
-from hvd_aps import APSCompressor, calibration, exchange  # noqa: E402
-from hvd_aps._stages import Bucket  # noqa: E402
+from hvd_aps import APSCompressor, calibration, exchange
+from hvd_aps._stages import Bucket
+
+TESTS = pathlib.Path(__file__).resolve().parent.parent / "tests"  # the counting stand-in and the SIMT layer
 
 
 DEVICE = "NVIDIA H200"
@@ -81,6 +80,10 @@ def _package_work(events: list) -> list:
 
 def count(fmt: str, elements: int, tensors: int) -> Counted:
     """One bucket's steady-state exchange on the stand-in, rank 0 of WORLD, counted."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    import counting_cupy as standin
+    import simt
     comp = APSCompressor(fmt, chunk_bytes=0)
     stages = comp.exchanger.stages(WORLD, 0)
     keys = [f"t{i}" for i in range(tensors)]

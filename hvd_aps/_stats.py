@@ -125,6 +125,7 @@ class StatsRecorder:
     def reset(self) -> None:
         with self._settling, self._lock:
             self._last, self._buckets, self._total, self.bytes_sent = {}, {}, TensorStats(), 0
+            self._shifts = {}  # bucket name -> its tensors' APS shifts in its last exchange
             self._later = []  # (bucket name or None, parts or a label, make or stats), in the order they came
 
     @property
@@ -170,7 +171,14 @@ class StatsRecorder:
                 return
             self._record_bucket_locked(name, stats)
 
+    def bucket_shifts(self) -> dict:
+        """Bucket name -> its tensors' APS shifts in its last exchange."""
+        self.settle()
+        with self._lock:
+            return dict(self._shifts)
+
     def _record_bucket_locked(self, name: str, stats: BucketStats) -> None:
+        self._shifts[name] = stats.shift
         total = stats.total()
         earlier = self._buckets.pop(name, None)
         if earlier is None or earlier.labels != stats.labels:

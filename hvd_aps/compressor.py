@@ -16,7 +16,7 @@ import secrets
 import sys
 from typing import Optional, Union
 
-from . import _horovod, _tokens
+from . import _horovod, _tokens, dashboard
 from ._schedule import Schedule
 from ._state import ExchangeState
 from ._stats import STATS_SAMPLE, StatsRecorder, TensorStats
@@ -108,6 +108,7 @@ class APSCompressor:
         self._batches = _tokens.Batches(self.exchanger)
         self._serves = None  # the optimizer, DDP model or FSDP2 model this compressor was given to
         self._horovod_owner = None  # the Horovod optimizer compressing through it, once one has
+        self._logged_bytes = 0  # bytes sent when log_to last wrote
 
     def _claim_for(self, optimizer) -> None:
         """The first Horovod optimizer to compress through this compressor owns it: a second one's
@@ -272,6 +273,16 @@ class APSCompressor:
 
     def stats_table(self, csv: bool = False) -> str:
         return self.recorder.table(csv)
+
+    def log_to(self, writer, step: int, every_rank: bool = False) -> None:
+        """Write the last step's fidelity to TensorBoard (hvd_aps.dashboard): relative error,
+        flushed and saturated shares, bytes sent since the last call, each bucket's APS shift.
+        `writer`: torch's SummaryWriter, a tf.summary writer, or anything with add_scalar(tag,
+        value, step). Rank 0 only unless every_rank."""
+        sent = self.recorder.bytes_sent
+        if every_rank or dashboard.this_rank() == 0:
+            dashboard.write(dashboard.step_fidelity(self.recorder, self._logged_bytes), writer, step)
+        self._logged_bytes = sent
 
     def reset_stats(self) -> None:
         self.recorder.reset()

@@ -103,3 +103,28 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         broadcast_variables(self.model.variables, self.root_rank)
+
+
+class FidelityLogger(keras.callbacks.Callback):
+    """Keras callback: after every `every` batches, the compressor's fidelity of the last step
+    (hvd_aps.dashboard: relative error, flushed and saturated shares, bytes sent, each bucket's APS
+    shift) to TensorBoard event files under log_dir, on rank 0 (every_rank: each rank its own)."""
+
+    def __init__(self, compressor: APSCompressor, log_dir: str, every: int = 1, every_rank: bool = False):
+        super().__init__()
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1 (batches between writes), got {every!r}")
+        self.compressor, self.log_dir, self.every, self.every_rank = compressor, log_dir, every, every_rank
+        self._writer, self._batches = None, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        if self._batches % self.every:
+            return
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        self.compressor.log_to(self._writer, self._batches, every_rank=self.every_rank)
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.flush()

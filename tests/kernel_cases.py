@@ -7,6 +7,8 @@ import dataclasses
 import numpy as np
 
 import hvd_aps
+from hvd_aps import _layout, _tables
+from hvd_aps._layout import Segment
 from hvd_aps._tables import COUNT, SAMPLE_SUMS, SRC, Blocks
 
 SIZES = [1, 31, 4095, 4097]  # ending mid-byte and mid-row; LARGE once a format
@@ -112,3 +114,17 @@ def device():
     with counting_cupy.installed():
         from hvd_aps import _cupy_engine
         yield _cupy_engine
+
+
+def plan(fmt, world=3, rank=1, count=2):
+    segments = tuple(Segment(t, 0, n) for t, n in enumerate(SIZES))
+    held = _tables.held(segments)
+    layout = _layout.layout(segments, world)
+    lane = tuple(range(len(segments)))
+    return held, _tables.chunk_plans([lane], [fmt], [layout], [layout.chunk(count)], segments, held.offsets, world,
+                                     rank, padded=True)
+
+
+def data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n) * np.exp2(rng.integers(-20, 5, n))).astype(np.float32)

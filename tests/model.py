@@ -148,3 +148,17 @@ def low_precision_mismatches(ranks, key, grads, want, dtype, shapes):
         if not bool(got[f"{key}_dtype_ok"]):
             bad.append((r, "dtype"))
     return bad
+
+
+def stock_reference(arrays, fmt_dtype, fmt, average=True):
+    """wire="values" in NumPy: agreed shift (headroom for a float16 sum), ml_dtypes rounding,
+    float16 sum, Horovod's 1/N postscale in float16, unscale."""
+    n = len(arrays)
+    s = scaling.shift_for(max(float(np.abs(a).max()) for a in arrays), n, fmt, sum_max=65504.0)
+    terms = [np.ldexp(a, s).astype(fmt_dtype).astype(np.float16) for a in arrays]
+    total = terms[0]
+    for t in terms[1:]:
+        total = (total + t).astype(np.float16)
+    if average:
+        total = (total.astype(np.float32) * np.float32(1 / n)).astype(np.float16)
+    return np.ldexp(total.astype(np.float32), -s).astype(np.float32), s

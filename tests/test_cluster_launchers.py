@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from horovod_run import WORKERS, bounded, load, worker_env
-from test_levels import BIG, check_levels_ddp, want
-from test_netns_smoke import SCRIPT, namespaces_work
+from support import BIG, SCRIPT, check_levels_ddp, namespaces_work, want
 from workers.common import CODES_SIZES
 
 HOSTS = SCRIPT.parent / "netns_hosts.py"

@@ -5,6 +5,7 @@ import pytest
 
 import model
 from horovod_run import horovodrun, load
+from support import BIG
 from workers.common import CODES_SIZES, codes_grads
 
 
@@ -15,7 +16,6 @@ def ranks(request, tmp_path_factory):
     return load(tmp, f"codes{request.param}", request.param)
 
 
-BIG = [i for i, s in enumerate(CODES_SIZES) if np.prod(s) >= 16]
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1fn"])

@@ -4,29 +4,13 @@ import numpy as np
 import pytest
 
 import model
-from horovod_run import load, torchrun, worker_env
+from support import assert_bit_exact, assert_low_precision, expected, launch_ddp_checks
 from workers.common import DDP_SIZES, check_slow_rank_runs, codes_grads, format_mismatch
-
-
-def launch_ddp_checks(tmp, ranks, script="ddp_checks.py", prefix=None, timeout=240, **env):
-    """workers/<script> under torchrun with `ranks` processes: every rank's saved results."""
-    torchrun(script, tmp, ranks=ranks, timeout=timeout, env=worker_env(**env))
-    return load(tmp, prefix or f"ddp{ranks}", ranks)
 
 
 @pytest.fixture(scope="module", params=[2, 3])
 def ranks(request, tmp_path_factory):
     return launch_ddp_checks(tmp_path_factory.mktemp(f"ddp{request.param}"), request.param)
-
-
-def expected(rank_grads, order, average=True):
-    """Every bucket's tensors, in the order the hook saw them, through the model of the exchange."""
-    want = {}
-    for bucket in order.split(";"):
-        idx = [int(i) for i in bucket.split(",")]
-        for i, w in zip(idx, model.flat([[g[i].ravel() for i in idx] for g in rank_grads], "e4m3", average)):
-            want[i] = w.reshape(DDP_SIZES[i])
-    return want
 
 
 @pytest.mark.parametrize("key, steps", [("plain", 2), ("view", 1), ("group", 1), ("chunked", 1)])
@@ -38,18 +22,6 @@ def test_bit_exact_to_the_numpy_model_on_every_rank(ranks, key, steps):
     if key == "plain":  # DDP's buckets before and after its rebuild differ; one step has several
         orders = [ranks[0][f"plain_{step}_order"].item() for step in range(steps)]
         assert orders[0] != orders[1] and any(";" in order for order in orders)
-
-
-def assert_bit_exact(ranks, key, steps):
-    """Every rank's gradients of the `key` run, each step, as the NumPy model gives them."""
-    grads = [codes_grads(r, DDP_SIZES) for r in range(len(ranks))]
-    for step in range(steps):
-        order = ranks[0][f"{key}_{step}_order"].item()
-        want = expected(grads, order)
-        for r in ranks:
-            assert r[f"{key}_{step}_order"].item() == order
-            for i in range(len(DDP_SIZES)):
-                assert r[f"{key}_{step}_{i}"].tobytes() == want[i].tobytes(), (key, step, i)
 
 
 def test_bytes_of_a_ring_of_one_byte_codes(ranks):
@@ -65,12 +37,7 @@ def test_bytes_of_a_ring_of_one_byte_codes(ranks):
 def test_low_precision_buckets_come_back_in_their_dtype(ranks, dtype):
     """A model held in float16 or bfloat16: codes from the gradients' values (exact in float32),
     the results rounded back to the bucket's dtype, bit for bit as the model."""
-    grads = [[model.held_in(g, dtype) for g in codes_grads(r, DDP_SIZES)] for r in range(len(ranks))]
-    want = expected(grads, ranks[0][f"{dtype}_0_order"].item())
-    for r in ranks:
-        assert bool(r[f"{dtype}_0_dtype_ok"])
-        for i in range(len(DDP_SIZES)):
-            assert r[f"{dtype}_0_{i}"].tobytes() == model.held_in(want[i], dtype).tobytes()
+    assert_low_precision(ranks, dtype)
 
 
 def test_zeros_and_nan_on_one_rank_show_on_all(ranks):

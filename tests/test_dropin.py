@@ -11,7 +11,7 @@ import pytest
 
 import model
 from horovod_run import horovodrun, load
-from test_ddp import launch_ddp_checks
+from support import launch_ddp_checks
 from workers.common import DISAGREE_TIMEOUT, KERAS_FEATURES, KERAS_HIDDEN, KERAS_VOCAB, KERAS_WIDTH
 
 # e4m3 keeps 3 bits of mantissa: three SGD steps at lr 0.1 move parameters of this model by at

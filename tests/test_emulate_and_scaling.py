@@ -4,6 +4,7 @@ import pytest
 
 import hvd_aps
 from hvd_aps import emulate, scaling
+from support import rank_grads
 
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -110,7 +111,6 @@ def test_two_level_results_are_reused_only_when_nothing_holds_them():
     import weakref
 
     import model
-    from test_wire import rank_grads
     from hvd_aps import _inprocess
     from hvd_aps._stages import Bucket
     levels, world = _inprocess.host_levels(2, 2), 4
@@ -143,7 +143,6 @@ def test_codes_allreduce_runs_the_driver_flat_and_on_two_levels():
     independent NumPy model, flat with error feedback over two steps (each step's results its
     own arrays, not buffers the next step reuses), and two hosts of two workers."""
     import model
-    from test_wire import rank_grads
     steps = [rank_grads(3, [900, 40], seed=s) for s in range(2)]
     compressors = [hvd_aps.APSCompressor("e2m1fn", error_feedback=True) for _ in range(3)]
     got = [emulate.codes_allreduce(compressors, grads) for grads in steps]

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import hvd_aps
-from kernel_cases import Table, device, same, tree_sums
+from kernel_cases import Table, data, device, plan, same, tree_sums
+from support import assert_bit_exact, assert_low_precision, launch_ddp_checks, rank_grads, same_format, simulate
 
 cupy = pytest.importorskip("cupy", reason="no CuPy: scripts/install.sh installs it where there is a CUDA device")
 try:
@@ -181,7 +182,6 @@ def test_tensorflow_inputs_stay_on_the_device():
 def test_codes_exchange_on_the_gpu_equals_the_cpu(fmt):
     """The results, the bytes sent and every tensor's stats (sampled on the device, measured on
     the host) as the CPU's."""
-    from test_wire import rank_grads, same_format, simulate
     grads = rank_grads(3, [1000, 24, 9001])
     compressors = {"cpu": same_format(fmt, 3), "gpu": same_format(fmt, 3)}
     on_cpu, sent_cpu = simulate(grads, compressors["cpu"])
@@ -202,16 +202,8 @@ def test_ddp_hook_over_nccl_on_one_gpu(tmp_path):
 
     import hvd_aps.ddp
     import model as numpy_model
-    from test_wire import rank_grads
 
-    class Given(torch.nn.Module):  # loss = sum(p * g): the gradients are exactly g
-        def __init__(self, sizes):
-            super().__init__()
-            self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
-
-        def forward(self, grads):
-            return sum((p * g).sum() for p, g in zip(self.ps, grads))
-
+    from workers.torch_models import Given
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         grads = rank_grads(1, [5000, 300])[0]
@@ -231,8 +223,6 @@ def test_ddp_hook_over_gloo_with_two_ranks_on_one_gpu(tmp_path):
     several buckets, DDP's rebuilt buckets, a bucket view, a process group, chunks, float16 and
     bfloat16 models, bit for bit as the NumPy model on every rank, the gradients left on the GPU."""
     pytest.importorskip("torch")
-    from test_ddp import assert_bit_exact, launch_ddp_checks
-    from test_ddp import test_low_precision_buckets_come_back_in_their_dtype as assert_low_precision
     ranks = launch_ddp_checks(tmp_path, 2, HVD_APS_CHECK_DEVICE="cuda")
     for key, steps in [("plain", 2), ("view", 1), ("group", 1), ("chunked", 1)]:
         assert_bit_exact(ranks, key, steps)
@@ -269,7 +259,6 @@ def test_table_stages_match_the_host_engine(name, rounding):
     """The CuPy engine's table functions (one launch a stage, neighbouring blocks sharing the
     bytes of a packed stream) give the host engine's bytes and bits on a real layout's tables."""
     from hvd_aps import _cupy_engine, _host_engine
-    from test_tables import data, plan
     fmt = hvd_aps.FloatFormat.parse(name)
     held, chunks = plan(fmt)
     x = data(held.blocks.elements)

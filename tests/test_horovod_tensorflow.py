@@ -5,15 +5,15 @@ import pytest
 
 import model
 from horovod_run import horovodrun, load
+from support import tensorboard_scalars
 from workers.common import CODES_SIZES, codes_grads
-from test_horovod_torch import stock_reference
 from workers.common import KERAS_LR, KERAS_W0, keras_data, rank_data
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tf")
-    return horovodrun("tensorflow_checks.py", tmp), load(tmp, "tf")
+    return horovodrun("tensorflow_checks.py", tmp), load(tmp, "tf"), tmp
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_grouped_sum_in_a_graph_is_bit_exact(ranks):
 
 
 def test_values_wire_is_bit_exact_eager_and_in_a_graph(ranks):
-    want, _ = stock_reference([rank_data(0), rank_data(1)], ml_dtypes.float8_e4m3, "e4m3")
+    want, _ = model.stock_reference([rank_data(0), rank_data(1)], ml_dtypes.float8_e4m3, "e4m3")
     for r in ranks:
         assert r["values_eager"].tobytes() == want.tobytes() and r["values_graph"].tobytes() == want.tobytes()
 
@@ -169,3 +169,15 @@ def test_horovods_tf2_api_takes_keras3_models(ranks):
     for key in ("keras3_broadcast", "keras3_tape"):
         assert ranks[0][key].tobytes() == ranks[1][key].tobytes() and np.isfinite(ranks[0][key]).all()
     assert not np.array_equal(ranks[0]["keras3_broadcast"], ranks[0]["keras3_tape"])
+
+
+def test_keras_fit_writes_the_fidelity_to_tensorboard_on_rank_zero(run):
+    """hvd_aps.keras.FidelityLogger in model.fit: TensorBoard event files (read back with
+    TensorBoard's own reader) hold the step's relative error, flushed and saturated shares, bytes
+    sent and the APS shift on rank 0, and nothing on rank 1."""
+    folder = run[2]
+    logs, other = (tensorboard_scalars(folder / "tb_keras" / f"rank{r}") for r in range(2))
+    assert not other
+    for tag in ("relative_error", "flushed", "saturated", "bytes_sent"):
+        assert [step for step, _ in logs[f"hvd_aps/{tag}"]] == [1], (tag, sorted(logs))
+    assert logs["hvd_aps/bytes_sent"][0][1] > 0 and any(tag.startswith("hvd_aps/shift/") for tag in logs)

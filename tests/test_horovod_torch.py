@@ -5,24 +5,9 @@ import numpy as np
 import pytest
 
 import model
-from hvd_aps import scaling
 from horovod_run import horovodrun, load
 from workers.common import (CODES_SIZES, check_slow_rank_runs, codes_grads, format_mismatch, poisoned, rank_data,
                             spiked)
-
-
-def stock_reference(arrays, fmt_dtype, fmt, average=True):
-    """wire="values" in NumPy: agreed shift (headroom for a float16 sum), ml_dtypes rounding,
-    float16 sum, Horovod's 1/N postscale in float16, unscale."""
-    n = len(arrays)
-    s = scaling.shift_for(max(float(np.abs(a).max()) for a in arrays), n, fmt, sum_max=65504.0)
-    terms = [np.ldexp(a, s).astype(fmt_dtype).astype(np.float16) for a in arrays]
-    total = terms[0]
-    for t in terms[1:]:
-        total = (total + t).astype(np.float16)
-    if average:
-        total = (total.astype(np.float32) * np.float32(1 / n)).astype(np.float16)
-    return np.ldexp(total.astype(np.float32), -s).astype(np.float32), s
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -147,7 +132,7 @@ def test_training_leaves_parameters_bit_identical(ranks, key):
 
 def test_values_wire_is_the_float16_carrier(ranks):
     n = len(ranks)
-    want, s = stock_reference([rank_data(r) for r in range(n)], ml_dtypes.float8_e4m3, "e4m3")
+    want, s = model.stock_reference([rank_data(r) for r in range(n)], ml_dtypes.float8_e4m3, "e4m3")
     assert identical(ranks, "values_avg") and int(ranks[0]["values_avg_shift"]) == s
     # Gloo adds 2 ranks' float16 values in rank order; with 3 its ring order is its own
     assert ranks[0]["values_avg"].tobytes() == want.tobytes() if n == 2 else np.allclose(ranks[0]["values_avg"], want, rtol=2e-3)

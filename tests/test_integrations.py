@@ -10,13 +10,19 @@ import pytest
 import torch
 
 from horovod_run import WORKERS, bounded, load, torchrun
+from support import tensorboard_scalars
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def integrations_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("integrations")
     torchrun("integrations_checks.py", tmp, timeout=300)
-    return load(tmp, "integrations", 2)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def ranks(integrations_dir):
+    return load(integrations_dir, "integrations", 2)
 
 
 @pytest.mark.parametrize("framework", ["accelerate", "lightning"])
@@ -87,3 +93,19 @@ def assert_is_the_last_commit(restored, committed):
     assert own and restored["compressor"]["steps"] == committed["compressor"]["steps"]
     for name, residual in own.items():
         assert residual.tobytes() == committed["compressor"]["residuals"][name].tobytes(), name
+
+
+def test_the_fidelity_of_every_step_reaches_tensorboard_on_rank_zero(ranks, integrations_dir):
+    """compressor.log_to through torch's SummaryWriter (rank 0 writes, rank 1 not) and
+    hvd_aps.lightning.FidelityLogger through Lightning's TensorBoardLogger: relative error,
+    flushed and saturated shares, bytes sent and the bucket's APS shift, one value a step."""
+    torch_logs, other = tensorboard_scalars(integrations_dir / "tb_torch" / "rank0"), tensorboard_scalars(integrations_dir / "tb_torch" / "rank1")
+    lightning_logs = tensorboard_scalars(integrations_dir / "tb_lightning")
+    assert not other
+    for logs in (torch_logs, lightning_logs):
+        for tag in ("relative_error", "flushed", "saturated", "bytes_sent"):
+            assert len(logs[f"hvd_aps/{tag}"]) == 5, (tag, sorted(logs))
+        assert 0 < logs["hvd_aps/relative_error"][-1][1] < 0.1  # e4m3 with APS: a few percent
+        assert all(value > 0 for _, value in logs["hvd_aps/bytes_sent"])
+        assert any(tag.startswith("hvd_aps/shift/") for tag in logs)
+    assert [step for step, _ in torch_logs["hvd_aps/flushed"]] == list(range(5))

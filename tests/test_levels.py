@@ -7,17 +7,8 @@ import pytest
 import model
 from horovod_run import load
 from hosts_run import launch
-from workers.common import CODES_SIZES, DDP_SIZES, codes_grads
-
-HOSTS = [[0, 1], [2, 3]]
-BIG = [i for i, s in enumerate(CODES_SIZES) if np.prod(s) >= 16]
-
-
-def want(order, sizes, fmt="e4m3"):
-    """One bucket of tensors `order` (indices into sizes, in the order the exchange sees them)."""
-    grads = [[codes_grads(r, sizes)[i].ravel() for i in order] for r in range(4)]
-    return dict(zip(order, model.two_levels(grads, fmt, HOSTS)))
-
+from support import BIG, check_levels_ddp, want
+from workers.common import CODES_SIZES
 
 @pytest.fixture(scope="module", params=["dynamic", "plain", "plain-tcp"])
 def torch_ranks(tmp_path_factory, request):
@@ -65,18 +56,6 @@ def test_horovod_tensorflow_on_two_levels_is_bit_exact(tmp_path):
         for i in BIG:
             assert r[f"grouped_{i}"].tobytes() == in_order[i].reshape(CODES_SIZES[i]).tobytes(), i
             assert r[f"tape_{i}"].tobytes() == reverse[i].reshape(CODES_SIZES[i]).tobytes(), i
-
-
-def check_levels_ddp(ranks):
-    """workers/levels_ddp_checks.py's outputs: the DDP hook on two levels through shared memory,
-    bit-exact against the model; HSDP's parameters alike on every rank."""
-    expected = want(list(range(len(DDP_SIZES)))[::-1], DDP_SIZES)
-    for r in ranks:
-        assert bool(r["ddp_two_levels"]) and bool(r["ddp_host_memory"])
-        for i in range(len(DDP_SIZES)):
-            assert r[f"ddp_{i}"].tobytes() == expected[i].reshape(DDP_SIZES[i]).tobytes(), i
-        assert r["hsdp"].tobytes() == ranks[0]["hsdp"].tobytes() and np.isfinite(r["hsdp"]).all()
-        assert r["hsdp_torch"].tobytes() == ranks[0]["hsdp_torch"].tobytes()
 
 
 def test_ddp_hook_and_fsdp_hsdp_on_two_levels(tmp_path):

@@ -4,25 +4,13 @@ root, ip and tc; skipped elsewhere. The byte ratios come from the interfaces' ow
 check that the codes really travel at 1 byte (0.5 for 4-bit) per element."""
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from horovod_run import bounded
-
-SCRIPT = Path(__file__).parent.parent / "examples" / "netns_cluster.py"
-
-
-def namespaces_work():
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        return False
-    made = subprocess.run(["ip", "netns", "add", f"hvdaps-probe{os.getpid()}"], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", f"hvdaps-probe{os.getpid()}"], capture_output=True)
-    return made
-
+from support import SCRIPT, namespaces_work
 
 @pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc, and network namespaces")
 def test_quick_cluster_run(tmp_path):

@@ -100,6 +100,8 @@ def test_gpu_patches_change_the_wheel_of_cuda_builds_alone(monkeypatch):
 # from its dependency lists (keras comes with TensorFlow, cupy with the CUDA builds).
 PYPI_NAMES = {"sklearn": "scikit-learn", "yaml": "pyyaml"}
 FRAMEWORKS = {"torch", "tensorflow", "keras", "horovod", "cupy"}
+# what an integration module integrates with, which its users have (hvd_aps.lightning: Lightning)
+INTEGRATED = {"lightning", "pytorch_lightning"}
 
 
 def _module_level_imports(path):
@@ -131,5 +133,5 @@ def test_the_images_runtime_install_has_what_the_package_and_the_examples_import
     files = sorted(ROOT.glob("hvd_aps/**/*.py")) + sorted((ROOT / "examples").glob("*.py"))
     imported = {name: path.relative_to(ROOT) for path in files for name in _module_level_imports(path)}
     assert {"numpy", "tqdm", "scikit-learn"} <= set(imported), imported  # the scan sees imports
-    missing = {name: str(path) for name, path in imported.items() if name not in runtime | FRAMEWORKS}
+    missing = {name: str(path) for name, path in imported.items() if name not in runtime | FRAMEWORKS | INTEGRATED}
     assert not missing, f"imported at module level but not installed by install.sh --runtime: {missing}"

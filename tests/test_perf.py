@@ -398,7 +398,8 @@ def test_at_scale_tables_and_the_dettmers_shape():
     shape = perf_at_scale.dettmers()
     assert shape["float32"] == pytest.approx(perf_at_scale.DETTMERS_FP32_SPEEDUP, rel=1e-3)
     assert shape["float32"] < shape["bf16"] < shape["NCCL fp8"] < shape["e3m0"] <= perf_at_scale.DETTMERS_GPUS
-    assert all(c.device for c in perf_at_scale.GPU_CODECS.values())  # the GPU calibration file, loaded
+    assert perf_at_scale.GPU.kind is calibration.Kind.PROJECTED  # the GPU codec: projected, and says so
+    assert all(c.device for c in perf_at_scale.GPU.codecs.values())
     rows = perf_at_scale.rows()
     assert len(rows) == len(perf_at_scale.WORKLOADS) * (1 + (len(perf_at_scale.GPU_COUNTS) - 1) * len(perf_at_scale.HOST_LINKS))
     for r in rows:
@@ -473,3 +474,17 @@ def test_plan_hsdp_prints_the_hsdp_step_model(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(base + refused)
         assert reason in capsys.readouterr().err
+
+
+def test_plan_on_a_gpu_says_its_codec_is_projected_and_takes_a_measured_one(tmp_path, capsys):
+    """plan --device cuda plans with the GPU codec projected from the kernels' counted work (and
+    says so), or with a device's measured calibration file given instead (and names the device)."""
+    from hvd_aps.__main__ import main
+    args = ["plan", "--device", "cuda", "--params", "25M", "--compute-ms", "90", "--hosts", "8", "--links", "25gbit"]
+    main(args)
+    assert "projected for an NVIDIA H200, not measured" in capsys.readouterr().out
+    measured = json.loads(calibration.GPU_PROJECTION.read_text())
+    measured.update(kind="measured", device="a lent GPU", date="2026-11-28")
+    (tmp_path / "gpu.json").write_text(json.dumps(measured))
+    main(args + ["--calibration", str(tmp_path / "gpu.json")])
+    assert "the codec measured on a lent GPU on 2026-11-28" in capsys.readouterr().out

@@ -7,8 +7,8 @@ import concurrent.futures
 import numpy as np
 import pytest
 
-from hvd_aps import _host_engine, _layout, _numpy_engine, _tables
-from hvd_aps._layout import Segment
+from hvd_aps import _host_engine, _numpy_engine, _tables
+from kernel_cases import data, plan
 from hvd_aps.formats import FloatFormat
 
 pytestmark = pytest.mark.skipif(not _host_engine.available, reason="the compiled host engine is not built")
@@ -43,20 +43,6 @@ def many_threads(monkeypatch):
     yield
     pool.pool.shutdown()
     assert pool.tables and pool.shares > pool.tables, "the host engine ran no table in several threads' shares"
-
-
-def plan(fmt, world=3, rank=1, count=2):
-    segments = tuple(Segment(t, 0, n) for t, n in enumerate(SIZES))
-    held = _tables.held(segments)
-    layout = _layout.layout(segments, world)
-    lane = tuple(range(len(segments)))
-    return held, _tables.chunk_plans([lane], [fmt], [layout], [layout.chunk(count)], segments, held.offsets, world,
-                                     rank, padded=True)
-
-
-def data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal(n) * np.exp2(rng.integers(-20, 5, n))).astype(np.float32)
 
 
 @pytest.mark.parametrize("name", ["e2m1fn", "e4m3", "e3m2", "e2m0", "e5m10"])

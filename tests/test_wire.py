@@ -14,35 +14,7 @@ from hvd_aps._inprocess import flat_levels, host_levels, run_ranks, subgroup_lev
 from hvd_aps._schedule import BLOCK_STEPS, STEP_TRIALS, _path_text, max_trial_steps
 from hvd_aps._stages import HYBRID_SAMPLE, Bucket
 import model
-
-
-def simulate(grads, compressors, levels=None, average=True, name="bucket", keys=None, commit=True):
-    """grads[r][t]: rank r's tensor t. Runs the driver on one thread per rank (flat unless `levels`
-    are given), commits the step; returns every rank's results and the bytes each rank sent."""
-    world = len(grads)
-    levels = levels or flat_levels(world)
-
-    def rank_run(r):
-        lv, sizes = levels[r], [g.size for g in grads[r]]
-        stages = compressors[r].exchanger.stages(lv.cross.world, lv.cross.rank, r)
-        bucket = Bucket.whole(name, keys or [f"{name}[{i}]" for i in range(len(sizes))],
-                              [f"{name}[{i}]" for i in range(len(sizes))], sizes)
-        out = exchange.run(stages, bucket, np.concatenate(grads[r]), lv, average=average)
-        if commit:
-            compressors[r].state.commit()
-        return [o.copy() for o in bucket.split(out)]
-
-    return run_ranks(rank_run, world), [c.bytes_sent for c in compressors]
-
-
-def same_format(fmt, world, **options):
-    return [hvd_aps.APSCompressor(fmt, **options) for _ in range(world)]
-
-
-def rank_grads(world, sizes, seed=0):
-    rng = np.random.default_rng(seed)
-    return [[(rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 0)).astype(np.float32) for n in sizes]
-            for _ in range(world)]
+from support import rank_grads, same_format, simulate
 
 
 def assert_all_equal(results, want):

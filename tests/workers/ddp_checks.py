@@ -14,22 +14,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_aps
 import hvd_aps.ddp
 from common import DDP_SIZES, codes_grads, leave_torchrun
+from torch_models import Given
 
 dist.init_process_group("gloo")
 rank, size, out = dist.get_rank(), dist.get_world_size(), {}
 DEVICE = torch.device(os.environ.get("HVD_APS_CHECK_DEVICE", "cpu"))
 torch.set_num_threads(1)
-
-
-class Given(torch.nn.Module):
-    """Parameters whose gradients are exactly the given arrays: loss = sum(p * g)."""
-
-    def __init__(self, shapes, dtype=torch.float32):
-        super().__init__()
-        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes])
-
-    def forward(self, grads):
-        return sum((p * g).sum() for p, g in zip(self.ps, grads))
 
 
 def recording(order, index_of):

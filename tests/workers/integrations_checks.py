@@ -1,6 +1,9 @@
 """Run under `torchrun --nproc-per-node 2`, CPU: the README's recipes for HF Accelerate and
-PyTorch Lightning, each training a small model with hvd_aps.ddp.aps_hook. Each rank saves
-OUTDIR/integrations_rank<r>.npz for tests/test_integrations.py."""
+PyTorch Lightning, each training a small model with hvd_aps.ddp.aps_hook, the compressor's
+fidelity logged to TensorBoard (compressor.log_to through torch's SummaryWriter in the Accelerate
+run, under OUTDIR/tb_torch/rank<r>; hvd_aps.lightning.FidelityLogger through Lightning's
+TensorBoardLogger under OUTDIR/tb_lightning). Each rank saves OUTDIR/integrations_rank<r>.npz for
+tests/test_integrations.py."""
 import os
 import sys
 
@@ -9,8 +12,10 @@ import torch
 
 import hvd_aps
 import hvd_aps.ddp
+import hvd_aps.lightning
 
 out = {}
+OUT, RANK = sys.argv[1], int(os.environ["RANK"])
 
 
 def data(rank):
@@ -31,10 +36,14 @@ def accelerate_run():
     state = hvd_aps.ddp.APSState(hvd_aps.APSCompressor("e4m3", min_elements=16))
     model.register_comm_hook(state, hvd_aps.ddp.aps_hook)
     x, y = data(accelerator.process_index)
-    for _ in range(5):
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(f"{OUT}/tb_torch/rank{RANK}")  # on every rank: log_to writes rank 0's alone
+    for step in range(5):
         opt.zero_grad()
         accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
         opt.step()
+        state.compressor.log_to(writer, step)
+    writer.close()
     out["accelerate"] = torch.cat([p.detach().ravel() for p in model.parameters()]).numpy()
     out["accelerate_buckets"] = np.array(state.buckets_exchanged)
     state.close()
@@ -68,14 +77,16 @@ def lightning_run():
             self.state = hvd_aps.ddp.APSState(self.compressor)
             trainer.strategy.model.register_comm_hook(self.state, hvd_aps.ddp.aps_hook)
 
-    rank = int(os.environ["RANK"])
-    x, y = data(rank)
+    x, y = data(RANK)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64)
-    hook = APSHook(hvd_aps.APSCompressor("e4m3", min_elements=16))
+    compressor = hvd_aps.APSCompressor("e4m3", min_elements=16)
+    hook = APSHook(compressor)
     module = Regression()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5, logger=False,
+    logger = pl.loggers.TensorBoardLogger(f"{OUT}/tb_lightning", name="", version="")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5, logger=logger,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[hook], use_distributed_sampler=False)
+                         callbacks=[hook, hvd_aps.lightning.FidelityLogger(compressor)], use_distributed_sampler=False,
+                         log_every_n_steps=1)
     trainer.fit(module, loader)
     out["lightning"] = torch.cat([p.detach().ravel() for p in module.parameters()]).numpy()
     out["lightning_buckets"] = np.array(hook.state.buckets_exchanged)
@@ -83,4 +94,4 @@ def lightning_run():
 
 accelerate_run()
 lightning_run()
-np.savez(f"{sys.argv[1]}/integrations_rank{os.environ['RANK']}.npz", **out)
+np.savez(f"{OUT}/integrations_rank{RANK}.npz", **out)

@@ -13,22 +13,14 @@ import hvd_aps._host_memory
 import hvd_aps.ddp
 import hvd_aps.fsdp
 from common import DDP_SIZES, codes_grads, leave_torchrun
+from torch_models import Given
 
 dist.init_process_group("gloo")
 rank, out = dist.get_rank(), {}
 torch.set_num_threads(1)
 
 
-class Given(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in DDP_SIZES])
-
-    def forward(self, grads):
-        return sum((p * g).sum() for p, g in zip(self.ps, grads))
-
-
-model = Given()
+model = Given(DDP_SIZES)
 ddp = DDP(model)  # one bucket, in reverse parameter order
 state = hvd_aps.ddp.APSState(hvd_aps.APSCompressor("e4m3", min_elements=16))
 ddp.register_comm_hook(state, hvd_aps.ddp.aps_hook)

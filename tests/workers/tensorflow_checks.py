@@ -94,13 +94,18 @@ for _ in range(2):
 out["v1_optimizer"] = v1_w.numpy().ravel()
 
 
-def keras_step(compression):
+def keras_step(compression, log_dir=None):
+    """One fit of a batch; with log_dir, the compressor's fidelity to TensorBoard there
+    (hvd_aps.keras.FidelityLogger, rank 0)."""
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.set_weights([KERAS_W0 * (rank + 1), np.array([rank], np.float32)])  # rank 0's must win
     opt = hvd_aps.keras.DistributedOptimizer(keras.optimizers.SGD(KERAS_LR), compression=compression)
     model.compile(optimizer=opt, loss="mse")
     x, y = keras_data(rank)
-    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, callbacks=[hvd_aps.keras.BroadcastInitialState()])
+    callbacks = [hvd_aps.keras.BroadcastInitialState()]
+    if log_dir is not None:
+        callbacks.append(hvd_aps.keras.FidelityLogger(compression, log_dir))
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, callbacks=callbacks)
     return np.concatenate([w.ravel() for w in model.get_weights()])
 
 
@@ -189,7 +194,7 @@ keras_mixed_float16("mixed_finite", (1e-3, 1e-3))
 keras_mixed_float16("mixed_overflow", (1e-3, 1e4))
 
 out["keras_none"] = keras_step(hvd.Compression.none)
-out["keras_codes"] = keras_step(hvd_aps.APSCompressor("e4m3", min_elements=1))
+out["keras_codes"] = keras_step(hvd_aps.APSCompressor("e4m3", min_elements=1), f"{sys.argv[1]}/tb_keras/rank{rank}")
 out["keras_values"] = keras_step(hvd_aps.APSCompressor("e4m3", wire="values"))
 
 def keras3_with_horovods_tape():
