@@ -19,11 +19,17 @@ from workers.common import CODES_SIZES, DDP_SIZES, codes_grads
 
 def tensorboard_scalars(folder) -> dict:
     """Every scalar in the TensorBoard event files under `folder`, read back with TensorBoard's own
-    reader: tag -> [(step, value)] ({} where there are none)."""
+    reader: tag -> [(step, value)] ({} where there are none). torch's SummaryWriter writes scalars,
+    tf.summary (TF2) scalar tensors: both are read."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
     events = EventAccumulator(str(folder))
     events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    tags = events.Tags()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in tags["scalars"]}
+    scalars.update({tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
+                    for tag in tags["tensors"]})
+    return scalars
 
 
 def simulate(grads, compressors, levels=None, average=True, name="bucket", keys=None, commit=True):

@@ -5,7 +5,7 @@ test): Horovod must warn, shut the job down and raise on every rank within the s
     horovodrun -np 2 --gloo python stall_checks.py MODE OUTDIR
 
 MODE torch, tensorflow: each rank allreduces a tensor named after itself, which the other never
-submits. MODE one-line: the card's line (hvd.DistributedOptimizer with an APSCompressor) on a
+submits (TensorFlow: in a tf.function, where ops keep their names). MODE one-line: the card's line (hvd.DistributedOptimizer with an APSCompressor) on a
 model whose second layer only rank 0 builds, for a few steps. Each rank saves
 OUTDIR/stall_rank<r>.json: the error it got (its type and message), the seconds until it got it.
 """
@@ -29,7 +29,8 @@ def run_tensorflow():
     import horovod.tensorflow as hvd
     import tensorflow as tf
     hvd.init()
-    hvd.allreduce(tf.ones(4), name=f"only_on_rank_{RANK}")
+    # in a graph, where the op keeps its name (eagerly Horovod matches allreduces by call order)
+    tf.function(lambda: hvd.allreduce(tf.ones(4), name=f"only_on_rank_{RANK}"))()
 
 
 def run_one_line():
