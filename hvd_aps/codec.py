@@ -15,20 +15,9 @@ blocks of that many (the last may be shorter), each with its own exponent (`shif
 per block) or its own max: the codes exchange re-encodes every block of a tensor at its own
 exponent, so its numbers do not depend on how buckets are cut into chunks and shards.
 
-The engine contract (_host_engine, _numpy_engine, _cupy_engine): one call per stage over a table
-of blocks (hvd_aps._tables.Blocks: each block's place in the float32 array, in a packed stream,
-and its stochastic index), with one exponent (and seed) per block, on inputs checked by their
-caller (once per bucket layout in the exchange, here per call)::
-
-    table_amax(x, blocks) -> max |x| per block (+inf where non-finite)
-    table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual) -> message
-    table_sum(rows, fmt, blocks, shifts, out) -> max |sum| per block (rows: (ranks, bytes))
-    table_decode(message, fmt, blocks, shifts, out, divisor, stream) -> out
-    table_shifts(peaks, limit, exponents) -> int32 APS shift per block (scaling.shifts_under), each
-        written as a little-endian int16 into `exponents` (2 bytes a block)
-    table_stats(x, message, fmt, blocks, shifts, first, step, limits) -> (blocks, 6) float64 sums
-
-Arrays in and out lie where the data does: on a device, what a call returns stays there.
+The engines (_host_engine, _numpy_engine, _cupy_engine) each provide the table functions of the
+engine contract, hvd_aps._engine.Engine: one call per stage over a table of blocks, one exponent
+(and seed) per block.
 
 The public functions here make those calls over a run's table (hvd_aps._tables.run, kept per
 run), one call each for the most part: the codes of a run lie in one packed stream, which for 8-

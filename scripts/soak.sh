@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The multi-process tests in a loop, to catch a hang or a failure that shows once in many runs.
 #
-#   scripts/soak.sh [ROUNDS] [TEST FILE ...]     (default: 20 rounds of every multi-process test file)
+#   scripts/soak.sh [ROUNDS] [TEST FILE ... [-k EXPRESSION]]   (default: 20 rounds of every multi-process test file)
+#
+# SOAK_LOAD=N keeps N busy loops running, each pinned to one of the last N cores, for the whole soak
+# (a machine whose cores the tests share with other work: "a loaded second core" is SOAK_LOAD=1).
 #
 # Each round runs pytest (the slow tests too, pytest.ini) under a time limit (SOAK_ROUND_S, default 1800 s); a round past it is
 # interrupted (SIGINT: pytest prints where it waited) and counted as a hang. Every round's output
@@ -21,6 +24,14 @@ LIMIT=${SOAK_ROUND_S:-1800}
 OUT=${SOAK_OUT:-results/soak}
 mkdir -p "$OUT"
 
+LOAD=${SOAK_LOAD:-0}
+hogs=()
+for i in $(seq 1 "$LOAD"); do
+  taskset -c $(( $(nproc) - i )) sh -c 'while :; do :; done' &
+  hogs+=($!)
+done
+trap '[ ${#hogs[@]} -eq 0 ] || kill "${hogs[@]}" 2>/dev/null' EXIT
+
 passed=0 failed=0 hung=0
 for round in $(seq 1 "$ROUNDS"); do
   started=$(date +%s)
@@ -35,5 +46,5 @@ for round in $(seq 1 "$ROUNDS"); do
   esac
   echo "[soak] round $round/$ROUNDS: $verdict in ${took} s: $(tail -n 1 "$OUT/round$round.txt")"
 done
-echo "[soak] $ROUNDS rounds of ${#FILES[@]} files: $passed passed, $failed failed, $hung hung (output: $OUT)"
+echo "[soak] $ROUNDS rounds of ${FILES[*]} (busy loops: $LOAD): $passed passed, $failed failed, $hung hung (output: $OUT)"
 [ $((failed + hung)) -eq 0 ]

@@ -117,3 +117,19 @@ def test_thread_shares_cover_every_element_once_and_start_on_a_byte(bits):
         assert bounds[0][0] == 0 and bounds[-1][1] == send.elements
         assert all(lo < hi for lo, hi in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
         assert 1 < len(shares) <= parts or parts == 1
+
+
+def test_every_engine_keeps_the_engine_contract(counting_cupy):
+    """The host, NumPy and CuPy engines (the last on the counting stand-in) each have every table
+    function of hvd_aps._engine.Engine, with its parameters in its order and its defaults."""
+    import inspect
+    from hvd_aps import _engine
+    from hvd_aps import _cupy_engine
+    assert _engine.CONTRACT == ("table_amax", "table_encode", "table_sum", "table_decode", "table_shifts",
+                                "table_stats")
+    for engine in (_host_engine, _numpy_engine, _cupy_engine):
+        assert isinstance(engine, _engine.Engine), engine.__name__
+        for name in _engine.CONTRACT:
+            want = list(inspect.signature(getattr(_engine.Engine, name)).parameters.values())[1:]  # past self
+            got = list(inspect.signature(getattr(engine, name)).parameters.values())
+            assert [(p.name, p.default) for p in got] == [(p.name, p.default) for p in want], (engine.__name__, name)
