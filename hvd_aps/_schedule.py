@@ -2,15 +2,12 @@
 
 Chunking: a candidate is a chunk size in float32 bytes (0: the whole bucket at once). The
 numbers of the codes exchange do not depend on it (hvd_aps._layout), so trying chunkings changes
-no bit. Each bucket runs every candidate in turn for TRIALS timed steps, and is judged by whole
-steps, from one commit to the next: the time of each bucket's exchange, even from its metadata
-allreduce on, ranked Horovod's chunkings against the steps they gave (on the netns cluster, two
-huge layers at 1 Gbit/s: unchunked 0.18-0.22 s a bucket against 0.22-0.30 s in 4 MiB chunks,
-while steps in 4 MiB chunks took 0.34-0.37 s and unchunked ones 0.41-0.47 s): buckets in flight
-together share the wire, Horovod's one background thread and the cores, which one exchange's own
-time leaves out. A step is not timed where it is the bucket's first or its first with another
-candidate (allocations, page faults, Horovod renegotiating new chunk names). Each rank's time of
-a step rides on the bucket's next metadata Max-allreduce with the candidate it ran, so every rank
+no bit. Each bucket runs every candidate in turn for TRIALS timed steps and is judged by whole
+steps, from one commit to the next, not by its own exchange's time: buckets in flight together
+share the wire, Horovod's one background thread and the cores, which one exchange's time leaves
+out (docs/benchmarks.md). A bucket's first step, and its first with another candidate, is not
+timed (allocations, page faults, Horovod renegotiating new names). Each rank's time of a step
+rides on the bucket's next metadata Max-allreduce with the candidate it ran, so every rank
 records the slowest rank's time and makes the same choice: the least median, fixed from then on.
 Buckets met in the same step run the same candidate in every step, so one step's time speaks for
 each of them.
@@ -18,37 +15,32 @@ each of them.
 Policy "auto" (opt-in: it changes what is sent): once every bucket's chunking is fixed, the
 schedule times whole steps with codes and whole steps with every bucket on the framework's own
 allreduce (NATIVE) in each dtype it may send (the `natives`: the compressor's fallback, or with
-fallback="auto" float32 and float16), in blocks that alternate (codes, float32, codes, float32: a
-machine whose speed drifts over the trials slows every path alike; two phases one after the other
-once kept codes that were 12 % slower). Each block starts with WARMUP_STEPS untimed steps (the
-first steps after a switch renegotiate names in Horovod's response cache and fill new buffers:
-on a 2-core netns cluster they ran up to 2x the steady step). Whole steps, not exchanges: codes cost CPU that
+fallback="auto" float32 and float16), in blocks that alternate, so that a machine whose speed
+drifts slows every path alike. Each block starts with WARMUP_STEPS untimed steps (a switch
+renegotiates names and fills new buffers). Whole steps, not exchanges: codes cost CPU that
 backward would have used, which an exchange's own time does not show. The next step's exchanges
 carry both medians on their metadata Max-allreduce, and when that step commits every rank
 decides alike, for every bucket (never within a step, whose exchanges must all run the same
-way). Steps vary by a quarter from one to the next (on a 2-core netns cluster at 1 Gbit/s, through
-Horovod's optimizer: codes 130-315 ms, native 200-373 ms), so a round of STEP_TRIALS steps each can
-mistake the slower path for the faster: where the two fastest agreed medians lie within
-CLEAR_MARGIN of each other, another round runs (up to ROUNDS), its steps pooled with the earlier
-ones; then a path is kept over a more exact one (float32 before 16-bit, 16-bit before codes) only
-where it is CODES_MARGIN faster. The decisions are in the compressor's state_dict, so a resumed
-run keeps them.
+way). Steps vary by a quarter from one to the next on shared cores, so where the two fastest
+agreed medians lie within CLEAR_MARGIN of each other another round runs (up to ROUNDS), its
+steps pooled with the earlier ones; then a path is kept over a more exact one (float32 before
+16-bit, 16-bit before codes) only where it is CODES_MARGIN faster. The decisions are in the
+compressor's state_dict, so a resumed run keeps them.
 
 With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calibration.job_link), policy="auto"
 starts from the performance model (hvd_aps.perf): after the first block of trial steps (codes,
 at the chunking fixed), each rank predicts the framework's step in each native dtype on the
 step's own timeline, measured in those codes steps (_Timeline): every bucket's allreduce over the
-link (the model's) starts where its codes exchange started after the step began, or where the
-one before it ends, and the step goes on after the last as long as the codes steps did; the
-next step agrees the predictions on its metadata (the slowest rank's).
-A path predicted more than PRIOR_MARGIN slower than the fastest is dropped; where one path is
-left the decision is made there, with no trial step of the others, else the trials go on among
-those left (the codes steps already timed kept). The model leaves out a 16-bit allreduce's
-processor passes (its casts and 16-bit sums: on the CPU, Horovod's float16 allreduce took
-1.7-2.3x float32's step on this project's cluster), so a 16-bit prediction only bounds its step
-from below: it can drop that path, never the others. Both the prediction and the trials'
-medians are reported. policy="codes" with a link makes the same prediction once, and logs a
-warning naming policy="auto" where the framework's own step is predicted PRIOR_MARGIN shorter.
+link starts where its codes exchange started after the step began, or where the one before it
+ends, and the step goes on after the last as long as the codes steps did; the next step agrees
+the predictions on its metadata (the slowest rank's). A path predicted more than PRIOR_MARGIN
+slower than the fastest is dropped; where one path is left the decision is made there, with no
+trial step of the others, else the trials go on among those left (the codes steps already timed
+kept). The model leaves out a 16-bit allreduce's processor passes (its casts and 16-bit sums),
+so a 16-bit prediction only bounds its step from below: it can drop that path, never the others.
+Both the prediction and the trials' medians are reported. policy="codes" with a link makes the
+same prediction once, and logs a warning naming policy="auto" where the framework's own step is
+predicted PRIOR_MARGIN shorter.
 """
 import collections
 import dataclasses
