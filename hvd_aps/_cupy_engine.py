@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _device
 from ._tables import SAMPLE_SUMS
+from .config import Rounding
 
 _THREADS = 256
 _MAX_BLOCKS = 1 << 16  # a grid-stride loop's blocks: the rest of its elements loop
@@ -58,7 +59,7 @@ def table_amax(x, blocks):
 
 def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual=None):
     if blocks.count:
-        stochastic = rounding == "stochastic"
+        stochastic = Rounding(rounding) is Rounding.STOCHASTIC
         _launch_rows("hvd_table_encode", blocks, x, _rows(blocks, x), message, *_fmt_args(fmt), np.int32(saturate),
                      cupy.asarray(shifts, cupy.int32), np.int32(stochastic),
                      cupy.asarray(seeds, cupy.uint64) if stochastic else cupy.zeros(1, cupy.uint64),

@@ -17,6 +17,7 @@ import numpy as np
 from . import _numpy_engine
 from ._tables import SAMPLE_SUMS
 from ._threads import pool as named_pool
+from .config import Rounding
 
 _MIN_CHUNK = 1 << 18  # below this, thread hand-off costs more than it saves
 
@@ -176,7 +177,7 @@ def table_amax(x, blocks):
 
 def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual=None):
     shifts = np.ascontiguousarray(shifts, np.int32)
-    stochastic = int(rounding == "stochastic")
+    stochastic = int(Rounding(rounding) is Rounding.STOCHASTIC)
     seeds = np.ascontiguousarray(seeds, np.uint64) if stochastic else None
     tables, which = _tables_for(fmt, shifts) if residual is not None and blocks.count else (None, None)
     args = (message.ctypes.data, _c_fmt(fmt, saturate), shifts.ctypes.data, stochastic,

@@ -6,6 +6,7 @@ import numpy as np
 
 from .formats import FINITE, FN_NAN, IEEE
 from .scaling import shifts_under
+from .config import Rounding
 
 _U64 = np.uint64
 
@@ -62,7 +63,7 @@ def _encode(x, fmt, shift, rounding, seed, saturate, index):
     base = np.where(t >= 0, np.minimum(t, 1 << fmt.exp_bits) << fmt.man_bits, 0)
     q = sig >> drop
     rem = sig - (q << drop)
-    if rounding == "stochastic":
+    if Rounding(rounding) is Rounding.STOCHASTIC:
         rnd = _random32(seed, index).astype(np.int64)
         threshold = np.where(drop <= 32, rem << np.maximum(32 - drop, 0), rem >> np.maximum(drop - 32, 0))
         up = rnd < threshold
@@ -154,7 +155,7 @@ def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, res
     block, within = _elements(blocks)
     src = blocks.rows[block, 0] + within
     shifts_each = np.asarray(shifts, np.int64)[block]
-    seed_each = np.asarray(seeds, _U64)[block] if rounding == "stochastic" else 0
+    seed_each = np.asarray(seeds, _U64)[block] if Rounding(rounding) is Rounding.STOCHASTIC else 0
     codes = _encode(x[src], fmt, shifts_each, rounding, seed_each, saturate, blocks.rows[block, 4] + within)
     where = _bit_positions(blocks, fmt.bits, block, within)
     if fmt.bits == 8:

@@ -26,6 +26,7 @@ from ._layout import BLOCK
 from ._stages import corrected, formats_and_shifts, hybrid_error, limits
 from ._state import SEND
 from ._stats import BucketStats
+from .config import Rounding
 
 LAYOUTS_KEPT = 64  # (world, n) and agreed lanes whose tables are kept: a model's few buffer sizes
 
@@ -90,7 +91,7 @@ class ScatterExchange:
         lane = np.where(finite, wide.astype(np.int64), -1)
         row = np.repeat(np.arange(self.world), per_row)
         send, mine, lane_bytes, ends = _lane_tables(self.world, self.rank, n, tuple(self.fmts), lane.tobytes())
-        seed = self.state.seed_for(self.rank, name, SEND) if self.config.rounding == "stochastic" else None
+        seed = self.state.seed_for(self.rank, name, SEND) if self.config.rounding is Rounding.STOCHASTIC else None
         shifts_here = _arrays.array_module(rows).asarray(shifts.astype(np.int32))  # one upload, where the rows lie
         return ScatterAgreement(name, rows, shifts, shifts_here, send, mine, lane_bytes, ends,
                                 self._carried(lane, shifts, counts, row),

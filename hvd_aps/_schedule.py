@@ -44,6 +44,7 @@ predicted PRIOR_MARGIN shorter.
 """
 import collections
 import dataclasses
+import enum
 import logging
 import statistics
 import threading
@@ -152,14 +153,21 @@ class _Bucket:
     pending: tuple = None         # (candidate, seconds) agreed this step, recorded at commit
 
 
+class Phase(str, enum.Enum):
+    """Where policy="auto" stands (its value is what a state_dict holds)."""
+    CHUNKING = "chunking"  # the buckets' chunkings still tried: no policy trial yet
+    TRIALS = "trials"      # blocks of trial steps on each path
+    DECIDING = "deciding"  # the medians (or the model's prediction) ride on the next step's metadata
+    DECIDED = "decided"    # every rank chose alike; no more trials
+
+
 class _Policy:
     """policy="auto"'s step trials: blocks of steps on each path (codes, then the native dtypes
     in the order given: the more exact first), then the agreed decision."""
-    PHASES = ("chunking", "trials", "deciding", "decided")
 
     def __init__(self, natives: tuple):
         self.paths = (CODES,) + tuple(natives)
-        self.phase, self.chosen = "chunking", None  # chosen: a path
+        self.phase, self.chosen = Phase.CHUNKING, None  # chosen: a path
         self.steps = {path: [] for path in self.paths}  # this rank's timed steps on each path
         self.order = trial_order(self.paths)  # the blocks of the round under way
         self.medians = None  # the agreed {path: median step} behind the decision
@@ -172,7 +180,7 @@ class _Policy:
     @property
     def trying(self) -> "str | None":
         """The path the trial steps run now, None outside the trials."""
-        return self.order[self.block] if self.phase == "trials" else None
+        return self.order[self.block] if self.phase is Phase.TRIALS else None
 
     @property
     def native(self) -> "str | None":
@@ -195,14 +203,14 @@ class _Policy:
                 return values if values is None else {path(k): v for k, v in values.items()}
             return dict(zip((CODES, self.paths[1]), values))  # an earlier release's (codes, native)
 
-        self.phase, self.chosen = saved["phase"], path(saved["chosen"])
+        self.phase, self.chosen = Phase(saved["phase"]), path(saved["chosen"])
         self.block, self.timed, self.rounds = saved.get("block", 0), saved.get("timed", 0), saved.get("rounds", 1)
         self.order = tuple(path(k) for k in saved.get("order", self.order))
         self.predicting, self.prediction = paths(saved.get("predicting")), paths(saved.get("prediction"))
         self.steps = {**{k: [] for k in self.paths}, **{path(k): list(v) for k, v in saved["steps"].items()}}
 
     def state(self) -> dict:
-        return {"phase": self.phase, "chosen": self.chosen, "block": self.block, "timed": self.timed,
+        return {"phase": self.phase.value, "chosen": self.chosen, "block": self.block, "timed": self.timed,
                 "rounds": self.rounds, "order": list(self.order), "steps": {k: list(v) for k, v in self.steps.items()},
                 "predicting": self.predicting, "prediction": self.prediction}
 
@@ -279,7 +287,7 @@ class Schedule:
             exchange = [UNMEASURED, UNMEASURED] if last is None else [last[1], float(last[0])]
             p = self._policy
             steps = {}
-            if p is not None and p.phase == "deciding":
+            if p is not None and p.phase is Phase.DECIDING:
                 steps = p.predicting or {k: statistics.median(p.steps[k]) for k in p.weighing()}
         return exchange + [steps.get(path, UNMEASURED) for path in PATHS]
 
@@ -290,7 +298,7 @@ class Schedule:
         p, w = self._policy, self._watch
         if w is not None:
             return not w.done
-        return p is not None and self.link is not None and p.prediction is None and p.phase in ("chunking", "trials")
+        return p is not None and self.link is not None and p.prediction is None and p.phase in (Phase.CHUNKING, Phase.TRIALS)
 
     def estimate_native(self, name: str, elements: int, hosts: int, ranks_per_host: int) -> None:
         """The model's time of the framework's allreduce of bucket `name` (`elements` of them) in
@@ -322,7 +330,7 @@ class Schedule:
             if self.tuning and seconds != UNMEASURED:
                 self._bucket(name).pending = (int(candidate), seconds)
             medians = {path: v for path, v in zip(PATHS, steps) if v != UNMEASURED}
-            if self._policy is not None and self._policy.phase == "deciding" and medians:
+            if self._policy is not None and self._policy.phase is Phase.DECIDING and medians:
                 self._policy.medians = medians  # decided at commit: a step's exchanges all run alike
 
     def _decide(self, medians: dict) -> None:
@@ -338,13 +346,13 @@ class Schedule:
         first, second = sorted(medians.values())[:2]
         if second - first < CLEAR_MARGIN * second and p.rounds < ROUNDS:
             p.phase, p.order, p.block, p.timed, p.warming, p.medians = (
-                "trials", trial_order(p.weighing()), 0, 0, WARMUP_STEPS, None)
+                Phase.TRIALS, trial_order(p.weighing()), 0, 0, WARMUP_STEPS, None)
             p.rounds += 1
             log.info("hvd_aps schedule: a close call (steps: %s): trial round %d", _steps_text(medians), p.rounds)
             return
         p.chosen = next(path for path in p.paths[1:] + (CODES,)
                         if path in medians and medians[path] * (1 - CODES_MARGIN) <= first)
-        p.phase = "decided"
+        p.phase = Phase.DECIDED
         log.info("hvd_aps schedule: every bucket sends %s (steps: %s)", _path_text(p.chosen), _steps_text(medians))
 
     def _decide_predicted(self, predicted: dict) -> None:
@@ -356,14 +364,14 @@ class Schedule:
         fastest = min(v for path, v in predicted.items() if path not in LOWER_BOUNDS)
         left = tuple(path for path in p.paths if predicted[path] <= (1 + PRIOR_MARGIN) * fastest)
         if len(left) == 1:
-            p.chosen, p.phase = left[0], "decided"
+            p.chosen, p.phase = left[0], Phase.DECIDED
             log.info("hvd_aps schedule: every bucket sends %s, as predicted without trials (steps: %s)",
                      _path_text(p.chosen), _steps_text(predicted))
             return
         order = list(trial_order(left))
         if CODES in order:
             order.remove(CODES)  # its first block is timed already: on from the native blocks
-        p.phase, p.order, p.block, p.timed, p.warming = "trials", tuple(order), 0, 0, WARMUP_STEPS
+        p.phase, p.order, p.block, p.timed, p.warming = Phase.TRIALS, tuple(order), 0, 0, WARMUP_STEPS
         log.info("hvd_aps schedule: a close call the model cannot settle (steps: %s): timed", _steps_text(predicted))
 
     def _predict(self) -> bool:
@@ -375,7 +383,7 @@ class Schedule:
         natives = self._predicted_natives() if self.predicting else None
         if natives is None:
             return False
-        p.predicting, p.phase = {CODES: codes, **natives}, "deciding"
+        p.predicting, p.phase = {CODES: codes, **natives}, Phase.DECIDING
         return True
 
     def _predicted_natives(self) -> "dict | None":
@@ -433,20 +441,20 @@ class Schedule:
             for b in self._buckets.values():
                 b.pending, b.ran, b.before = None, None, None
             self._timeline.rolled_back()
-            if self._policy is not None and self._policy.phase == "deciding":
+            if self._policy is not None and self._policy.phase is Phase.DECIDING:
                 self._policy.medians = None
 
     def _step_ended(self, took: "float | None") -> None:
         """policy="auto": a step committed, having taken `took` seconds (None: not a clean
         measurement); its time counts for the trial block it ran in."""
         p = self._policy
-        if p.phase == "deciding" and p.medians is not None:
+        if p.phase is Phase.DECIDING and p.medians is not None:
             self._decide(p.medians)
             return
-        if p.phase == "chunking" and self._buckets and all(b.chosen is not None for b in self._buckets.values()):
-            p.phase = "trials"  # the first trial step starts here
+        if p.phase is Phase.CHUNKING and self._buckets and all(b.chosen is not None for b in self._buckets.values()):
+            p.phase = Phase.TRIALS  # the first trial step starts here
             return
-        if p.phase == "trials" and took is not None:
+        if p.phase is Phase.TRIALS and took is not None:
             log.debug("hvd_aps schedule: a %s step took %.1f ms%s", p.trying, 1e3 * took, " (warm-up)" if p.warming else "")
             if p.warming:
                 p.warming -= 1
@@ -456,7 +464,7 @@ class Schedule:
             if p.timed == BLOCK_STEPS:
                 p.block, p.timed, p.warming = p.block + 1, 0, WARMUP_STEPS
                 if p.block == len(p.order):
-                    p.phase = "deciding"
+                    p.phase = Phase.DECIDING
                 elif p.rounds == 1 and p.block == 1 and p.order[0] == CODES:
                     self._predict()  # the first block timed codes: the model may settle it here
 
@@ -531,7 +539,7 @@ class Schedule:
                 self._bucket(name).chosen = value
             if policy is not None:
                 self._policy.chosen = dtype if policy == "native" else policy
-                self._policy.phase = "decided"
+                self._policy.phase = Phase.DECIDED
 
     def _chosen_text(self, b: _Bucket):
         if self._policy_native():

@@ -36,6 +36,7 @@ from . import _arrays, _device, _layout, _metadata, _tables, codec, scaling
 from ._layout import Segment
 from ._state import OWNER, SEND
 from ._stats import BucketStats
+from .config import Rounding, Scaling
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # ranges are summed in float32: no x N headroom needed
 HYBRID_SAMPLE = 4096  # elements per tensor the hybrid policy's error estimate looks at
@@ -152,7 +153,7 @@ def formats_and_shifts(config, amaxes: np.ndarray, errors: np.ndarray, world: in
     shifts = np.zeros(len(amaxes), np.int64)
     fmts = (config.fmt, config.hybrid)
     for fmt, chosen in zip(fmts, (~wide & finite, wide)):
-        if config.scaling == "aps" and chosen.any():
+        if config.scaling is Scaling.APS and chosen.any():
             shifts[chosen] = scaling.shifts_for(amaxes[chosen], world, fmt, _FLOAT32_MAX)
     return finite, wide, shifts
 
@@ -169,7 +170,7 @@ def hybrid_error(config, x, amax: float, world: int, stride: int = 1) -> float:
     sample = sample[sample != 0]
     if not sample.size:
         return 0.0
-    shift = scaling.shift_for(amax, world, config.fmt, _FLOAT32_MAX) if config.scaling == "aps" else 0
+    shift = scaling.shift_for(amax, world, config.fmt, _FLOAT32_MAX) if config.scaling is Scaling.APS else 0
     error = xp.abs(codec.quantize(sample, config.fmt, shift=shift) - sample) / xp.abs(sample)
     return float(xp.minimum(error, 1).mean())
 
@@ -231,7 +232,7 @@ class CodesExchange:
         count = max(1, -(-total // (candidate // 4))) if candidate > 0 else 1
         lanes_of = np.where(finite, wide.astype(np.int64), -1)
         plan = self._plan(bucket, lanes_of[held.tensor], count, padded)
-        stochastic = self.config.rounding == "stochastic"
+        stochastic = self.config.rounding is Rounding.STOCHASTIC
         a = Agreement(bucket, plan, data, out, shifts, _uploaded(shifts.astype(np.int32), xp), fallback, count, divisor,
                       self._seeds(bucket, self.seed_rank, SEND, xp) if stochastic else None,
                       self._seeds(bucket, -1, OWNER, xp) if stochastic else None, None, [], tuple(lanes_of.tolist()))
@@ -378,7 +379,7 @@ class CodesExchange:
             # each block's exponent from its own max where the sums lie, written where the message
             # carries it: no host round trip
             exponents = message[lc.exponent_start:lc.exponent_start + _tables.EXPONENT.itemsize * peaks.size]
-            if self.config.scaling == "aps":
+            if self.config.scaling is Scaling.APS:
                 shifts = engine.table_shifts(peaks, scaling.limit_for(1, fmt), exponents)
             else:
                 shifts = xp.zeros(peaks.size, np.int32)

@@ -6,6 +6,7 @@ float32 otherwise. Framework-neutral: NumPy or CuPy arrays in and out.
 import numpy as np
 
 from . import _arrays, codec, scaling
+from .config import Scaling
 
 
 def carrier(fmt) -> np.dtype:
@@ -19,7 +20,7 @@ def to_wire(config, stats, x, agreed_amax: float, world_size: int, seed: int, la
     fmt, finite, dtype = config.fmt, bool(np.isfinite(agreed_amax)), carrier(config.fmt)
     # the framework sums the carrier dtype: the sum needs headroom only within that dtype's range
     sum_max = float(np.finfo(dtype).max)
-    shift = scaling.shift_for(agreed_amax, world_size, fmt, sum_max) if finite and config.scaling == "aps" else 0
+    shift = scaling.shift_for(agreed_amax, world_size, fmt, sum_max) if finite and config.scaling is Scaling.APS else 0
     if finite:
         wire = codec.quantize(x, fmt, config.rounding, seed, config.saturate, shift, unscale=False, dtype=dtype)
     else:  # unscaled and unrounded: the NaN/Inf reaches every rank's sum

@@ -100,7 +100,7 @@ def _check_shift(shift):
 def _check_seed(rounding, seed):
     if rounding not in [r.value for r in Rounding]:
         raise ValueError(f"rounding must be one of {[r.value for r in Rounding]}, got {rounding!r}")
-    if rounding == "nearest":
+    if Rounding(rounding) is Rounding.NEAREST:
         return 0
     if seed is None:
         return secrets.randbits(64)
@@ -137,7 +137,7 @@ def _shifts(table, shifts):
 
 def _seeds(table, rounding, seed):
     """Each row's seed: the run's one seed (None for rounding to nearest, which draws none)."""
-    return np.full(table.count, seed, np.uint64) if rounding == "stochastic" else None
+    return np.full(table.count, seed, np.uint64) if Rounding(rounding) is Rounding.STOCHASTIC else None
 
 
 def _encode_stream(x, fmt, shift, rounding, seed, saturate, message):

@@ -21,7 +21,7 @@ from ._schedule import Schedule
 from ._state import ExchangeState
 from ._stats import STATS_SAMPLE, StatsRecorder, TensorStats
 from .config import (AUTO, DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS, DEFAULT_TIMEOUT,
-                     APSConfig, recipe)
+                     APSConfig, Policy, Wire, recipe)
 from .exchanger import Exchanger
 from .formats import FloatFormat
 
@@ -103,7 +103,7 @@ class APSCompressor:
             raise TypeError(f"expected an APSConfig, got {type(config).__name__}")
         if state is None:
             state = ExchangeState(secrets.randbits(63) if seed is None else int(seed),
-                                  Schedule(config.candidates, config.policy == "auto", _job_link(), config.natives))
+                                  Schedule(config.candidates, config.policy is Policy.AUTO, _job_link(), config.natives))
         self.config, self.exchanger = config, Exchanger(config, state, stats)
         self._batches = _tokens.Batches(self.exchanger)
         self._serves = None  # the optimizer, DDP model or FSDP2 model this compressor was given to
@@ -152,7 +152,7 @@ class APSCompressor:
         adapter = _tokens.adapter_of(tensor)
         if adapter is None or not adapter.is_dense_float(tensor):
             return tensor, None
-        small = self.config.wire == "codes" and adapter.numel(tensor) < self.config.min_elements
+        small = self.config.wire is Wire.CODES and adapter.numel(tensor) < self.config.min_elements
         if small or adapter.is_empty(tensor):
             return _tokens.pass_through(adapter, tensor, self.exchanger)
         site = adapter.call_site(sys._getframe(1))
@@ -160,7 +160,7 @@ class APSCompressor:
             self._claim_for(site.owner)
         if not _horovod.included(site.process_set):  # Horovod's own allreduce refuses it, as stock
             return tensor, None
-        if self.config.wire == "values":
+        if self.config.wire is Wire.VALUES:
             return adapter.compress_values(tensor, self.exchanger, site.process_set)
         return self._batches.add(adapter, tensor, site)
 

@@ -23,6 +23,7 @@ from . import _arrays, _device, _host_memory, _metadata, _threads, exchange
 from ._stages import Bucket
 from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
+from .config import Wire
 
 
 class TorchDistributedCollectives(exchange.AsyncEager):
@@ -131,7 +132,7 @@ class APSState:
     LANES = 2
 
     def __init__(self, compressor: APSCompressor, process_group=None):
-        if not isinstance(compressor, APSCompressor) or compressor.config.wire != "codes":
+        if not isinstance(compressor, APSCompressor) or compressor.config.wire is not Wire.CODES:
             raise TypeError(f"APSState needs an hvd_aps.APSCompressor sending codes, got {compressor!r}")
         if not dist.is_initialized():
             raise RuntimeError("APSState needs torch.distributed initialised (dist.init_process_group)")

@@ -36,6 +36,7 @@ from ._stages import Bucket
 from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
 from .ddp import TorchDistributedCollectives, _all_gather_object
+from .config import Wire
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -183,7 +184,7 @@ def apply(model: torch.nn.Module, compressor: APSCompressor, replicate_group: di
     if FSDPModule is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise RuntimeError(f"hvd_aps.fsdp needs torch >= {MIN_TORCH} (FSDPModule.set_custom_reduce_scatter); "
                            f"this is torch {torch.__version__}")
-    if not isinstance(compressor, APSCompressor) or compressor.config.wire != "codes":
+    if not isinstance(compressor, APSCompressor) or compressor.config.wire is not Wire.CODES:
         raise TypeError(f"hvd_aps.fsdp needs an hvd_aps.APSCompressor sending codes, got {compressor!r}")
     modules = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:

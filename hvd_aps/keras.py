@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from .compressor import APSCompressor
 from .tensorflow import allreduce_codes
+from .config import Wire
 
 
 def _zeros_where_missing(grads, variables):
@@ -58,7 +59,7 @@ class _Distributed:
         return grads
 
     def _sends_codes(self):
-        return isinstance(self._hvd_compression, APSCompressor) and self._hvd_compression.config.wire == "codes"
+        return isinstance(self._hvd_compression, APSCompressor) and self._hvd_compression.config.wire is Wire.CODES
 
 
 def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Average, sparse_as_dense=False):

@@ -21,6 +21,7 @@ from .. import _arrays, _device, _layout
 from .._stages import Bucket
 from ..compressor import APSCompressor
 from .adapter import label, levels, reducible, wait
+from ..config import Fallback, Policy, Wire
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -174,10 +175,10 @@ def _check_arguments(compression, op):
     if not isinstance(compression, APSCompressor):
         raise TypeError("hvd_aps.torch.DistributedOptimizer sends APS codes: pass "
                         f"compression=hvd_aps.APSCompressor(...), got {compression!r}")
-    if compression.config.wire != "codes":
+    if compression.config.wire is not Wire.CODES:
         raise ValueError("hvd_aps.torch.DistributedOptimizer sends codes; an APSCompressor with "
                          "wire='values' belongs in horovod.torch.DistributedOptimizer")
-    if compression.config.policy == "auto" and compression.config.fallback == "bfloat16":
+    if compression.config.policy is Policy.AUTO and compression.config.fallback is Fallback.BFLOAT16:
         raise ValueError("hvd_aps.torch.DistributedOptimizer's own allreduce carries float32 or float16 (NumPy "
                          "and CuPy hold no bfloat16): fallback='bfloat16' belongs with the DDP hook, FSDP2, or "
                          "horovod.torch.DistributedOptimizer on NCCL")
