@@ -159,3 +159,21 @@ def test_a_state_loaded_on_some_ranks_of_two_levels_fails_and_a_full_load_resume
         c.load_state_dict(state)
     again = emulate.codes_allreduce(resumed, grads, ranks_per_host=2)
     assert again[0].tobytes() == emulate.codes_allreduce(saving, grads, ranks_per_host=2)[0].tobytes()
+
+
+def test_a_state_saved_by_an_earlier_tree_resumes_on_its_bits():
+    """A state_dict saved by the tree of commit 170dc6e (tests/data/make_resume_state.py run there)
+    loads into this tree's compressors and the next steps give that tree's bits: saved states
+    survive the code's changes."""
+    import pickle
+    import pathlib
+    from data import make_resume_state as case
+    from hvd_aps import emulate
+    with open(pathlib.Path(__file__).parent / "data" / "resume_170dc6e.pkl", "rb") as f:
+        saved = pickle.load(f)
+    resumed = case.compressors()
+    for compressor, state in zip(resumed, saved["states"]):
+        compressor.load_state_dict(state)
+    for step, want in zip(range(case.SAVED_AFTER, case.STEPS), saved["results"]):
+        got = emulate.codes_allreduce(resumed, case.grads(step))
+        assert [g.tobytes() for g in got] == [w.tobytes() for w in want], step
