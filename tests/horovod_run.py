@@ -23,11 +23,12 @@ TAIL = 12_000  # characters of a failed job's output and error shown
 
 
 def worker_env(**extra) -> dict:
-    """The environment workers run in: tests/workers importable, one thread for OpenMP, TF quiet,
-    this Python's bin first on PATH, faulthandler on (the stacks a bounded launch asks for)."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKERS), str(WORKERS.parent)]), TF_CPP_MIN_LOG_LEVEL="2",
-                OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PATH=os.pathsep.join([BIN, os.environ.get("PATH", "")]),
-                **extra)
+    """The environment workers run in: tests/workers importable (before the PYTHONPATH given), one
+    thread for OpenMP, TF quiet, this Python's bin first on PATH, faulthandler on (the stacks a
+    bounded launch asks for)."""
+    path = [str(WORKERS), str(WORKERS.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path), TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1",
+                PYTHONFAULTHANDLER="1", PATH=os.pathsep.join([BIN, os.environ.get("PATH", "")]), **extra)
 
 
 def bounded(cmd, timeout: float, env: dict = None, check: bool = True, cwd=None) -> subprocess.CompletedProcess:
