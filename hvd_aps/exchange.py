@@ -216,52 +216,13 @@ def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = 
     reduce-scatter inside each host)."""
     schedule, coll = stages.state.schedule, levels.cross
     handed = time.perf_counter()  # the bucket's hand-over to the driver: where its place in the step starts
-    if not coll.eager and stages.config.policy == Policy.AUTO:
+    if not coll.eager and stages.config.policy is Policy.AUTO:
         _warn_graph_policy()
-    graph_chunk_bytes = stages.config.graph_chunk_bytes  # a graph's (non-eager) chunking, fixed when traced
-    candidate = schedule.candidate(bucket.name) if coll.eager else graph_chunk_bytes
+    candidate = schedule.candidate(bucket.name) if coll.eager else stages.config.graph_chunk_bytes
     divisor = divisor or (levels.world.world if average else 1)
     if candidate == NATIVE:  # policy="auto" chose, or is timing, the framework's own allreduce
         return _native(stages, bucket, flat, levels.world, out, divisor, schedule.native_dtype())
-    if levels.local is not None:
-        cuts, slices = _layout.slices(bucket.sizes, levels.local.world)
-        held_bucket = bucket.part(slices[levels.local.rank])
-        data, slice_out, slice_message = _scatter(bucket, cuts, flat, levels.local, stages.state.buffers)
-        # every cross group cuts as many chunks (Subgroups of one whole group call its collectives together)
-        chunked = max(b - a for a, b in zip(cuts[:-1], cuts[1:]))
-    else:
-        held_bucket, data, slice_out, slice_message, chunked = bucket, flat, out, None, None
-    parts = 1 if levels.local is None else levels.local.world
-    follow = stages.config.error_feedback and coll.eager
-    if follow and levels.local is not None:  # a host sum's residuals lie with its slice's local rank
-        _follow_layout(stages.state, bucket, SEND, _signature(bucket, parts), levels.local,
-                       [(s.tensor, s.start, s.size) for s in held_bucket.segments])
-    held = {}  # what one stage hands the next: plain Python, so graph stages share it too
-
-    def metadata(array):
-        vector, held["data"] = stages.metadata(held_bucket, array)
-        return (vector,)
-
-    vector, = levels.world.stage(metadata, [data], [np.float64])
-    agreed = _read(levels.world.max_allreduce(vector, f"{bucket.name}.meta"))
-    _check_settings(levels.world, stages.config, agreed, bucket.name)
-
-    def agree(agreed):
-        xp = _arrays.array_module(held["data"])  # NumPy for graph tensors: their stages see NumPy
-        held["a"] = stages.agree(held_bucket, agreed, held.pop("data"), slice_out, divisor, xp, candidate,
-                                 coll.equal_allgather, chunked)
-        return (_TOKEN,)
-
-    token, = levels.world.stage(agree, [agreed], [np.uint8])
-    if follow:  # a share's owner residual lies with its owner
-        a = held["a"]
-        _follow_layout(stages.state, bucket, OWNER, _signature(bucket, parts, coll.world, a.lanes_of), levels.world,
-                       stages.owned(a))
-    chunks = held["a"].count if coll.eager else _graph_chunks(chunked or sum(s.size for s in held_bucket.segments),
-                                                               graph_chunk_bytes)
-    result = _pipeline(stages, held, token, data, coll, bucket.name, chunks)
-    if levels.local is not None:
-        result = _gather(bucket, cuts, result, levels.local, out, slice_message, stages.state.buffers)
+    result = BucketExchange(stages, bucket, flat, levels, out, divisor, candidate).run()
     if coll.eager:
         schedule.ran(bucket.name, candidate)
         if schedule.predicting:  # policy="auto" will predict the framework's step from the model
@@ -270,6 +231,106 @@ def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = 
             schedule.estimate_native(bucket.name, sum(bucket.sizes), levels.world.world // per_host, per_host)
             schedule.placed(bucket.name, handed, ended)
     return result
+
+
+class BucketExchange:
+    """One bucket's codes exchange (steps 0-6 of the module docstring): its stages are methods,
+    and what one stage hands the next (the data the metadata stage prepared, the agreement) are
+    fields. Graph frameworks run the stages inside their graph (Collectives.stage), as often as
+    the graph runs; eager ones call them once."""
+
+    def __init__(self, stages, bucket: Bucket, flat, levels: Levels, out, divisor: float, candidate: int):
+        self.stages, self.bucket, self.levels, self.out, self.divisor = stages, bucket, levels, out, divisor
+        self.candidate, self.coll, local = candidate, levels.cross, levels.local
+        self.cuts = self.slice_message = self.chunked = None
+        if local is not None:  # step 0: this local rank's slice of the host's sum
+            self.cuts, slices = _layout.slices(bucket.sizes, local.world)
+            self.held = bucket.part(slices[local.rank])
+            self.data, self.slice_out, self.slice_message = _scatter(bucket, self.cuts, flat, local,
+                                                                     stages.state.buffers)
+            # every cross group cuts as many chunks (Subgroups of one whole group call its collectives together)
+            self.chunked = max(b - a for a, b in zip(self.cuts[:-1], self.cuts[1:]))
+        else:
+            self.held, self.data, self.slice_out = bucket, flat, out
+        self.parts = 1 if local is None else local.world
+        self.follow = stages.config.error_feedback and self.coll.eager
+        self.prepared = self.agreement = None  # the metadata stage's data; the agreement of the chunks
+
+    def run(self):
+        """The driver: metadata, agreement, the chunks pipelined, the host's gather."""
+        world, name, config = self.levels.world, self.bucket.name, self.stages.config
+        if self.follow and self.levels.local is not None:  # a host sum's residuals lie with its slice's local rank
+            _follow_layout(self.stages.state, self.bucket, SEND, _signature(self.bucket, self.parts), self.levels.local,
+                           [(s.tensor, s.start, s.size) for s in self.held.segments])
+        vector, = world.stage(self.metadata, [self.data], [np.float64])
+        agreed = _read(world.max_allreduce(vector, f"{name}.meta"))
+        _check_settings(world, config, agreed, name)
+        token, = world.stage(self.agree, [agreed], [np.uint8])
+        if self.follow:  # a share's owner residual lies with its owner
+            _follow_layout(self.stages.state, self.bucket, OWNER,
+                           _signature(self.bucket, self.parts, self.coll.world, self.agreement.lanes_of), world,
+                           self.stages.owned(self.agreement))
+        result = self.pipeline(token)
+        if self.levels.local is not None:
+            result = _gather(self.bucket, self.cuts, result, self.levels.local, self.out, self.slice_message,
+                             self.stages.state.buffers)
+        return result
+
+    def chunks(self) -> int:
+        if self.coll.eager:
+            return self.agreement.count
+        return _graph_chunks(self.chunked or sum(s.size for s in self.held.segments), self.stages.config.graph_chunk_bytes)
+
+    def pipeline(self, token):
+        """Steps 3-5 for every chunk, chunk k encoded while k-1 travels and k-2 is decoded -> the
+        held segments' results, one flat array."""
+        coll, name, chunks = self.coll, self.bucket.name, self.chunks()
+        codes, shards, finished = {}, {}, []
+        for c in range(chunks + 2):
+            if c < chunks:
+                send, splits = coll.stage(functools.partial(self.encode, c), [token, self.data], [np.uint8, np.int32])
+                codes[c] = coll.alltoall_start(send, splits, f"{name}.codes{c}")
+            if 0 <= c - 1 < chunks:
+                message, = coll.stage(functools.partial(self.reduce, c - 1), [coll.wait(codes.pop(c - 1))],
+                                      [np.uint8])
+                shards[c - 1] = coll.allgather_start(message, f"{name}.shards{c - 1}")
+            if c - 2 >= 0:
+                finished += coll.stage(functools.partial(self.finish, c - 2), [coll.wait(shards.pop(c - 2))],
+                                       [np.uint8])
+        result, = coll.stage(self.done, finished, [np.float32])
+        return result
+
+    # The stages: host work on arrays, each returning a tuple of arrays ---------------------------------
+    def metadata(self, array) -> tuple:
+        """Step 1: each tensor's max |g| and size, the signature."""
+        vector, self.prepared = self.stages.metadata(self.held, array)
+        return (vector,)
+
+    def agree(self, agreed) -> tuple:
+        """Step 2: APS shifts and formats agreed, the chunks laid out."""
+        xp = _arrays.array_module(self.prepared)  # NumPy for graph tensors: their stages see NumPy
+        self.agreement = self.stages.agree(self.held, agreed, self.prepared, self.slice_out, self.divisor, xp,
+                                           self.candidate, self.coll.equal_allgather, self.chunked)
+        self.prepared = None
+        return (_TOKEN,)
+
+    def encode(self, chunk: int, token, array) -> tuple:
+        """Step 3: every owner's part of the chunk encoded -> (message, splits)."""
+        send, splits = self.stages.begin(self.agreement, chunk)
+        return send, np.asarray(splits, np.int32)
+
+    def reduce(self, chunk: int, received) -> tuple:
+        """Step 4: this rank's part decoded and summed, re-encoded."""
+        return (self.stages.reduce(self.agreement, chunk, received),)
+
+    def finish(self, chunk: int, gathered) -> tuple:
+        """Step 5: every owner's part decoded into the results."""
+        self.stages.finish(self.agreement, chunk, gathered)
+        return (_TOKEN,)
+
+    def done(self, *finished) -> tuple:
+        agreement, self.agreement = self.agreement, None
+        return (self.stages.done(agreement),)
 
 
 def _read(agreed):
@@ -342,37 +403,6 @@ def reduce_scatter(stages, name: str, rows, coll: Collectives, out, divisor: flo
     send, splits = stages.begin(agreement)
     received = coll.alltoall(send, np.asarray(splits, np.int32), f"{name}.codes")
     return stages.reduce(agreement, received, out)
-
-
-def _pipeline(stages, held, token, data, coll, name, chunks):
-    """Steps 3-5 for every chunk, chunk k encoded while k-1 travels and k-2 is decoded -> the
-    held segments' results, one flat array."""
-
-    def begin(c):
-        def stage(token, array):
-            send, splits = stages.begin(held["a"], c)
-            return send, np.asarray(splits, np.int32)
-        return stage
-
-    def finish(c):
-        def stage(gathered):
-            stages.finish(held["a"], c, gathered)
-            return (_TOKEN,)
-        return stage
-
-    codes, shards, finished = {}, {}, []
-    for c in range(chunks + 2):
-        if c < chunks:
-            send, splits = coll.stage(begin(c), [token, data], [np.uint8, np.int32])
-            codes[c] = coll.alltoall_start(send, splits, f"{name}.codes{c}")
-        if 0 <= c - 1 < chunks:
-            message, = coll.stage(lambda received, k=c - 1: (stages.reduce(held["a"], k, received),),
-                                  [coll.wait(codes.pop(c - 1))], [np.uint8])
-            shards[c - 1] = coll.allgather_start(message, f"{name}.shards{c - 1}")
-        if c - 2 >= 0:
-            finished += coll.stage(finish(c - 2), [coll.wait(shards.pop(c - 2))], [np.uint8])
-    result, = coll.stage(lambda *done: (stages.done(held.pop("a")),), finished, [np.float32])
-    return result
 
 
 def _graph_chunks(elements: int, chunk_bytes: int) -> int:
