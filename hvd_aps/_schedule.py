@@ -298,7 +298,8 @@ class Schedule:
         p, w = self._policy, self._watch
         if w is not None:
             return not w.done
-        return p is not None and self.link is not None and p.prediction is None and p.phase in (Phase.CHUNKING, Phase.TRIALS)
+        return (p is not None and self.link is not None and p.prediction is None
+                and p.phase in (Phase.CHUNKING, Phase.TRIALS))
 
     def estimate_native(self, name: str, elements: int, hosts: int, ranks_per_host: int) -> None:
         """The model's time of the framework's allreduce of bucket `name` (`elements` of them) in

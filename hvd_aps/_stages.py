@@ -115,13 +115,11 @@ class Plan:
     carried: np.ndarray  # per held segment: packed bytes its codes take in the alltoall
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Agreement:
     """What the metadata allreduce settled for one exchange of a bucket, alike on every rank."""
     bucket: Bucket
     plan: Plan
-    data: object        # flat: what is encoded (with error feedback: gradient + residual)
-    out: object         # flat: where the results go
     shifts: np.ndarray  # per tensor, for the format it travels in
     shifts_here: object  # the same where the data lies (int32: what the engines read)
     fallback: np.ndarray  # held segments of tensors with a NaN/Inf somewhere: NaN on every rank
@@ -129,18 +127,28 @@ class Agreement:
     divisor: float      # N for an average, 1 for a sum
     seeds: Optional[object]        # per tensor, where the data lies: stochastic rounding's seed of this rank's encode
     owner_seeds: Optional[object]  # per tensor, where the data lies: the shard owner's re-encode seed
-    residual: object    # error feedback: where this step's send residuals go (flat like data), else None
-    owner_residuals: list  # error feedback: per lane, where this step's owner residuals go (this rank's shard)
     lanes_of: tuple     # per tensor: its lane, -1 in the fallback (alike on every rank)
-    sums: Optional[list] = None  # the stats' sample sums: (held segment of each block, per-block sums) per stage call
-    limits_here: Optional[list] = None  # the stats: per lane, each tensor's largest value sent, where the data lies
-    committed: Optional[list] = None   # error feedback: per lane, the committed owner residuals (read at reduce)
-    bytes_sent: int = 0
-    lock: object = dataclasses.field(default_factory=threading.Lock)  # graph stages may run at once
 
     @property
     def stream(self) -> bool:
         return 4 * sum(self.bucket.sizes) >= STREAM_BYTES
+
+
+@dataclasses.dataclass
+class Run:
+    """One exchange under way: its Agreement, the arrays it reads and writes, and what its stages
+    gather (stages of a graph may run at once: `lock`)."""
+    agreement: Agreement
+    data: object        # flat: what is encoded (with error feedback: gradient + residual)
+    out: object         # flat: where the results go
+    residual: object = None  # error feedback: where this step's send residuals go (flat like data)
+    # error feedback: per lane, where this step's owner residuals go (this rank's shard)
+    owner_residuals: list = dataclasses.field(default_factory=list)
+    sums: Optional[list] = None  # the stats' sample sums: (held segment of each block, per-block sums) per stage call
+    limits_here: Optional[list] = None  # the stats: per lane, each tensor's largest value sent, where the data lies
+    committed: Optional[list] = None   # error feedback: per lane, the committed owner residuals (read at reduce)
+    bytes_sent: int = 0
+    lock: object = dataclasses.field(default_factory=threading.Lock)
 
 
 def formats_and_shifts(config, amaxes: np.ndarray, errors: np.ndarray, world: int) -> tuple:
@@ -213,8 +221,8 @@ class CodesExchange:
 
     # 2. agreement ---------------------------------------------------------------------------------
     def agree(self, bucket: Bucket, agreed, data, out, divisor: float, xp, candidate: int,
-              padded: bool = True, chunked: Optional[int] = None) -> Agreement:
-        """The metadata allreduce's result -> the exchange's Agreement: every tensor's format and
+              padded: bool = True, chunked: Optional[int] = None) -> Run:
+        """The metadata allreduce's result -> the exchange's Run under its Agreement: every tensor's format and
         shift, the plan of its lanes and chunks for `candidate` (chunk bytes), the result array
         (`out`, else a reused buffer), NaN-filled already for the tensors in the fallback.
         padded: the allgather needs messages of equal sizes. chunked: the elements the chunk count
@@ -233,38 +241,40 @@ class CodesExchange:
         lanes_of = np.where(finite, wide.astype(np.int64), -1)
         plan = self._plan(bucket, lanes_of[held.tensor], count, padded)
         stochastic = self.config.rounding is Rounding.STOCHASTIC
-        a = Agreement(bucket, plan, data, out, shifts, _uploaded(shifts.astype(np.int32), xp), fallback, count, divisor,
-                      self._seeds(bucket, self.seed_rank, SEND, xp) if stochastic else None,
-                      self._seeds(bucket, -1, OWNER, xp) if stochastic else None, None, [], tuple(lanes_of.tolist()))
+        agreement = Agreement(bucket, plan, shifts, _uploaded(shifts.astype(np.int32), xp), fallback, count, divisor,
+                              self._seeds(bucket, self.seed_rank, SEND, xp) if stochastic else None,
+                              self._seeds(bucket, -1, OWNER, xp) if stochastic else None, tuple(lanes_of.tolist()))
+        run = Run(agreement, data, out)
         if self.config.error_feedback:
-            self._feedback(a, xp)
+            self._feedback(run, xp)
         if self.stats.enabled:
-            a.sums, a.limits_here = [], [limits(fmt, a.shifts_here) for fmt in plan.fmts]
-        return a
+            run.sums, run.limits_here = [], [limits(fmt, agreement.shifts_here) for fmt in plan.fmts]
+        return run
 
     def _seeds(self, bucket: Bucket, rank: int, side: str, xp):
         return _uploaded(np.array([self.state.seed_for(rank, key, side) for key in bucket.keys], np.uint64), xp)
 
-    def _feedback(self, a: Agreement, xp) -> None:
+    def _feedback(self, run: Run, xp) -> None:
         """Error feedback: where this step's send residuals go (the fallback's restart from zero),
         and per lane where its owner residuals go."""
+        a = run.agreement
         keys, sizes = self._send_keys(a.bucket)
-        a.residual = self.state.next_residuals((a.bucket.name, SEND), keys, sizes, xp)
+        run.residual = self.state.next_residuals((a.bucket.name, SEND), keys, sizes, xp)
         held = a.bucket.held()
         for k in a.fallback:
-            a.residual[held.offsets[k]:held.offsets[k + 1]] = 0
+            run.residual[held.offsets[k]:held.offsets[k + 1]] = 0
         for n, (keys, owned) in enumerate(zip(a.plan.owner_keys, a.plan.owned)):
-            a.owner_residuals.append(self.state.next_residuals((a.bucket.name, OWNER, n), keys,
-                                                               [size for _, _, size in owned], xp))
+            run.owner_residuals.append(self.state.next_residuals((a.bucket.name, OWNER, n), keys,
+                                                                 [size for _, _, size in owned], xp))
 
     def _send_keys(self, bucket: Bucket) -> tuple:
         return bucket.kept("send keys", lambda: (tuple((bucket.keys[s.tensor], SEND, s.start) for s in bucket.segments),
                                                  [s.size for s in bucket.segments]))
 
-    def owned(self, a: Agreement) -> list:
+    def owned(self, run: Run) -> list:
         """(tensor, start, size) of every share this rank owns and re-encodes: where its owner
         residuals lie."""
-        return [share for owned in a.plan.owned for share in owned]
+        return [share for owned in run.agreement.plan.owned for share in owned]
 
     def check(self, bucket: Bucket, agreed) -> tuple:
         """The metadata allreduce's result checked (every rank configured alike, with the same
@@ -329,36 +339,38 @@ class CodesExchange:
         return carried
 
     # 3. begin: encode -----------------------------------------------------------------------------
-    def begin(self, a: Agreement, chunk: int) -> tuple:
+    def begin(self, run: Run, chunk: int) -> tuple:
         """Encode chunk `chunk` -> (bytes to alltoall, bytes per destination rank)."""
+        a = run.agreement
         plan = a.plan.chunks[chunk]
-        xp = _xp(a.out)
+        xp = _xp(run.out)
         message = self.state.buffers.get((a.bucket.name, "send", chunk), plan.send_bytes, np.uint8, xp)
         if plan.clear_send.size:  # a reused buffer would send last step's bits in a stream's unused high bits
             message[_device.on_device(plan.clear_send, message)] = 0
-        engine = codec.engine_for(a.data)
+        engine = codec.engine_for(run.data)
         for n, (lc, fmt) in enumerate(zip(plan.lanes, a.plan.fmts)):
             send = lc.send
             if not send.count:
                 continue
             shifts = _device.take(a.shifts_here, send.tensor)
-            engine.table_encode(a.data, fmt, send, shifts, self.config.rounding,
+            engine.table_encode(run.data, fmt, send, shifts, self.config.rounding,
                                 None if a.seeds is None else _device.take(a.seeds, send.tensor), self.config.saturate,
-                                message, a.residual)
-            if a.sums is not None:
+                                message, run.residual)
+            if run.sums is not None:
                 first, step = (_device.on_device(c, message) for c in a.plan.samples[chunk][n])
-                sums = engine.table_stats(a.data, message, fmt, send, shifts, first, step,
-                                          _device.take(a.limits_here[n], send.tensor))
-                with a.lock:
-                    a.sums.append((send.segment, sums))
-        with a.lock:
-            a.bytes_sent += sum(plan.splits) - plan.splits[self.rank]
+                sums = engine.table_stats(run.data, message, fmt, send, shifts, first, step,
+                                          _device.take(run.limits_here[n], send.tensor))
+                with run.lock:
+                    run.sums.append((send.segment, sums))
+        with run.lock:
+            run.bytes_sent += sum(plan.splits) - plan.splits[self.rank]
         return message, plan.splits
 
     # 4. reduce: sum and re-encode this rank's range ---------------------------------------------
-    def reduce(self, a: Agreement, chunk: int, received) -> object:
+    def reduce(self, run: Run, chunk: int, received) -> object:
         """The N packed copies of this rank's range of a chunk -> its reduced, re-encoded range
         (bytes to allgather, padded to every owner's longest message alike)."""
+        a = run.agreement
         plan = a.plan.chunks[chunk]
         xp = _xp(received)
         rows = received.reshape(self.world, plan.row_bytes)
@@ -372,7 +384,7 @@ class CodesExchange:
                 continue
             total = self.state.buffers.get((a.bucket.name, "sum", n, chunk), hi - lo, np.float32, xp)
             peaks = engine.table_sum(rows, fmt, lc.reduce, _device.take(a.shifts_here, lc.reduce.tensor), total)
-            residual = self._owner_residual(a, n, lo, hi)
+            residual = self._owner_residual(run, n, lo, hi)
             if residual is not None:  # the owner's re-encode loses bits too
                 total += residual[0]
                 peaks = engine.table_amax(total, lc.reduce)
@@ -387,43 +399,47 @@ class CodesExchange:
             engine.table_encode(total, fmt, lc.reencode, shifts, self.config.rounding,
                                 None if a.owner_seeds is None else _device.take(a.owner_seeds, lc.reencode.tensor),
                                 self.config.saturate, message, None if residual is None else residual[1])
-        with a.lock:
-            a.bytes_sent += int(message.size) * (self.world - 1)
+        with run.lock:
+            run.bytes_sent += int(message.size) * (self.world - 1)
         return message
 
-    def _owner_residual(self, a: Agreement, lane: int, lo: int, hi: int):
+    def _owner_residual(self, run: Run, lane: int, lo: int, hi: int):
         """Error feedback: (committed, next) owner residual of flat range lo..hi of `lane`; None
         without feedback."""
-        if not a.owner_residuals:
+        a = run.agreement
+        if not run.owner_residuals:
             return None
-        with a.lock:  # read once the residuals of shares that changed owner have moved here (exchange.run)
-            if a.committed is None:
-                xp = _xp(a.owner_residuals[0])
-                a.committed = [self.state.residuals((a.bucket.name, OWNER, n), keys, [size for _, _, size in owned], xp)
-                               for n, (keys, owned) in enumerate(zip(a.plan.owner_keys, a.plan.owned))]
+        with run.lock:  # read once the residuals of shares that changed owner have moved here (exchange.run)
+            if run.committed is None:
+                xp = _xp(run.owner_residuals[0])
+                run.committed = [self.state.residuals((a.bucket.name, OWNER, n), keys, [size for _, _, size in owned],
+                                                      xp)
+                                 for n, (keys, owned) in enumerate(zip(a.plan.owner_keys, a.plan.owned))]
         start = a.plan.shards[lane][0]
-        return a.committed[lane][lo - start:hi - start], a.owner_residuals[lane][lo - start:hi - start]
+        return run.committed[lane][lo - start:hi - start], run.owner_residuals[lane][lo - start:hi - start]
 
     # 5. finish: decode every owner's range --------------------------------------------------------
-    def finish(self, a: Agreement, chunk: int, gathered) -> None:
+    def finish(self, run: Run, chunk: int, gathered) -> None:
         """Every owner's reduced range of a chunk -> its place in the results."""
+        a = run.agreement
         engine = codec.engine_for(gathered)
         for lc, fmt in zip(a.plan.chunks[chunk].lanes, a.plan.fmts):
             if lc.finish.count:  # each block's exponent read from the message where it lies
                 exponents = _device.take(gathered, lc.exponents).view(_tables.EXPONENT)
-                engine.table_decode(gathered, fmt, lc.finish, exponents, a.out, np.float32(a.divisor), a.stream)
+                engine.table_decode(gathered, fmt, lc.finish, exponents, run.out, np.float32(a.divisor), a.stream)
 
-    def done(self, a: Agreement):
+    def done(self, run: Run):
         """After the last chunk: the results (the flat `out`), the bytes recorded and the stats
         handed to the recorder (read a step later), the tensors' exchange noted for the step's
         commit."""
-        if a.sums is not None:
-            self.stats.record_bucket_later(a.bucket.name, [sums for _, sums in a.sums],
+        a = run.agreement
+        if run.sums is not None:
+            self.stats.record_bucket_later(a.bucket.name, [sums for _, sums in run.sums],
                                            functools.partial(self._bucket_stats, a.bucket, a.plan, a.shifts, a.lanes_of,
-                                                             [segment for segment, _ in a.sums]))
-        self.stats.record_sent(a.bytes_sent)
+                                                             [segment for segment, _ in run.sums]))
+        self.stats.record_sent(run.bytes_sent)
         self.state.exchanged(a.bucket.keys)
-        return a.out
+        return run.out
 
     def _bucket_stats(self, bucket: Bucket, plan: Plan, shifts: np.ndarray, lanes_of: tuple, segments: list,
                       block_sums: list) -> BucketStats:

@@ -222,7 +222,7 @@ def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = 
     divisor = divisor or (levels.world.world if average else 1)
     if candidate == NATIVE:  # policy="auto" chose, or is timing, the framework's own allreduce
         return _native(stages, bucket, flat, levels.world, out, divisor, schedule.native_dtype())
-    result = BucketExchange(stages, bucket, flat, levels, out, divisor, candidate).run()
+    result = BucketExchange(stages, bucket, flat, levels, out, divisor, candidate).result()
     if coll.eager:
         schedule.ran(bucket.name, candidate)
         if schedule.predicting:  # policy="auto" will predict the framework's step from the model
@@ -235,8 +235,8 @@ def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = 
 
 class BucketExchange:
     """One bucket's codes exchange (steps 0-6 of the module docstring): its stages are methods,
-    and what one stage hands the next (the data the metadata stage prepared, the agreement) are
-    fields. Graph frameworks run the stages inside their graph (Collectives.stage), as often as
+    and what one stage hands the next (the data the metadata stage prepared, the Run the
+    agreement started) are fields. Graph frameworks run the stages inside their graph (Collectives.stage), as often as
     the graph runs; eager ones call them once."""
 
     def __init__(self, stages, bucket: Bucket, flat, levels: Levels, out, divisor: float, candidate: int):
@@ -254,9 +254,9 @@ class BucketExchange:
             self.held, self.data, self.slice_out = bucket, flat, out
         self.parts = 1 if local is None else local.world
         self.follow = stages.config.error_feedback and self.coll.eager
-        self.prepared = self.agreement = None  # the metadata stage's data; the agreement of the chunks
+        self.prepared = self.run = None  # the metadata stage's data; the exchange under way (_stages.Run)
 
-    def run(self):
+    def result(self):
         """The driver: metadata, agreement, the chunks pipelined, the host's gather."""
         world, name, config = self.levels.world, self.bucket.name, self.stages.config
         if self.follow and self.levels.local is not None:  # a host sum's residuals lie with its slice's local rank
@@ -268,8 +268,8 @@ class BucketExchange:
         token, = world.stage(self.agree, [agreed], [np.uint8])
         if self.follow:  # a share's owner residual lies with its owner
             _follow_layout(self.stages.state, self.bucket, OWNER,
-                           _signature(self.bucket, self.parts, self.coll.world, self.agreement.lanes_of), world,
-                           self.stages.owned(self.agreement))
+                           _signature(self.bucket, self.parts, self.coll.world, self.run.agreement.lanes_of), world,
+                           self.stages.owned(self.run))
         result = self.pipeline(token)
         if self.levels.local is not None:
             result = _gather(self.bucket, self.cuts, result, self.levels.local, self.out, self.slice_message,
@@ -278,8 +278,9 @@ class BucketExchange:
 
     def chunks(self) -> int:
         if self.coll.eager:
-            return self.agreement.count
-        return _graph_chunks(self.chunked or sum(s.size for s in self.held.segments), self.stages.config.graph_chunk_bytes)
+            return self.run.agreement.count
+        elements = self.chunked or sum(s.size for s in self.held.segments)
+        return _graph_chunks(elements, self.stages.config.graph_chunk_bytes)
 
     def pipeline(self, token):
         """Steps 3-5 for every chunk, chunk k encoded while k-1 travels and k-2 is decoded -> the
@@ -309,28 +310,28 @@ class BucketExchange:
     def agree(self, agreed) -> tuple:
         """Step 2: APS shifts and formats agreed, the chunks laid out."""
         xp = _arrays.array_module(self.prepared)  # NumPy for graph tensors: their stages see NumPy
-        self.agreement = self.stages.agree(self.held, agreed, self.prepared, self.slice_out, self.divisor, xp,
-                                           self.candidate, self.coll.equal_allgather, self.chunked)
+        self.run = self.stages.agree(self.held, agreed, self.prepared, self.slice_out, self.divisor, xp,
+                                     self.candidate, self.coll.equal_allgather, self.chunked)
         self.prepared = None
         return (_TOKEN,)
 
     def encode(self, chunk: int, token, array) -> tuple:
         """Step 3: every owner's part of the chunk encoded -> (message, splits)."""
-        send, splits = self.stages.begin(self.agreement, chunk)
+        send, splits = self.stages.begin(self.run, chunk)
         return send, np.asarray(splits, np.int32)
 
     def reduce(self, chunk: int, received) -> tuple:
         """Step 4: this rank's part decoded and summed, re-encoded."""
-        return (self.stages.reduce(self.agreement, chunk, received),)
+        return (self.stages.reduce(self.run, chunk, received),)
 
     def finish(self, chunk: int, gathered) -> tuple:
         """Step 5: every owner's part decoded into the results."""
-        self.stages.finish(self.agreement, chunk, gathered)
+        self.stages.finish(self.run, chunk, gathered)
         return (_TOKEN,)
 
     def done(self, *finished) -> tuple:
-        agreement, self.agreement = self.agreement, None
-        return (self.stages.done(agreement),)
+        run, self.run = self.run, None
+        return (self.stages.done(run),)
 
 
 def _read(agreed):
