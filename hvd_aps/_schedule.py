@@ -27,7 +27,7 @@ steps pooled with the earlier ones; then a path is kept over a more exact one (f
 16-bit, 16-bit before codes) only where it is CODES_MARGIN faster. The decisions are in the
 compressor's state_dict, so a resumed run keeps them.
 
-With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calibration.job_link), policy="auto"
+With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calfile.job_link), policy="auto"
 starts from the performance model (hvd_aps.perf): after the first block of trial steps (codes,
 at the chunking fixed), each rank predicts the framework's step in each native dtype on the
 step's own timeline, measured in those codes steps (_Timeline): every bucket's allreduce over the

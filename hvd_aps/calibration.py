@@ -12,12 +12,8 @@ for a wire. On a GPU (`device="cuda"`) the gradients are CuPy arrays, so the CuP
 run, and each exchange is timed to the device's synchronisation.
 """
 import concurrent.futures
-import contextlib
 import dataclasses
-import enum
-import json
 import os
-import pathlib
 import statistics
 import time
 from typing import Callable, Optional, Sequence
@@ -28,11 +24,19 @@ from tqdm import tqdm
 from . import codec, exchange, perf
 from ._arrays import array_module
 from ._stages import Bucket
+from .calfile import (FORMAT, GPU_PROJECTION, LINK_ENV, Calibration, Kind, add_links, job_link, links_entry, load,
+                      save)
 from .compressor import APSCompressor
 from .perf import Codec
 
 # (elements, tensors) of the timed buckets: the fit separates a cost per exchange, per tensor
 # and per element, so sizes and tensor counts both vary
+# the calibration files' API (hvd_aps.calfile) is this module's too
+__all__ = ["FORMAT", "GPU_PROJECTION", "LINK_ENV", "Calibration", "Kind", "add_links", "job_link", "links_entry",
+           "load", "save", "BUCKETS", "DEVICE_BUCKETS", "DEVICES", "REPEATS", "LINK_ELEMENTS", "Mirror",
+           "engine_name", "device_name", "time_exchange", "fit_codec", "fit_rows", "time_copy", "fit_link",
+           "time_links", "calibrate"]
+
 BUCKETS = ((1 << 14, 1), (1 << 18, 1), (1 << 22, 1), (1 << 14, 16), (1 << 18, 16), (1 << 22, 16), (1 << 18, 256),
            (1 << 22, 256))  # up to the hundreds of tensors a ResNet-50 or a BERT bucket holds
 # a GPU's kernels pass 4M elements in tens of microseconds: its fit also takes 256 MiB buckets, as
@@ -43,18 +47,6 @@ REPEATS = 5  # timed exchanges per bucket (after one untimed): the median is fit
 COPY_ELEMENTS = 1 << 23  # float32 a core copies per timed copy: 32 MiB, past the caches as gradients are
 # float32 elements of the framework's allreduces timed for the link fit: latency-bound to bandwidth-bound
 LINK_ELEMENTS = (1 << 6, 1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)
-FORMAT = "calibration/1"
-
-
-class Kind(str, enum.Enum):
-    """Where a calibration file's codec figures come from."""
-    MEASURED = "measured"
-    PROJECTED = "projected"
-
-# The GPU codec, projected from the kernels' own work counted on the CPU (examples/gpu_projection.py):
-# what `plan --device cuda` uses until a device's measurement is given
-GPU_PROJECTION = pathlib.Path(__file__).parent / "gpu_projection.json"
-LINK_ENV = "HVD_APS_LINK"  # the link the run-time schedule predicts the framework's step over (job_link)
 
 
 class Mirror(exchange.Eager):
@@ -202,29 +194,6 @@ def time_links(allreduce: Callable[[np.ndarray], object], cluster: perf.Cluster,
     return fit_link(rows, cluster), rows
 
 
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-    """A calibration file's contents for the model: a Codec per format name, the host's copy rate,
-    the link measured inside a job and the (hosts, ranks a host) it was measured on (None where the
-    file has none); whether its codecs were measured or projected, on which device, when, and the
-    command that made them."""
-    codecs: dict
-    copy: Optional[float] = None
-    link: Optional[perf.Link] = None
-    link_shape: Optional[tuple] = None
-    kind: Kind = Kind.MEASURED
-    device: Optional[str] = None
-    date: Optional[str] = None
-    command: Optional[str] = None
-
-    def describe(self) -> str:
-        """Where its codec figures come from, in a line."""
-        if self.kind is Kind.PROJECTED:
-            return (f"the codec projected for an {self.device}, not measured ({self.command}, {self.date}); "
-                    f"scripts/gpu_check.sh measures it on a device")
-        return f"the codec measured on {self.device or 'this machine'}" + (f" on {self.date}" if self.date else "")
-
-
 def calibrate(formats: Sequence[str], world: int, buckets: Optional[Sequence] = None, repeats: int = REPEATS,
               device: str = "cpu") -> dict:
     """The calibration file's contents for these formats at `world` ranks, the codec on `device`
@@ -240,62 +209,3 @@ def calibrate(formats: Sequence[str], world: int, buckets: Optional[Sequence] = 
             "codecs": codecs, "measured": measured, "copy": time_copy(repeats=repeats)}
 
 
-def save(calibration: dict, path) -> None:
-    """Write a calibration file, keeping the link an earlier `calibrate --links` added to it."""
-    links = _read(path).get("links")
-    pathlib.Path(path).write_text(json.dumps(calibration | ({"links": links} if links else {}), indent=1) + "\n")
-
-
-def add_links(path, entry: dict) -> None:
-    """Add a measured link (links_entry) to the calibration file at `path`, or start one."""
-    data = _read(path) or {"format": FORMAT}
-    pathlib.Path(path).write_text(json.dumps(data | {"links": entry}, indent=1) + "\n")
-
-
-def _read(path) -> dict:
-    """A calibration file's contents, {} where there is none yet."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an hvd_aps calibration file ({FORMAT}): run python -m hvd_aps calibrate")
-    return data
-
-
-def links_entry(link: perf.Link, cluster: perf.Cluster, rows: Sequence) -> dict:
-    """A calibration file's "links" entry: the fitted link, the shape it was measured on, the times."""
-    return {"bandwidth": link.bandwidth, "latency": link.latency, "hosts": cluster.hosts,
-            "ranks_per_host": cluster.ranks_per_host, "measured": [{"elements": n, "seconds": s} for n, s in rows]}
-
-
-def job_link() -> Optional[perf.Link]:
-    """The link the run-time schedule predicts the framework's step over (hvd_aps._schedule:
-    policy="auto" decides from it, policy="codes" warns): HVD_APS_LINK, a rate between hosts
-    ("10gbit", at the model's default latency) or a calibration file holding a link measured
-    inside a job (`calibrate --links`); None where it is unset."""
-    value = os.environ.get(LINK_ENV)
-    if not value:
-        return None
-    with contextlib.suppress(ValueError):
-        return perf.Link.parse(value)
-    if not pathlib.Path(value).is_file():
-        raise ValueError(f"{LINK_ENV} is a link rate (1gbit, 10Gbit/s) or a calibration file with a measured link, "
-                         f"got {value!r}")
-    link = load(value).link
-    if link is None:
-        raise ValueError(f"{LINK_ENV}={value} holds no link: add one with `horovodrun (or torchrun) ... -m hvd_aps "
-                         f"calibrate --links --out {value}`, or give a rate (10gbit)")
-    return link
-
-
-def load(path) -> Calibration:
-    """A calibration file's Codecs, copy rate and measured link."""
-    data = _read(path)
-    if not data:
-        raise ValueError(f"no calibration file {path}: run python -m hvd_aps calibrate --out {path}")
-    links = data.get("links")
-    return Calibration({fmt: Codec(**fitted) for fmt, fitted in data.get("codecs", {}).items()}, data.get("copy"),
-                       perf.Link(links["bandwidth"], links["latency"]) if links else None,
-                       (links["hosts"], links["ranks_per_host"]) if links else None,
-                       Kind(data.get("kind", Kind.MEASURED)), data.get("device"), data.get("date"), data.get("command"))

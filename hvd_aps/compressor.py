@@ -16,7 +16,7 @@ import secrets
 import sys
 from typing import Optional, Union
 
-from . import _horovod, _tokens, dashboard
+from . import _horovod, _tokens, calfile, dashboard
 from ._schedule import Schedule
 from ._state import ExchangeState
 from ._stats import STATS_SAMPLE, StatsRecorder, TensorStats
@@ -103,7 +103,7 @@ class APSCompressor:
             raise TypeError(f"expected an APSConfig, got {type(config).__name__}")
         if state is None:
             state = ExchangeState(secrets.randbits(63) if seed is None else int(seed),
-                                  Schedule(config.candidates, config.policy is Policy.AUTO, _job_link(), config.natives))
+                                  Schedule(config.candidates, config.policy is Policy.AUTO, calfile.job_link(), config.natives))
         self.config, self.exchanger = config, Exchanger(config, state, stats)
         self._batches = _tokens.Batches(self.exchanger)
         self._serves = None  # the optimizer, DDP model or FSDP2 model this compressor was given to
@@ -286,12 +286,6 @@ class APSCompressor:
 
     def reset_stats(self) -> None:
         self.recorder.reset()
-
-
-def _job_link():
-    """HVD_APS_LINK's link (hvd_aps.calibration, which times compressors, so imported here)."""
-    from .calibration import job_link
-    return job_link()
 
 
 def _shown(value) -> str:

@@ -135,3 +135,25 @@ def test_the_images_runtime_install_has_what_the_package_and_the_examples_import
     assert {"numpy", "tqdm", "scikit-learn"} <= set(imported), imported  # the scan sees imports
     missing = {name: str(path) for name, path in imported.items() if name not in runtime | FRAMEWORKS | INTEGRATED}
     assert not missing, f"imported at module level but not installed by install.sh --runtime: {missing}"
+
+
+def test_the_package_has_no_import_circle():
+    """No module of hvd_aps imports (at module level or inside a function) one that imports it
+    back, directly or through others: each can be read, and loaded, on its own."""
+    import ast
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (ROOT / "hvd_aps").rglob("*.py")}
+    imports = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [node.module or ""])
+                base = base.rstrip(".")
+                targets = [base] if node.module else []
+                targets += [f"{base}.{alias.name}" for alias in node.names]
+                imports[name] |= {t for t in targets if t in modules and t != name}
+    def reaches(start, goal, seen):
+        return any(t == goal or (t not in seen and not seen.add(t) and reaches(t, goal, seen)) for t in imports[start])
+    circles = [name for name in modules if reaches(name, name, set())]
+    assert not circles, f"modules in an import circle: {circles}"
