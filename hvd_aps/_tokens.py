@@ -55,7 +55,6 @@ from typing import Optional, Protocol, runtime_checkable
 import numpy as np
 
 from . import _agreed, _horovod, _metadata, exchange
-from ._schedule import NATIVE_BYTES
 from ._stages import Bucket
 from .config import Fallback, Policy
 
@@ -515,9 +514,7 @@ class Batches:
         adapter = batch.adapter
         if batch.native:
             self._ex.count_native([f"{batch.name}[{i}]" for i in range(len(batch.sizes))],
-                                  zip(batch.labels, batch.sizes), batch.native,
-                                  exchange.ring_bytes(NATIVE_BYTES[batch.native] * sum(batch.sizes),
-                                                      adapter.world(batch.process_set)))
+                                  zip(batch.labels, batch.sizes), batch.native, adapter.world(batch.process_set))
         else:
             batch.bucket = Bucket.whole(batch.name, _keys(batch.name, len(batch.sizes)), batch.labels, batch.sizes)
             batch.ranks = adapter.world(batch.process_set)

@@ -304,8 +304,7 @@ def _native(state: APSState, bucket: dist.GradBucket, spec: Bucket,
     def settle(done):
         value = done.value()
         world = dist.get_world_size(state.process_group)
-        exchanger.count_native(spec.keys, zip(spec.labels, spec.sizes), fallback,
-                               exchange.ring_bytes(getattr(torch, fallback).itemsize * sum(spec.sizes), world))
+        exchanger.count_native(spec.keys, zip(spec.labels, spec.sizes), fallback, world)
         state.counted()
         return value
 

@@ -25,6 +25,7 @@ framework's own allreduce, from measured times.
 """
 import abc
 import dataclasses
+import enum
 import functools
 import hashlib
 import time
@@ -34,7 +35,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import _arrays, _layout, _metadata
-from ._schedule import NATIVE
+from ._schedule import NATIVE, NATIVE_BYTES
 from ._stages import Bucket
 from ._state import OWNER, SEND
 from .config import Policy
@@ -506,23 +507,31 @@ def _native(stages, bucket: Bucket, flat, world: Collectives, out, divisor: int,
     wire, = world.stage(cast, [flat], [dtype])
     total = world.allreduce(wire, f"{bucket.name}.native")
     result, = world.stage(back, [total], [np.float32])
-    count_native(stages.stats, stages.state, bucket.keys, zip(bucket.labels, bucket.sizes), dtype.name,
-                 ring_bytes(dtype.itemsize * sum(bucket.sizes), world.world))
+    count_native(stages.stats, stages.state, bucket.keys, zip(bucket.labels, bucket.sizes), dtype.name, world.world)
     return result
 
 
-def ring_bytes(nbytes: float, world: int) -> float:
-    """What one rank sends in a ring allreduce of `nbytes` over `world` ranks."""
-    return 2 * (world - 1) / world * nbytes
+class Native(enum.Enum):
+    """The framework's own collective, by the passes over its data a rank sends in a ring."""
+    ALLREDUCE = 2       # a reduce-scatter, then an allgather
+    REDUCE_SCATTER = 1  # FSDP2's
 
 
-def count_native(stats, state, keys, labelled_sizes, dtype: str, sent_bytes: float) -> None:
+def native_bytes(dtype: str, elements: int, world: int, collective: Native = Native.ALLREDUCE) -> float:
+    """What one rank sends in the framework's ring `collective` of `elements` in `dtype` (a name of
+    NATIVE_BYTES) over `world` ranks: (N - 1) / N of the data a pass."""
+    return collective.value * (world - 1) / world * NATIVE_BYTES[dtype] * elements
+
+
+def count_native(stats, state, keys, labelled_sizes, dtype: str, world: int,
+                 collective: Native = Native.ALLREDUCE) -> None:
     """A native exchange (the framework's own collective where policy="auto" chose it) counted as
-    a codes exchange is: every tensor as passed through in `dtype`, the bytes a rank sent, and
-    the tensors' step done."""
+    a codes exchange is, wherever it is sent: every tensor as passed through in `dtype`, the bytes
+    a rank sent (native_bytes), and the tensors' step done."""
+    labelled_sizes = list(labelled_sizes)
     for label, n in labelled_sizes:
         stats.passed_through(label, n, dtype)
-    stats.record_sent(int(sent_bytes))
+    stats.record_sent(int(native_bytes(dtype, sum(n for _, n in labelled_sizes), world, collective)))
     state.exchanged(keys)
 
 

@@ -124,10 +124,12 @@ class Exchanger:
         """A tensor too small for codes that the framework's own allreduce carried, in the stats."""
         self.recorder.passed_through(label, elements)
 
-    def count_native(self, keys, labelled_sizes, dtype: str, sent_bytes: float) -> None:
-        """Tensors the framework's own collective carried (policy="auto" chose it), counted as
-        every native exchange is (hvd_aps.exchange.count_native)."""
-        exchange.count_native(self.recorder, self.state, keys, labelled_sizes, dtype, sent_bytes)
+    def count_native(self, keys, labelled_sizes, dtype: str, world: int,
+                     collective: "exchange.Native" = None) -> None:
+        """Tensors the framework's own collective carried (policy="auto" chose it) over `world`
+        ranks, counted as every native exchange is (hvd_aps.exchange.count_native)."""
+        exchange.count_native(self.recorder, self.state, keys, labelled_sizes, dtype, world,
+                              collective or exchange.Native.ALLREDUCE)
 
     def native_dtype(self) -> Optional[str]:
         """The schedule's path for the next exchange (None: codes; else the dtype of the framework's

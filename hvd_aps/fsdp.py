@@ -97,8 +97,8 @@ class APSReduceScatter(ReduceScatter):
         shard = torch.empty(out.numel(), dtype=dtype, device=out.device)
         dist.reduce_scatter_tensor(shard, rows.to(dtype).reshape(-1), op=dist.ReduceOp.SUM, group=group)
         torch.div(shard.to(torch.float32), world, out=out)
-        self.compressor.exchanger.count_native([self.name], [(self.name, rows.numel())], fallback,
-                                               (world - 1) * shard.numel() * shard.element_size())
+        self.compressor.exchanger.count_native([self.name], [(self.name, rows.numel())], fallback, world,
+                                               exchange.Native.REDUCE_SCATTER)
 
 
 class CrossHostHook:
