@@ -191,6 +191,65 @@ def limits(fmt, shifts):
     return xp.ldexp(xp.full(shifts.shape, fmt.max, xp.float64), -shifts.astype(xp.int32)).astype(xp.float32)
 
 
+def plan_for(bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool, world: int, rank: int,
+             fmts: tuple, sample: int) -> Plan:
+    """The Plan of a bucket's exchange for these lanes (each held segment's lane, -1: left out),
+    `count` chunks, on rank `rank` of `world`: made once and kept in the bucket (PLANS_KEPT)."""
+    key = ("plan", segment_lanes.tobytes(), count, padded, world, rank, tuple(map(str, fmts)), sample)
+    plans = bucket.kept("plans", collections.OrderedDict)
+    plan = plans.get(key)
+    if plan is None:
+        plan = _make_plan(bucket, segment_lanes, count, padded, world, rank, fmts, sample)
+        with _cache_lock:
+            plans[key] = plan
+            while len(plans) > PLANS_KEPT:
+                plans.popitem(last=False)
+    return plan
+
+
+def _make_plan(bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool, world: int, rank: int,
+               fmts: tuple, sample: int) -> Plan:
+    held = bucket.held()
+    lanes = [tuple(np.flatnonzero(segment_lanes == n).tolist()) for n in range(len(fmts))]
+    layouts = [_layout.layout(tuple(bucket.segments[k] for k in lane), world) for lane in lanes]
+    chunks = _tables.chunk_plans(lanes, list(fmts), layouts, [lay.chunk(count) for lay in layouts],
+                                 bucket.segments, held.offsets, world, rank, padded)
+    shards, owned = [], []
+    for lane, lay in zip(lanes, layouts):
+        lo, hi = int(lay.shards[rank]), int(lay.shards[rank + 1])
+        shards.append((lo, hi))
+        owned.append([(bucket.segments[lane[p.segment]].tensor, p.start, p.hi - p.lo) for p in lay.pieces(lo, hi)])
+    owner_keys = [tuple((bucket.keys[t], OWNER, start) for t, start, _ in shares) for shares in owned]
+    seg_start = np.array([s.start for s in bucket.segments], np.int64)
+    steps = np.array([_arrays.sample_stride(s.size, sample) for s in bucket.segments], np.int64)
+    samples = [[_sampling(lc.send, seg_start, steps) for lc in chunk.lanes] for chunk in chunks]
+    return Plan(list(fmts), lanes, layouts, chunks, shards, owned, owner_keys, samples,
+                _carried(chunks, fmts, len(bucket.segments)))
+
+
+def _sampling(send: "_tables.Blocks", seg_start: np.ndarray, steps: np.ndarray) -> tuple:
+    """(first, step) per block: the stats sample every segment's elements 0, step, 2 step, ..."""
+    step = steps[send.segment]
+    return (-(send.rows[:, _tables.INDEX] - seg_start[send.segment])) % step, step
+
+
+def _carried(chunks: list, fmts: tuple, segments: int) -> np.ndarray:
+    """Per held segment, the packed bytes of its pieces in every destination's part."""
+    carried = np.zeros(segments, np.int64)
+    for chunk in chunks:
+        for lc, fmt in zip(chunk.lanes, fmts):
+            send = lc.send
+            if not send.count:
+                continue
+            parts = np.unique(np.stack([send.rows[:, _tables.BASE], send.segment], axis=1), axis=0,
+                              return_inverse=True)[1].ravel()
+            counts = np.bincount(parts, weights=send.rows[:, _tables.COUNT]).astype(np.int64)
+            owner_segment = np.zeros(len(counts), np.int64)
+            owner_segment[parts] = send.segment
+            np.add.at(carried, owner_segment, -(-counts * fmt.bits // 8))
+    return carried
+
+
 class CodesExchange:
     """The stages of a bucket's exchange for one rank of the codes group (`world` ranks; with two
     levels, one per host). Collaborators: the frozen config, the ExchangeState (residuals, step
@@ -286,57 +345,7 @@ class CodesExchange:
 
     def _plan(self, bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool) -> Plan:
         """The Plan for these lanes (each held segment's lane, -1: left out), kept in the bucket."""
-        key = ("plan", segment_lanes.tobytes(), count, padded, self.world, self.rank, tuple(map(str, self.fmts)),
-               self.stats.sample)
-        plans = bucket.kept("plans", collections.OrderedDict)
-        plan = plans.get(key)
-        if plan is None:
-            plan = self._make_plan(bucket, segment_lanes, count, padded)
-            with _cache_lock:
-                plans[key] = plan
-                while len(plans) > PLANS_KEPT:
-                    plans.popitem(last=False)
-        return plan
-
-    def _make_plan(self, bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool) -> Plan:
-        held = bucket.held()
-        lanes = [tuple(np.flatnonzero(segment_lanes == n).tolist()) for n in range(len(self.fmts))]
-        layouts = [_layout.layout(tuple(bucket.segments[k] for k in lane), self.world) for lane in lanes]
-        chunks = _tables.chunk_plans(lanes, self.fmts, layouts, [lay.chunk(count) for lay in layouts],
-                                     bucket.segments, held.offsets, self.world, self.rank, padded)
-        shards, owned = [], []
-        for lane, lay in zip(lanes, layouts):
-            lo, hi = int(lay.shards[self.rank]), int(lay.shards[self.rank + 1])
-            shards.append((lo, hi))
-            owned.append([(bucket.segments[lane[p.segment]].tensor, p.start, p.hi - p.lo) for p in lay.pieces(lo, hi)])
-        owner_keys = [tuple((bucket.keys[t], OWNER, start) for t, start, _ in shares) for shares in owned]
-        seg_start = np.array([s.start for s in bucket.segments], np.int64)
-        steps = np.array([_arrays.sample_stride(s.size, self.stats.sample) for s in bucket.segments], np.int64)
-        samples = [[self._sampling(lc.send, seg_start, steps) for lc in chunk.lanes] for chunk in chunks]
-        return Plan(self.fmts, lanes, layouts, chunks, shards, owned, owner_keys, samples,
-                    self._carried(chunks, len(bucket.segments)))
-
-    @staticmethod
-    def _sampling(send: "_tables.Blocks", seg_start: np.ndarray, steps: np.ndarray) -> tuple:
-        """(first, step) per block: the stats sample every segment's elements 0, step, 2 step, ..."""
-        step = steps[send.segment]
-        return (-(send.rows[:, _tables.INDEX] - seg_start[send.segment])) % step, step
-
-    def _carried(self, chunks: list, segments: int) -> np.ndarray:
-        """Per held segment, the packed bytes of its pieces in every destination's part."""
-        carried = np.zeros(segments, np.int64)
-        for chunk in chunks:
-            for lc, fmt in zip(chunk.lanes, self.fmts):
-                send = lc.send
-                if not send.count:
-                    continue
-                parts = np.unique(np.stack([send.rows[:, _tables.BASE], send.segment], axis=1), axis=0,
-                                  return_inverse=True)[1].ravel()
-                counts = np.bincount(parts, weights=send.rows[:, _tables.COUNT]).astype(np.int64)
-                owner_segment = np.zeros(len(counts), np.int64)
-                owner_segment[parts] = send.segment
-                np.add.at(carried, owner_segment, -(-counts * fmt.bits // 8))
-        return carried
+        return plan_for(bucket, segment_lanes, count, padded, self.world, self.rank, tuple(self.fmts), self.stats.sample)
 
     # 3. begin: encode -----------------------------------------------------------------------------
     def begin(self, run: Run, chunk: int) -> tuple:
