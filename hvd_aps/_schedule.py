@@ -215,6 +215,122 @@ class _Policy:
                 "predicting": self.predicting, "prediction": self.prediction}
 
 
+    # decisions ------------------------------------------------------------------------------------
+    def step_ended(self, took: "float | None", chunking_fixed: bool, predict) -> None:
+        """A step committed, having taken `took` seconds (None: not a clean measurement): its time
+        counts for the trial block it ran in; `predict()` -> the model's {path: step} (or None)
+        once the first block of codes steps is timed."""
+        if self.phase is Phase.DECIDING and self.medians is not None:
+            self.decide(self.medians)
+            return
+        if self.phase is Phase.CHUNKING and chunking_fixed:
+            self.phase = Phase.TRIALS  # the first trial step starts here
+            return
+        if self.phase is not Phase.TRIALS or took is None:
+            return
+        log.debug("hvd_aps schedule: a %s step took %.1f ms%s", self.trying, 1e3 * took,
+                  " (warm-up)" if self.warming else "")
+        if self.warming:
+            self.warming -= 1
+            return
+        self.steps[self.trying].append(took)
+        self.timed += 1
+        if self.timed == BLOCK_STEPS:
+            self.block, self.timed, self.warming = self.block + 1, 0, WARMUP_STEPS
+            if self.block == len(self.order):
+                self.phase = Phase.DECIDING
+            elif self.rounds == 1 and self.block == 1 and self.order[0] == CODES:
+                natives = predict()  # the first block timed codes: the model may settle it here
+                if natives is not None:
+                    self.predicting = {CODES: statistics.median(self.steps[CODES]), **natives}
+                    self.phase = Phase.DECIDING
+
+    def decide(self, medians: dict) -> None:
+        """Every rank's slowest median step on each path weighed -> another round of trials where
+        the two fastest lie within CLEAR_MARGIN (the agreed medians are alike on every rank, so
+        every rank goes on alike), else the path for every bucket: the fastest, unless a more
+        exact path is within CODES_MARGIN of it (there the medians do not tell them apart, and the
+        more exact path is never slower than itself)."""
+        if self.predicting is not None:
+            self.decide_predicted(medians)
+            return
+        first, second = sorted(medians.values())[:2]
+        if second - first < CLEAR_MARGIN * second and self.rounds < ROUNDS:
+            self.phase, self.order, self.block, self.timed, self.warming, self.medians = (
+                Phase.TRIALS, trial_order(self.weighing()), 0, 0, WARMUP_STEPS, None)
+            self.rounds += 1
+            log.info("hvd_aps schedule: a close call (steps: %s): trial round %d", _steps_text(medians), self.rounds)
+            return
+        self.chosen = next(path for path in self.paths[1:] + (CODES,)
+                           if path in medians and medians[path] * (1 - CODES_MARGIN) <= first)
+        self.phase = Phase.DECIDED
+        log.info("hvd_aps schedule: every bucket sends %s (steps: %s)", _path_text(self.chosen), _steps_text(medians))
+
+    def decide_predicted(self, predicted: dict) -> None:
+        """The agreed prediction -> the path where every other is predicted PRIOR_MARGIN slower
+        than the fastest (a 16-bit prediction bounds its step from below: it drops only its own
+        path), else trial steps among the paths left (a close call the model cannot settle)."""
+        self.predicting, self.prediction, self.medians = None, dict(predicted), None
+        fastest = min(v for path, v in predicted.items() if path not in LOWER_BOUNDS)
+        left = tuple(path for path in self.paths if predicted[path] <= (1 + PRIOR_MARGIN) * fastest)
+        if len(left) == 1:
+            self.chosen, self.phase = left[0], Phase.DECIDED
+            log.info("hvd_aps schedule: every bucket sends %s, as predicted without trials (steps: %s)",
+                     _path_text(self.chosen), _steps_text(predicted))
+            return
+        order = list(trial_order(left))
+        if CODES in order:
+            order.remove(CODES)  # its first block is timed already: on from the native blocks
+        self.phase, self.order, self.block, self.timed, self.warming = Phase.TRIALS, tuple(order), 0, 0, WARMUP_STEPS
+        log.info("hvd_aps schedule: a close call the model cannot settle (steps: %s): timed", _steps_text(predicted))
+
+
+class _Predictor:
+    """The model's side of the schedule (a link given): each bucket's allreduce estimated over the
+    link, the codes steps' timeline they are placed on, the framework's step predicted from both;
+    with policy="codes", one warning where that step is predicted PRIOR_MARGIN shorter (_Watch)."""
+
+    def __init__(self, link: "perf.Link | None", natives: tuple, watch: bool):
+        self.link, self.natives = link, natives
+        self.estimates = {}  # bucket name -> {native dtype: the model's seconds of its allreduce}
+        self.timeline = _Timeline()
+        self.watch = _Watch() if watch else None
+
+    def estimate(self, name: str, elements: int, hosts: int, ranks_per_host: int) -> None:
+        cluster = perf.Cluster(hosts, self.link, ranks_per_host)
+        self.estimates[name] = {dtype: perf.allreduce(NATIVE_BYTES[dtype] * elements, cluster)
+                                for dtype in self.natives}
+
+    def natives_step(self, buckets) -> "dict | None":
+        """The framework's step in each native dtype the model predicts: its allreduce of every
+        bucket over the link on the codes steps' timeline (None unless every one of `buckets` was
+        estimated and placed)."""
+        if set(self.estimates) != set(buckets):
+            return None
+        predicted = {dtype: self.timeline.step_with({name: e[dtype] for name, e in self.estimates.items()})
+                     for dtype in self.natives}
+        return None if None in predicted.values() else predicted
+
+    def watched(self, took: "float | None", buckets: dict) -> None:
+        """policy="codes": a step committed; once the chunking is fixed and a block of steps timed
+        (after WARMUP_STEPS), one warning where the framework's own step is predicted PRIOR_MARGIN
+        shorter (in a dtype whose prediction is not only a lower bound)."""
+        w = self.watch
+        if w.done or took is None or not buckets or any(b.chosen is None for b in buckets.values()):
+            return
+        w.steps.append(took)
+        if len(w.steps) < WARMUP_STEPS + BLOCK_STEPS:
+            return
+        w.done = True
+        codes = statistics.median(w.steps[WARMUP_STEPS:])
+        natives = self.natives_step(buckets) or {}
+        native = min((v for dtype, v in natives.items() if dtype not in LOWER_BOUNDS), default=None)
+        if native is not None and native * (1 + PRIOR_MARGIN) < codes:
+            log.warning("hvd_aps: codes steps take %.1f ms where the framework's own allreduce is predicted at %.1f "
+                        "ms over the link HVD_APS_LINK gives: APSCompressor(..., policy='auto') sends the faster",
+                        1e3 * codes, 1e3 * native)
+
+
 class Schedule:
     """The chunk candidates, per bucket name the trials and the decision, and (policy="auto")
     the step trials between codes and the framework's own allreduce in each of `natives`."""
@@ -229,14 +345,11 @@ class Schedule:
         self.candidates, self.auto, self.link, self.natives = tuple(candidates), bool(auto), link, tuple(natives)
         self._buckets, self._lock = {}, threading.Lock()
         self._began = None  # when this step began: the last commit (None: not a clean measurement)
-        self._policy, self._watch = None, None
-        self._estimates = {}  # bucket name -> {native dtype: the model's seconds of its allreduce}
-        self._timeline = _Timeline()
-        self._start_policy()
+        self._start()
 
-    def _start_policy(self) -> None:
+    def _start(self) -> None:
         self._policy = _Policy(self.natives) if self.auto else None
-        self._watch = _Watch() if not self.auto and self.link is not None else None
+        self._model = _Predictor(self.link, self.natives, watch=not self.auto and self.link is not None)
 
     @property
     def tuning(self) -> bool:
@@ -295,7 +408,7 @@ class Schedule:
     def predicting(self) -> bool:
         """Whether exchanges should tell estimate_native() their size: policy="auto" with a link,
         before its prediction."""
-        p, w = self._policy, self._watch
+        p, w = self._policy, self._model.watch
         if w is not None:
             return not w.done
         return (p is not None and self.link is not None and p.prediction is None
@@ -304,10 +417,8 @@ class Schedule:
     def estimate_native(self, name: str, elements: int, hosts: int, ranks_per_host: int) -> None:
         """The model's time of the framework's allreduce of bucket `name` (`elements` of them) in
         each native dtype on hosts x ranks_per_host ranks over the link."""
-        cluster = perf.Cluster(hosts, self.link, ranks_per_host)
-        seconds = {dtype: perf.allreduce(NATIVE_BYTES[dtype] * elements, cluster) for dtype in self.natives}
         with self._lock:
-            self._estimates[name] = seconds
+            self._model.estimate(name, elements, hosts, ranks_per_host)
 
     def ran(self, name: str, candidate: int) -> None:
         """This step's exchange of `name` ran as `candidate`: the step's time counts for it."""
@@ -319,7 +430,7 @@ class Schedule:
         """While predicting: this step's exchange of `name` ran from `started` to `ended`
         (time.perf_counter(): from its hand-over to the driver to its results)."""
         with self._lock:
-            self._timeline.placed(name, started, ended)
+            self._model.timeline.placed(name, started, ended)
 
     def agreed(self, name: str, entries) -> None:
         """The Max over ranks of the timing entries: the slowest rank's time of the last timed step,
@@ -333,88 +444,6 @@ class Schedule:
             medians = {path: v for path, v in zip(PATHS, steps) if v != UNMEASURED}
             if self._policy is not None and self._policy.phase is Phase.DECIDING and medians:
                 self._policy.medians = medians  # decided at commit: a step's exchanges all run alike
-
-    def _decide(self, medians: dict) -> None:
-        """policy="auto": every rank's slowest median step on each path weighed -> another round
-        of trials where the two fastest lie within CLEAR_MARGIN (the agreed medians are alike on
-        every rank, so every rank goes on alike), else the path for every bucket: the fastest,
-        unless a more exact path is within CODES_MARGIN of it (there the medians do not tell
-        them apart, and the more exact path is never slower than itself)."""
-        p = self._policy
-        if p.predicting is not None:
-            self._decide_predicted(medians)
-            return
-        first, second = sorted(medians.values())[:2]
-        if second - first < CLEAR_MARGIN * second and p.rounds < ROUNDS:
-            p.phase, p.order, p.block, p.timed, p.warming, p.medians = (
-                Phase.TRIALS, trial_order(p.weighing()), 0, 0, WARMUP_STEPS, None)
-            p.rounds += 1
-            log.info("hvd_aps schedule: a close call (steps: %s): trial round %d", _steps_text(medians), p.rounds)
-            return
-        p.chosen = next(path for path in p.paths[1:] + (CODES,)
-                        if path in medians and medians[path] * (1 - CODES_MARGIN) <= first)
-        p.phase = Phase.DECIDED
-        log.info("hvd_aps schedule: every bucket sends %s (steps: %s)", _path_text(p.chosen), _steps_text(medians))
-
-    def _decide_predicted(self, predicted: dict) -> None:
-        """The agreed prediction -> the path where every other is predicted PRIOR_MARGIN slower
-        than the fastest (a 16-bit prediction bounds its step from below: it drops only its own
-        path), else trial steps among the paths left (a close call the model cannot settle)."""
-        p = self._policy
-        p.predicting, p.prediction, p.medians = None, dict(predicted), None
-        fastest = min(v for path, v in predicted.items() if path not in LOWER_BOUNDS)
-        left = tuple(path for path in p.paths if predicted[path] <= (1 + PRIOR_MARGIN) * fastest)
-        if len(left) == 1:
-            p.chosen, p.phase = left[0], Phase.DECIDED
-            log.info("hvd_aps schedule: every bucket sends %s, as predicted without trials (steps: %s)",
-                     _path_text(p.chosen), _steps_text(predicted))
-            return
-        order = list(trial_order(left))
-        if CODES in order:
-            order.remove(CODES)  # its first block is timed already: on from the native blocks
-        p.phase, p.order, p.block, p.timed, p.warming = Phase.TRIALS, tuple(order), 0, 0, WARMUP_STEPS
-        log.info("hvd_aps schedule: a close call the model cannot settle (steps: %s): timed", _steps_text(predicted))
-
-    def _predict(self) -> bool:
-        """policy="auto" with a link, the first block of codes steps timed: this rank's median
-        codes step and the native steps the model predicts from it, for the next step to agree
-        -> whether there is a prediction (a link, every bucket's exchanges timed)."""
-        p = self._policy
-        codes = statistics.median(p.steps[CODES])
-        natives = self._predicted_natives() if self.predicting else None
-        if natives is None:
-            return False
-        p.predicting, p.phase = {CODES: codes, **natives}, Phase.DECIDING
-        return True
-
-    def _predicted_natives(self) -> "dict | None":
-        """The framework's step in each native dtype the model predicts: its allreduce of every
-        bucket over the link on the codes steps' timeline (None unless every bucket was
-        estimated and placed)."""
-        if set(self._estimates) != set(self._buckets):
-            return None
-        predicted = {dtype: self._timeline.step_with({name: e[dtype] for name, e in self._estimates.items()})
-                     for dtype in self.natives}
-        return None if None in predicted.values() else predicted
-
-    def _watched(self, took: "float | None") -> None:
-        """policy="codes" with a link: a step committed; once the chunking is fixed and a block of
-        steps timed (after WARMUP_STEPS), one warning where the framework's own step is predicted
-        PRIOR_MARGIN shorter (in a dtype whose prediction is not only a lower bound)."""
-        w = self._watch
-        if w.done or took is None or not self._buckets or any(b.chosen is None for b in self._buckets.values()):
-            return
-        w.steps.append(took)
-        if len(w.steps) < WARMUP_STEPS + BLOCK_STEPS:
-            return
-        w.done = True
-        codes = statistics.median(w.steps[WARMUP_STEPS:])
-        natives = self._predicted_natives() or {}
-        native = min((v for dtype, v in natives.items() if dtype not in LOWER_BOUNDS), default=None)
-        if native is not None and native * (1 + PRIOR_MARGIN) < codes:
-            log.warning("hvd_aps: codes steps take %.1f ms where the framework's own allreduce is predicted at %.1f "
-                        "ms over the link HVD_APS_LINK gives: APSCompressor(..., policy='auto') sends the faster",
-                        1e3 * codes, 1e3 * native)
 
     # steps ------------------------------------------------------------------------------------------
     def commit(self) -> None:
@@ -430,44 +459,25 @@ class Schedule:
                 b.before, b.ran = b.ran, None
             fixed = bool(self._buckets) and all(b.chosen is not None for b in self._buckets.values())
             ran_codes = self._policy is None or self._policy.native is None
-            self._timeline.committed(began, now, self.predicting and fixed and ran_codes)
+            self._model.timeline.committed(began, now, self.predicting and fixed and ran_codes)
             if self._policy is not None:
-                self._step_ended(took)
-            elif self._watch is not None:
-                self._watched(took)
+                self._policy.step_ended(took, fixed, self._prediction)
+            elif self._model.watch is not None:
+                self._model.watched(took, self._buckets)
 
     def rollback(self) -> None:
         with self._lock:
             self._began = None  # the next step's time is not a clean measurement
             for b in self._buckets.values():
                 b.pending, b.ran, b.before = None, None, None
-            self._timeline.rolled_back()
+            self._model.timeline.rolled_back()
             if self._policy is not None and self._policy.phase is Phase.DECIDING:
                 self._policy.medians = None
 
-    def _step_ended(self, took: "float | None") -> None:
-        """policy="auto": a step committed, having taken `took` seconds (None: not a clean
-        measurement); its time counts for the trial block it ran in."""
-        p = self._policy
-        if p.phase is Phase.DECIDING and p.medians is not None:
-            self._decide(p.medians)
-            return
-        if p.phase is Phase.CHUNKING and self._buckets and all(b.chosen is not None for b in self._buckets.values()):
-            p.phase = Phase.TRIALS  # the first trial step starts here
-            return
-        if p.phase is Phase.TRIALS and took is not None:
-            log.debug("hvd_aps schedule: a %s step took %.1f ms%s", p.trying, 1e3 * took, " (warm-up)" if p.warming else "")
-            if p.warming:
-                p.warming -= 1
-                return
-            p.steps[p.trying].append(took)
-            p.timed += 1
-            if p.timed == BLOCK_STEPS:
-                p.block, p.timed, p.warming = p.block + 1, 0, WARMUP_STEPS
-                if p.block == len(p.order):
-                    p.phase = Phase.DECIDING
-                elif p.rounds == 1 and p.block == 1 and p.order[0] == CODES:
-                    self._predict()  # the first block timed codes: the model may settle it here
+    def _prediction(self) -> "dict | None":
+        """policy="auto" with a link, its first block of codes steps timed: the native steps the
+        model predicts (None without a link, or before every bucket's exchanges were timed)."""
+        return self._model.natives_step(self._buckets) if self.predicting else None
 
     def _record(self, name: str, b: _Bucket, candidate: int, seconds: float) -> None:
         b.times.setdefault(candidate, []).append(seconds)
@@ -480,9 +490,7 @@ class Schedule:
         with self._lock:
             self._buckets.clear()
             self._began = None
-            self._estimates.clear()
-            self._timeline = _Timeline()
-            self._start_policy()
+            self._start()
 
     # reports and checkpoints -------------------------------------------------------------------------
     def report(self) -> list:
@@ -520,21 +528,7 @@ class Schedule:
         named run their chunking from the first exchange, and a policy pinned skips the trial
         steps (a "native" one in "native_dtype", else the first of the natives). Every rank must
         pin the same, before the first step."""
-        unknown = set(decisions) - {"chunk_bytes", "policy", "native_dtype"}
-        if unknown:
-            raise ValueError(f"pin() takes 'chunk_bytes', 'policy' and 'native_dtype', got {sorted(unknown)}")
-        chunks, policy = dict(decisions.get("chunk_bytes") or {}), decisions.get("policy")
-        dtype = decisions.get("native_dtype", self.natives[0])
-        for name, value in chunks.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"chunk_bytes of {name!r} must be an int >= 0, got {value!r}")
-        if policy not in (None, "codes", "native"):
-            raise ValueError(f"policy must be 'codes', 'native' or None, got {policy!r}")
-        if policy is not None and self._policy is None:
-            raise ValueError("a policy is pinned only on a compressor made with policy='auto' (the others send codes)")
-        if dtype not in self.natives:
-            raise ValueError(f"native_dtype must be one of this compressor's {list(self.natives)} (its fallback), "
-                             f"got {dtype!r}")
+        chunks, policy, dtype = _pinned(decisions, self.natives, self._policy is not None)
         with self._lock:
             for name, value in chunks.items():
                 self._bucket(name).chosen = value
@@ -566,6 +560,25 @@ class Schedule:
                              for name, s in state.items()}
             if self._policy is not None and policy is not None:
                 self._policy.load(policy)
+
+
+def _pinned(decisions: dict, natives: tuple, auto: bool) -> tuple:
+    """pin()'s decisions checked -> (chunk_bytes by bucket, the policy or None, the native dtype)."""
+    unknown = set(decisions) - {"chunk_bytes", "policy", "native_dtype"}
+    if unknown:
+        raise ValueError(f"pin() takes 'chunk_bytes', 'policy' and 'native_dtype', got {sorted(unknown)}")
+    chunks, policy = dict(decisions.get("chunk_bytes") or {}), decisions.get("policy")
+    dtype = decisions.get("native_dtype", natives[0])
+    for name, value in chunks.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"chunk_bytes of {name!r} must be an int >= 0, got {value!r}")
+    if policy not in (None, "codes", "native"):
+        raise ValueError(f"policy must be 'codes', 'native' or None, got {policy!r}")
+    if policy is not None and not auto:
+        raise ValueError("a policy is pinned only on a compressor made with policy='auto' (the others send codes)")
+    if dtype not in natives:
+        raise ValueError(f"native_dtype must be one of this compressor's {list(natives)} (its fallback), got {dtype!r}")
+    return chunks, policy, dtype
 
 
 def describe(candidate: int) -> str:

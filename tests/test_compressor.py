@@ -425,7 +425,7 @@ def test_policy_auto_keeps_a_less_exact_path_only_where_it_is_clearly_faster(med
     from hvd_aps._schedule import ROUNDS, Schedule
     schedule = Schedule((0,), auto=True, natives=tuple(k for k in ("float32", "float16") if k in medians))
     schedule._policy.rounds = ROUNDS
-    schedule._decide(medians)
+    schedule._policy.decide(medians)
     assert schedule.state_dict()["(policy)"]["chosen"] == chosen
 
 
@@ -436,7 +436,7 @@ def test_policy_auto_runs_another_round_on_a_close_call():
     from hvd_aps._schedule import CLEAR_MARGIN, STEP_TRIALS, UNMEASURED, Schedule, trial_order, trial_steps
     for codes, chosen in ((1 - 2 * CLEAR_MARGIN, "codes"), (1 + 2 * CLEAR_MARGIN, "native float32")):
         clear = Schedule((0,), auto=True)
-        clear._decide({"codes": codes, "float32": 1.0})
+        clear._policy.decide({"codes": codes, "float32": 1.0})
         assert clear.report()[-1]["chosen"] == chosen
     schedule = Schedule((0,), auto=True)
     schedule.candidate("b")
@@ -467,7 +467,7 @@ def test_a_predicted_margin_past_prior_margin_drops_a_path_and_the_rest_are_time
     from hvd_aps._schedule import CODES, Schedule, trial_order
     schedule = Schedule((0,), auto=True, natives=natives)
     schedule._policy.predicting = dict(predicted)  # this rank's; the agreed ones decide
-    schedule._decide(predicted)
+    schedule._policy.decide(predicted)
     policy = schedule.state_dict()["(policy)"]
     assert policy["phase"] == ("trials" if len(left) > 1 else "decided")
     assert policy["prediction"] == predicted
