@@ -345,7 +345,8 @@ class CodesExchange:
 
     def _plan(self, bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool) -> Plan:
         """The Plan for these lanes (each held segment's lane, -1: left out), kept in the bucket."""
-        return plan_for(bucket, segment_lanes, count, padded, self.world, self.rank, tuple(self.fmts), self.stats.sample)
+        return plan_for(bucket, segment_lanes, count, padded, self.world, self.rank, tuple(self.fmts),
+                        self.stats.sample)
 
     # 3. begin: encode -----------------------------------------------------------------------------
     def begin(self, run: Run, chunk: int) -> tuple:

@@ -239,81 +239,57 @@ class _Waiting:
     ticket: Ticket
 
 
-class Batches:
-    """The step's batches and their naming, for one exchanger. compress() runs on the thread
-    backward runs on, decompress() on the thread that steps: a lock keeps them apart.
+class _Layouts:
+    """The layouts the ranks agreed on, per scope (kept from step to step), and this step's
+    batches placed in them, which launch in the layout's order."""
 
-    A named gradient (hvd_aps._horovod.Site) goes to its slot of the layout the ranks agreed on
-    for its scope (framework and process set; hvd_aps._agreed), and a layout's buckets launch in
-    order once full; in the first step of a scope the named gradients wait for the step's first
-    decompress(), where the ranks agree on the layout. Unnamed gradients (and every gradient
-    once policy="auto" chose the framework's allreduce) form batches in the order they arrive."""
+    def __init__(self):
+        self.forget()
 
-    def __init__(self, exchanger):
-        self._ex, self._lock = exchanger, threading.Lock()
-        self._layouts = {}  # scope -> its agreed Layout
-        self._free = {}     # scope -> the first number its layout leaves free for arriving batches
-        self._generation = 0
-        # the last step's one gradient, where its step was that one gradient alone (see _end_step)
-        self._lone = None
-        self._averaged = set()  # names of the batches whose every token said Average last step
-        self._new_step()
+    def forget(self) -> None:
+        self.agreed = {}  # scope -> its agreed Layout
+        self.free = {}    # scope -> the first number its layout leaves free for arriving batches
+        self.new_step()
 
-    def _new_step(self) -> None:
-        self._open, self._outstanding, self._launched = None, 0, []
-        self._native = self._started = None
-        self._counts = {}       # scope -> the number the next batch of arriving gradients takes
-        self._keys = set()      # (scope, key) handed over this step (a repeated one goes by arrival)
-        self._waiting = []      # _Waiting gradients of scopes with no layout yet
-        self._placed = {}       # (scope, bucket) -> the layout batch filling this step
-        self._next = {}         # scope -> the next bucket of its layout to launch
-        self._scopes = {}       # scope -> (a gradient of the step, where zeros go; its process set)
-        self._tokens = {}       # scope -> the step's tokens of its layout's gradients, in the layout's order
-        self._handed = False    # the step's first decompress() came: its gradients were handed over
+    def new_step(self) -> None:
+        self.placed = {}  # (scope, bucket) -> the layout batch filling this step
+        self.next = {}    # scope -> the next bucket of its layout to launch
 
-    def add(self, adapter: Adapter, tensor, site) -> tuple:
-        """-> (what Horovod allreduces, Context) for compress(); `site`: hvd_aps._horovod.Site."""
-        with self._lock:
-            try:
-                return self._add(adapter, tensor, site)
-            except BaseException:  # a launch that raises gives the step up as abort() does
-                self._give_up()
-                raise
+    def batch(self, scope: tuple, b: int, make) -> "_Batch":
+        """Bucket b of the scope's layout as this step's batch (make(scope, b): a new, empty one)."""
+        batch = self.placed.get((scope, b))
+        if batch is None:
+            batch = self.placed[(scope, b)] = make(scope, b)
+        return batch
 
-    def _add(self, adapter: Adapter, tensor, site) -> tuple:
-        if not self._started:
-            self._start(adapter, tensor)
-        self._outstanding += 1
-        scope = (adapter, _horovod.set_key(site.process_set))
-        key = site.key if (scope, site.key) not in self._keys else None
-        if self._native or key is None or self._handed:
-            return self._arrive(adapter, tensor, site.process_set)
-        layout = self._layouts.get(scope)
-        slot = None if layout is None else layout.slot(key, adapter.numel(tensor))
-        if layout is not None and slot is None:  # not in the layout: by arrival, as on every rank alike
-            return self._arrive(adapter, tensor, site.process_set)
-        self._keys.add((scope, key))
-        if scope not in self._scopes:
-            self._scopes[scope] = (tensor, site.process_set)
-            if layout is not None:  # the step's tokens of this scope, made in one call
-                self._tokens[scope] = adapter.tokens(tensor, site.process_set, layout.count)
-        if layout is None:
-            ticket = Ticket(self._generation, tensor, None, 0)
-            entry = _agreed.Entry(key, adapter.label(tensor), adapter.numel(tensor))
-            self._waiting.append(_Waiting(scope, entry, adapter.flatten(tensor), ticket))
-            return adapter.token(tensor, site.process_set), ticket
-        ticket = Ticket(self._generation, tensor, *self._fill(scope, slot, adapter.flatten(tensor)))
-        if ticket.batch.full:  # the layout's order decides what launches
-            self._launch_ready(scope)
-        return self._tokens[scope][slot[2]], ticket
+    def fill(self, scope: tuple, slot: tuple, flat, make) -> tuple:
+        """Put a gradient in its slot of its scope's layout -> (its batch, its index there)."""
+        b, i, _ = slot
+        batch = self.batch(scope, b, make)
+        batch.flats[i] = flat
+        batch.present += 1
+        return batch, i
 
-    def _start(self, adapter: Adapter, tensor) -> None:
-        """The step's first gradient: the schedule's path for the step, the one-at-a-time warning."""
-        self._started = True
-        self._native = self._ex.native_dtype()
-        if self._lone not in (None, adapter.label(tensor)):
-            _warn_one_by_one()
-        check_fallback(self._ex.config, adapter, tensor)
+    def ready(self, scope: tuple) -> list:
+        """The scope's full buckets not launched yet, in the layout's order (every rank launches
+        them in that order, whatever order their gradients came in: the exchanges share two
+        threads), taken as launched."""
+        b, count, out = self.next.get(scope, 0), len(self.agreed[scope].buckets), []
+        while b < count and (batch := self.placed.get((scope, b))) is not None and batch.full:
+            out.append(batch)
+            b += 1
+        self.next[scope] = b
+        return out
+
+    def unlaunched(self, scope: tuple, make) -> list:
+        """Every bucket of the scope's layout not launched yet, as this step's batches."""
+        return [self.batch(scope, b, make) for b in range(self.next.get(scope, 0), len(self.agreed[scope].buckets))]
+
+
+class _Launches:
+    """Gradients joining batches in the order they arrive, and a batch's launch (or, where the
+    framework's own allreduce carries it, its count): what Batches builds the step from. Its
+    fields are Batches' (the step's open batch, numbering and launched batches)."""
 
     def _arrive(self, adapter: Adapter, tensor, process_set) -> tuple:
         """A gradient that joins the open batch (in the order gradients arrive)."""
@@ -339,39 +315,131 @@ class Batches:
             self._close(self._open)
         if self._open is None:
             scope = (adapter, _horovod.set_key(process_set))
-            number = self._counts.get(scope, self._free.get(scope, 0))
+            number = self._counts.get(scope, self._layouts.free.get(scope, 0))
             self._counts[scope] = number + 1
             name = _agreed.name(scope[1], number)
             self._open = _Batch(name, adapter, self._native, process_set,
                                 reduction=Reduction(averaged=name in self._averaged))
         return self._open
 
-    def _fill(self, scope: tuple, slot: tuple, flat) -> tuple:
-        """Put a gradient in its slot of its scope's layout -> (its batch, its index there)."""
-        b, i, _ = slot
-        batch = self._placed.get((scope, b)) or self._place(scope, b)
-        batch.flats[i] = flat
-        batch.present += 1
-        return batch, i
-
-    def _place(self, scope: tuple, b: int) -> _Batch:
-        """Bucket b of the scope's layout, as this step's batch (empty)."""
-        layout = self._layouts[scope]
-        entries, name = layout.buckets[b], layout.name(b)
-        batch = _Batch(name, scope[0], None, self._scopes[scope][1], flats=[None] * len(entries),
-                       labels=[e.label for e in entries], sizes=[e.size for e in entries],
-                       reduction=Reduction(averaged=name in self._averaged))
-        self._placed[(scope, b)] = batch
+    def _alone(self, waiting: _Waiting) -> _Batch:
+        """A batch of the one gradient that waited."""
+        if self._open is not None:  # not joined to the open batch: closed at once, on its own
+            self._close(self._open)
+        batch = self._open_batch(waiting.scope[0], self._scopes[waiting.scope][1])
+        batch.flats, batch.labels, batch.sizes = [waiting.flat], [waiting.entry.label], [waiting.entry.size]
+        waiting.ticket.batch = batch
         return batch
 
+    def _close(self, batch: _Batch) -> None:
+        """No more gradients join `batch`: launch its exchange, or count the framework's allreduce
+        that carries a passed-through batch as every native exchange is counted."""
+        adapter = batch.adapter
+        if batch.native:
+            self._ex.count_native([f"{batch.name}[{i}]" for i in range(len(batch.sizes))],
+                                  zip(batch.labels, batch.sizes), batch.native, adapter.world(batch.process_set))
+        else:
+            batch.bucket = Bucket.whole(batch.name, _keys(batch.name, len(batch.sizes)), batch.labels, batch.sizes)
+            batch.ranks = adapter.world(batch.process_set)
+            # threaded: the gradients are joined on the exchange's thread, off backward's
+            flat = functools.partial(adapter.join, batch.flats) if adapter.threaded else adapter.join(batch.flats)
+            config = self._ex.config
+            batch.future = self._ex.bucket(adapter.levels(config.hierarchical, batch.process_set, config.timeout),
+                                           batch.bucket, flat, adapter.threaded, adapter.place(batch.flats[0]),
+                                           average=batch.reduction.averaged)
+            batch.flats = []  # the join holds them
+            self._launched.append(batch)
+        if self._open is batch:
+            self._open = None
+
+
+class Batches(_Launches):
+    """The step's batches and their naming, for one exchanger. compress() runs on the thread
+    backward runs on, decompress() on the thread that steps: a lock keeps them apart.
+
+    A named gradient (hvd_aps._horovod.Site) goes to its slot of the layout the ranks agreed on
+    for its scope (framework and process set; hvd_aps._agreed), and a layout's buckets launch in
+    order once full; in the first step of a scope the named gradients wait for the step's first
+    decompress(), where the ranks agree on the layout. Unnamed gradients (and every gradient
+    once policy="auto" chose the framework's allreduce) form batches in the order they arrive."""
+
+    def __init__(self, exchanger):
+        self._ex, self._lock = exchanger, threading.Lock()
+        self._layouts = _Layouts()
+        self._generation = 0
+        # the last step's one gradient, where its step was that one gradient alone (see _end_step)
+        self._lone = None
+        self._averaged = set()  # names of the batches whose every token said Average last step
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self._open, self._outstanding, self._launched = None, 0, []
+        self._native = self._started = None
+        self._counts = {}       # scope -> the number the next batch of arriving gradients takes
+        self._keys = set()      # (scope, key) handed over this step (a repeated one goes by arrival)
+        self._waiting = []      # _Waiting gradients of scopes with no layout yet
+        self._layouts.new_step()
+        self._scopes = {}       # scope -> (a gradient of the step, where zeros go; its process set)
+        self._tokens = {}       # scope -> the step's tokens of its layout's gradients, in the layout's order
+        self._handed = False    # the step's first decompress() came: its gradients were handed over
+
+    def add(self, adapter: Adapter, tensor, site) -> tuple:
+        """-> (what Horovod allreduces, Context) for compress(); `site`: hvd_aps._horovod.Site."""
+        with self._lock:
+            try:
+                return self._add(adapter, tensor, site)
+            except BaseException:  # a launch that raises gives the step up as abort() does
+                self._give_up()
+                raise
+
+    def _add(self, adapter: Adapter, tensor, site) -> tuple:
+        if not self._started:
+            self._start(adapter, tensor)
+        self._outstanding += 1
+        scope = (adapter, _horovod.set_key(site.process_set))
+        key = site.key if (scope, site.key) not in self._keys else None
+        if self._native or key is None or self._handed:
+            return self._arrive(adapter, tensor, site.process_set)
+        layout = self._layouts.agreed.get(scope)
+        slot = None if layout is None else layout.slot(key, adapter.numel(tensor))
+        if layout is not None and slot is None:  # not in the layout: by arrival, as on every rank alike
+            return self._arrive(adapter, tensor, site.process_set)
+        self._keys.add((scope, key))
+        if scope not in self._scopes:
+            self._scopes[scope] = (tensor, site.process_set)
+            if layout is not None:  # the step's tokens of this scope, made in one call
+                self._tokens[scope] = adapter.tokens(tensor, site.process_set, layout.count)
+        if layout is None:
+            ticket = Ticket(self._generation, tensor, None, 0)
+            entry = _agreed.Entry(key, adapter.label(tensor), adapter.numel(tensor))
+            self._waiting.append(_Waiting(scope, entry, adapter.flatten(tensor), ticket))
+            return adapter.token(tensor, site.process_set), ticket
+        placed = self._layouts.fill(scope, slot, adapter.flatten(tensor), self._place)
+        ticket = Ticket(self._generation, tensor, *placed)
+        if ticket.batch.full:  # the layout's order decides what launches
+            self._launch_ready(scope)
+        return self._tokens[scope][slot[2]], ticket
+
+    def _start(self, adapter: Adapter, tensor) -> None:
+        """The step's first gradient: the schedule's path for the step, the one-at-a-time warning."""
+        self._started = True
+        self._native = self._ex.native_dtype()
+        if self._lone not in (None, adapter.label(tensor)):
+            _warn_one_by_one()
+        check_fallback(self._ex.config, adapter, tensor)
+
+    def _place(self, scope: tuple, b: int) -> _Batch:
+        """Bucket b of the scope's layout, as a new, empty batch of this step."""
+        layout = self._layouts.agreed[scope]
+        entries, name = layout.buckets[b], layout.name(b)
+        return _Batch(name, scope[0], None, self._scopes[scope][1], flats=[None] * len(entries),
+                      labels=[e.label for e in entries], sizes=[e.size for e in entries],
+                      reduction=Reduction(averaged=name in self._averaged))
+
     def _launch_ready(self, scope: tuple) -> None:
-        """Launch the scope's full buckets in the layout's order (every rank launches them in that
-        order, whatever order their gradients came in: the exchanges share two threads)."""
-        b, count = self._next.get(scope, 0), len(self._layouts[scope].buckets)
-        while b < count and (batch := self._placed.get((scope, b))) is not None and batch.full:
+        """Launch the scope's full buckets, in the layout's order."""
+        for batch in self._layouts.ready(scope):
             self._close(batch)
-            b += 1
-        self._next[scope] = b
 
     def _hand_over(self) -> None:
         """The step's first decompress(): every gradient of it was handed over. The scopes
@@ -380,11 +448,10 @@ class Batches:
         self._handed = True
         self._learn()
         for scope in sorted(self._scopes, key=_scope_order):  # every rank launches the scopes alike
-            if scope not in self._layouts:  # its one gradient went alone
+            if scope not in self._layouts.agreed:  # its one gradient went alone
                 continue
             like = self._scopes[scope][0]
-            for b in range(self._next.get(scope, 0), len(self._layouts[scope].buckets)):
-                batch = self._placed.get((scope, b)) or self._place(scope, b)
+            for batch in self._layouts.unlaunched(scope, self._place):
                 for i, size in enumerate(batch.sizes):
                     if batch.flats[i] is None:
                         batch.flats[i] = scope[0].zeros(like, size)
@@ -411,21 +478,13 @@ class Batches:
             if any(settings != seen[0][0] for settings, _ in seen):
                 raise _metadata.settings_differ([settings for settings, _ in seen])
             # after the numbers this step's arriving batches of the scope took
-            base = self._counts.get(scope, self._free.get(scope, 0))
+            base = self._counts.get(scope, self._layouts.free.get(scope, 0))
             layout = _agreed.agree([entries for _, entries in seen], config.bucket_bytes, scope[1], base)
-            self._layouts[scope] = layout
-            self._free[scope] = self._counts[scope] = base + len(layout.buckets)
+            self._layouts.agreed[scope] = layout
+            self._layouts.free[scope] = self._counts[scope] = base + len(layout.buckets)
             for w in items:
-                w.ticket.batch, w.ticket.index = self._fill(scope, layout.slots[w.entry.key], w.flat)
-
-    def _alone(self, waiting: _Waiting) -> _Batch:
-        """A batch of the one gradient that waited."""
-        if self._open is not None:  # not joined to the open batch: closed at once, on its own
-            self._close(self._open)
-        batch = self._open_batch(waiting.scope[0], self._scopes[waiting.scope][1])
-        batch.flats, batch.labels, batch.sizes = [waiting.flat], [waiting.entry.label], [waiting.entry.size]
-        waiting.ticket.batch = batch
-        return batch
+                w.ticket.batch, w.ticket.index = self._layouts.fill(scope, layout.slots[w.entry.key], w.flat,
+                                                                     self._place)
 
     def result(self, reduced, context: Context):
         """decompress(): the exchanged gradient, reduced as Horovod's op would have left it."""
@@ -494,7 +553,7 @@ class Batches:
         """The world changed (Horovod elastic): a rank that joins has no layout, so every rank
         agrees anew at its next step."""
         with self._lock:
-            self._layouts, self._free = {}, {}
+            self._layouts.forget()
             self._forget()
 
     def _forget(self) -> None:
@@ -508,26 +567,6 @@ class Batches:
         self._forget()
         self._ex.abort_step()
 
-    def _close(self, batch: _Batch) -> None:
-        """No more gradients join `batch`: launch its exchange, or count the framework's allreduce
-        that carries a passed-through batch as every native exchange is counted."""
-        adapter = batch.adapter
-        if batch.native:
-            self._ex.count_native([f"{batch.name}[{i}]" for i in range(len(batch.sizes))],
-                                  zip(batch.labels, batch.sizes), batch.native, adapter.world(batch.process_set))
-        else:
-            batch.bucket = Bucket.whole(batch.name, _keys(batch.name, len(batch.sizes)), batch.labels, batch.sizes)
-            batch.ranks = adapter.world(batch.process_set)
-            # threaded: the gradients are joined on the exchange's thread, off backward's
-            flat = functools.partial(adapter.join, batch.flats) if adapter.threaded else adapter.join(batch.flats)
-            config = self._ex.config
-            batch.future = self._ex.bucket(adapter.levels(config.hierarchical, batch.process_set, config.timeout),
-                                           batch.bucket, flat, adapter.threaded, adapter.place(batch.flats[0]),
-                                           average=batch.reduction.averaged)
-            batch.flats = []  # the join holds them
-            self._launched.append(batch)
-        if self._open is batch:
-            self._open = None
 
 
 def _scope_order(scope: tuple) -> tuple:

@@ -102,8 +102,8 @@ class APSCompressor:
         if not isinstance(config, APSConfig):
             raise TypeError(f"expected an APSConfig, got {type(config).__name__}")
         if state is None:
-            state = ExchangeState(secrets.randbits(63) if seed is None else int(seed),
-                                  Schedule(config.candidates, config.policy is Policy.AUTO, calfile.job_link(), config.natives))
+            schedule = Schedule(config.candidates, config.policy is Policy.AUTO, calfile.job_link(), config.natives)
+            state = ExchangeState(secrets.randbits(63) if seed is None else int(seed), schedule)
         self.config, self.exchanger = config, Exchanger(config, state, stats)
         self._batches = _tokens.Batches(self.exchanger)
         self._serves = None  # the optimizer, DDP model or FSDP2 model this compressor was given to
