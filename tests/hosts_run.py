@@ -6,21 +6,19 @@ its output to files: with pipes read one rank after another, a rank whose output
 buffer would block in its write while the others wait for it in a collective. Ranks still running
 at the timeout get SIGABRT, on which Python's faulthandler (PYTHONFAULTHANDLER, tests/conftest.py)
 writes every thread's stack into their logs, and the failure shows them: where each rank waited."""
-import os
 import pathlib
 import signal
 import subprocess
 import sys
 import time
 
-from horovod_run import WORKERS, free_port
+from horovod_run import WORKERS, free_port, worker_env
 
 
 def launch(script, tmp_path, hosts=2, per_host=2, horovod=True, timeout=300, args=()):
     server = None
-    env = dict(os.environ, PYTHONPATH=str(WORKERS), OMP_NUM_THREADS="1", HVD_APS_THREADS="1",
-               TF_CPP_MIN_LOG_LEVEL="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(hosts * per_host), LOCAL_WORLD_SIZE=str(per_host))
+    env = worker_env(HVD_APS_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                     WORLD_SIZE=str(hosts * per_host), LOCAL_WORLD_SIZE=str(per_host))
     if horovod:
         from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
         from horovod.runner.http.http_server import RendezvousServer

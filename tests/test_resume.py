@@ -6,7 +6,8 @@ half, saves (model, optimizer, compressor), and a fresh process loads and trains
 error feedback (residuals that DDP's rebuilt buckets and the resumed process's first buckets
 lay out differently) and stochastic rounding (seeds from parameter names and steps), the two
 runs end on the same bits on every rank. The straight run saves the checkpoint at half its steps
-(a run never stopped, checkpointing), and the resumed one is a fresh process that loads it."""
+(a run never stopped, checkpointing), and the resumed one is a fresh process that loads it. The
+straight runs end on the bits the tree before gave them (tests/data/recorded_bits.py)."""
 import os
 
 import numpy as np
@@ -14,9 +15,13 @@ import pytest
 
 from horovod_run import horovodrun, load, torchrun
 from hosts_run import launch
+from data import recorded_bits
 from workers.common import RESUME_MODES
 
 RANKS = 2
+DDP_SETTINGS = ("feedback", "stochastic", "feedback_one_bucket", "fsdp")
+HOROVOD_SETTINGS = ("feedback", "stochastic", "codes_optimizer")
+TF_SETTINGS = ("feedback", "stochastic", "keras_feedback", "keras_stochastic")
 
 
 def ddp_resume(tmp_path, mode):
@@ -30,7 +35,7 @@ def runs(tmp_path_factory):
     return ddp_resume(tmp, "straight"), ddp_resume(tmp, "second")
 
 
-@pytest.mark.parametrize("setting", ["feedback", "stochastic", "feedback_one_bucket", "fsdp"])
+@pytest.mark.parametrize("setting", DDP_SETTINGS)
 def test_straight_and_resumed_runs_end_on_the_same_bits(runs, setting):
     straight, resumed = runs
     for rank in range(RANKS):
@@ -75,7 +80,7 @@ def horovod_runs(tmp_path_factory, request):
                            "hvd", request.param)
 
 
-@pytest.mark.parametrize("setting", ["feedback", "stochastic", "codes_optimizer"])
+@pytest.mark.parametrize("setting", HOROVOD_SETTINGS)
 def test_horovod_optimizer_resumes_on_the_same_bits(horovod_runs, setting):
     straight, resumed = horovod_runs
     for rank in range(len(straight)):
@@ -86,15 +91,34 @@ def test_horovod_resumed_without_the_compressors_state_ends_elsewhere(horovod_ru
     ends_elsewhere_unloaded(*horovod_runs, ("codes_optimizer",))
 
 
-@pytest.mark.parametrize("levels", ["flat", "two_levels"])
-def test_the_tensorflow_tape_resumes_on_the_same_bits(tmp_path, levels):
-    straight, resumed = horovod_resumed(tmp_path, "tf_resume_checks.py", "tf", levels)
+def test_horovod_ends_on_the_same_bits_as_the_tree_before(horovod_runs, request):
+    levels = request.node.callspec.params["horovod_runs"]
+    recorded_bits.same_bits("torch", {f"horovod/{levels}/{s}": horovod_runs[0][0][s] for s in HOROVOD_SETTINGS})
+
+
+def test_ddp_and_fsdp2_end_on_the_same_bits_as_the_tree_before(runs):
+    recorded_bits.same_bits("torch", {f"ddp/{s}": runs[0][0][s] for s in DDP_SETTINGS})
+
+
+@pytest.fixture(scope="module", params=["flat", "two_levels"])
+def tf_runs(tmp_path_factory, request):
+    return horovod_resumed(tmp_path_factory.mktemp(f"tf_resume_{request.param}"), "tf_resume_checks.py", "tf",
+                           request.param)
+
+
+def test_the_tensorflow_tape_resumes_on_the_same_bits(tf_runs):
+    straight, resumed = tf_runs
     for rank in range(len(straight)):
-        for setting in ("feedback", "stochastic", "keras_feedback", "keras_stochastic"):
+        for setting in TF_SETTINGS:
             assert np.isfinite(straight[rank][setting]).all()
             assert straight[rank][setting].tobytes() == resumed[rank][setting].tobytes(), (setting, rank)
             assert straight[rank][setting].tobytes() == straight[0][setting].tobytes(), (setting, rank)
     ends_elsewhere_unloaded(straight, resumed, ("feedback",))
+
+
+def test_tensorflow_ends_on_the_same_bits_as_the_tree_before(tf_runs, request):
+    levels = request.node.callspec.params["tf_runs"]
+    recorded_bits.same_bits("tensorflow", {f"tf/{levels}/{s}": tf_runs[0][0][s] for s in TF_SETTINGS})
 
 
 def test_a_state_resumed_on_another_world_or_some_ranks_only_fails_on_every_rank():
