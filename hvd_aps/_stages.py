@@ -191,7 +191,7 @@ def limits(fmt, shifts):
     return xp.ldexp(xp.full(shifts.shape, fmt.max, xp.float64), -shifts.astype(xp.int32)).astype(xp.float32)
 
 
-def plan_for(bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool, world: int, rank: int,
+def plan_for(bucket: Bucket, segment_lanes: np.ndarray, count: int, *, padded: bool, world: int, rank: int,
              fmts: tuple, sample: int) -> Plan:
     """The Plan of a bucket's exchange for these lanes (each held segment's lane, -1: left out),
     `count` chunks, on rank `rank` of `world`: made once and kept in the bucket (PLANS_KEPT)."""
@@ -199,7 +199,7 @@ def plan_for(bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool
     plans = bucket.kept("plans", collections.OrderedDict)
     plan = plans.get(key)
     if plan is None:
-        plan = _make_plan(bucket, segment_lanes, count, padded, world, rank, fmts, sample)
+        plan = _make_plan(bucket, segment_lanes, count, padded=padded, world=world, rank=rank, fmts=fmts, sample=sample)
         with _cache_lock:
             plans[key] = plan
             while len(plans) > PLANS_KEPT:
@@ -207,13 +207,14 @@ def plan_for(bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool
     return plan
 
 
-def _make_plan(bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool, world: int, rank: int,
+def _make_plan(bucket: Bucket, segment_lanes: np.ndarray, count: int, *, padded: bool, world: int, rank: int,
                fmts: tuple, sample: int) -> Plan:
     held = bucket.held()
     lanes = [tuple(np.flatnonzero(segment_lanes == n).tolist()) for n in range(len(fmts))]
     layouts = [_layout.layout(tuple(bucket.segments[k] for k in lane), world) for lane in lanes]
     chunks = _tables.chunk_plans(lanes, list(fmts), layouts, [lay.chunk(count) for lay in layouts],
-                                 bucket.segments, held.offsets, world, rank, padded)
+                                 segments=bucket.segments, data_offsets=held.offsets, world=world, rank=rank,
+                                 padded=padded)
     shards, owned = [], []
     for lane, lay in zip(lanes, layouts):
         lo, hi = int(lay.shards[rank]), int(lay.shards[rank + 1])
@@ -279,7 +280,7 @@ class CodesExchange:
         return _metadata.with_amaxes(vector, held.tensor, peaks), data
 
     # 2. agreement ---------------------------------------------------------------------------------
-    def agree(self, bucket: Bucket, agreed, data, out, divisor: float, xp, candidate: int,
+    def agree(self, bucket: Bucket, agreed, data, out, *, divisor: float, xp, candidate: int,
               padded: bool = True, chunked: Optional[int] = None) -> Run:
         """The metadata allreduce's result -> the exchange's Run under its Agreement: every tensor's format and
         shift, the plan of its lanes and chunks for `candidate` (chunk bytes), the result array
@@ -345,8 +346,8 @@ class CodesExchange:
 
     def _plan(self, bucket: Bucket, segment_lanes: np.ndarray, count: int, padded: bool) -> Plan:
         """The Plan for these lanes (each held segment's lane, -1: left out), kept in the bucket."""
-        return plan_for(bucket, segment_lanes, count, padded, self.world, self.rank, tuple(self.fmts),
-                        self.stats.sample)
+        return plan_for(bucket, segment_lanes, count, padded=padded, world=self.world, rank=self.rank,
+                        fmts=tuple(self.fmts), sample=self.stats.sample)
 
     # 3. begin: encode -----------------------------------------------------------------------------
     def begin(self, run: Run, chunk: int) -> tuple:

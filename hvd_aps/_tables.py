@@ -225,7 +225,7 @@ def _lane_blocks(lane: _Lane, layout: Layout, lo: int, hi: int, data_offsets: np
     return starts, ends - starts, data_offsets[held_index] + within, lane.tensor[k], lane.start[k] + within, held_index
 
 
-def chunk_plans(lanes: list, fmts: list, layouts: list, chunks: list, segments: tuple, data_offsets: np.ndarray,
+def chunk_plans(lanes: list, fmts: list, layouts: list, chunks: list, *, segments: tuple, data_offsets: np.ndarray,
                 world: int, rank: int, padded: bool) -> list:
     """Every chunk's ChunkPlan. lanes[n]: the held segment indices of lane n (in order), fmts[n]
     its format, layouts[n] its Layout over `world` ranks, chunks[n][c][r] the flat range of owner
@@ -241,10 +241,13 @@ def chunk_plans(lanes: list, fmts: list, layouts: list, chunks: list, segments: 
         lens = [max(reduced[r][n] for r in range(world)) for n in range(len(lanes))] if padded else None
         owner_lens = [lens if padded else reduced[r] for r in range(world)]
         owner_at = np.concatenate([[0], np.cumsum([sum(x) for x in owner_lens])])
+        frame = _ChunkFrame(data_offsets, rank, parts, at, owner_lens, owner_at)
         lane_plans, clear_send, clear_reduced = [], [], []
         for n, (lane, fmt, layout) in enumerate(zip(arrays, fmts, layouts)):
-            lane_plans.append(_lane_chunk(lane, fmt, layout, ranges[n], data_offsets, rank, n, len(lanes), parts, at,
-                                          owner_lens, owner_at, clear_send, clear_reduced))
+            plan, cleared_sent, cleared_reduced = _lane_chunk(lane, fmt, layout, ranges[n], n, frame)
+            lane_plans.append(plan)
+            clear_send += cleared_sent
+            clear_reduced.append(cleared_reduced)
         splits = [int(at[(r + 1) * len(lanes)] - at[r * len(lanes)]) for r in range(world)]
         plans.append(ChunkPlan(lane_plans, int(at[-1]), splits, int(parts[rank].sum()), int(sum(owner_lens[rank])),
                                [int(sum(x)) for x in owner_lens], np.array(clear_send, np.int64),
@@ -253,8 +256,24 @@ def chunk_plans(lanes: list, fmts: list, layouts: list, chunks: list, segments: 
     return plans
 
 
-def _lane_chunk(lane, fmt, layout, ranges, data_offsets, rank, n, lane_count, parts, at, owner_lens, owner_at,
-                clear_send, clear_reduced) -> LaneChunk:
+@dataclasses.dataclass(frozen=True)
+class _ChunkFrame:
+    """Where one chunk's lanes go: the held data's offsets, this rank, and the bytes of every
+    (rank, lane) part of the sent message and of every owner's reduced lanes."""
+    data_offsets: np.ndarray
+    rank: int
+    parts: np.ndarray  # (world, lanes): the bytes of rank r's part of lane n
+    at: np.ndarray     # part (r, n) starts at at[r * lanes + n] of the sent message
+    owner_lens: list   # owner_lens[r][n]: the bytes of owner r's reduced lane n
+    owner_at: np.ndarray  # owner r's reduced lanes start at owner_at[r] of the gathered message
+
+
+def _lane_chunk(lane, fmt, layout, ranges, n: int, frame: _ChunkFrame) -> tuple:
+    """Lane n's LaneChunk in this chunk (ranges[r]: owner r's flat range of it), with the sent
+    bytes and the reduced bytes whose spare bits must be cleared (sub-byte formats)."""
+    data_offsets, rank, parts, at, owner_lens, owner_at = (
+        frame.data_offsets, frame.rank, frame.parts, frame.at, frame.owner_lens, frame.owner_at)
+    lane_count, clear_send = parts.shape[1], []
     sub_byte = fmt.bits % 8 != 0
     send = []
     for r, (lo, hi) in enumerate(ranges):
@@ -272,7 +291,7 @@ def _lane_chunk(lane, fmt, layout, ranges, data_offsets, rank, n, lane_count, pa
     codes_bytes = fmt.packed_size(hi - lo)
     reencode = reduce.with_base(start)
     end = start + owner_lens[rank][n]
-    clear_reduced.append(np.arange(start + codes_bytes - (1 if sub_byte and codes_bytes else 0), end))
+    clear_reduced = np.arange(start + codes_bytes - (1 if sub_byte and codes_bytes else 0), end)
     finish, exponents = [], []
     for r, (olo, ohi) in enumerate(ranges):
         starts, counts, src, tensor, index, seg = _lane_blocks(lane, layout, olo, ohi, data_offsets)
@@ -282,4 +301,4 @@ def _lane_chunk(lane, fmt, layout, ranges, data_offsets, rank, n, lane_count, pa
         exponents.append(np.stack([first, first + 1], axis=1).ravel())
     finish = Blocks.of(*(np.concatenate(col) for col in zip(*finish)))
     return LaneChunk(send, reduce, reencode, finish, np.concatenate(exponents).astype(np.int64), (lo, hi), codes_bytes,
-                     start + codes_bytes, owner_lens[rank][n])
+                     start + codes_bytes, owner_lens[rank][n]), clear_send, clear_reduced

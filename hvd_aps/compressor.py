@@ -81,8 +81,10 @@ class APSCompressor:
                  chunk_bytes: Union[int, str] = AUTO, hierarchical: Optional[bool] = None, policy: str = "codes",
                  fallback: str = "float32", timeout: float = DEFAULT_TIMEOUT, seed: Optional[int] = None,
                  stats: bool = True, stats_sample: int = STATS_SAMPLE):
-        config = APSConfig(fmt, rounding, scaling, saturate, wire, bucket_bytes, min_elements, error_feedback,
-                           hybrid, hybrid_threshold, chunk_bytes, hierarchical, policy, fallback, timeout)
+        config = APSConfig(fmt=fmt, rounding=rounding, scaling=scaling, saturate=saturate, wire=wire,
+                           bucket_bytes=bucket_bytes, min_elements=min_elements, error_feedback=error_feedback,
+                           hybrid=hybrid, hybrid_threshold=hybrid_threshold, chunk_bytes=chunk_bytes,
+                           hierarchical=hierarchical, policy=policy, fallback=fallback, timeout=timeout)
         self._setup(config, seed, StatsRecorder(stats, stats_sample))
 
     @classmethod

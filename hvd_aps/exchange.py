@@ -311,8 +311,8 @@ class BucketExchange:
     def agree(self, agreed) -> tuple:
         """Step 2: APS shifts and formats agreed, the chunks laid out."""
         xp = _arrays.array_module(self.prepared)  # NumPy for graph tensors: their stages see NumPy
-        self.run = self.stages.agree(self.held, agreed, self.prepared, self.slice_out, self.divisor, xp,
-                                     self.candidate, self.coll.equal_allgather, self.chunked)
+        self.run = self.stages.agree(self.held, agreed, self.prepared, self.slice_out, divisor=self.divisor, xp=xp,
+                                     candidate=self.candidate, padded=self.coll.equal_allgather, chunked=self.chunked)
         self.prepared = None
         return (_TOKEN,)
 

@@ -121,8 +121,8 @@ def plan(fmt, world=3, rank=1, count=2):
     held = _tables.held(segments)
     layout = _layout.layout(segments, world)
     lane = tuple(range(len(segments)))
-    return held, _tables.chunk_plans([lane], [fmt], [layout], [layout.chunk(count)], segments, held.offsets, world,
-                                     rank, padded=True)
+    return held, _tables.chunk_plans([lane], [fmt], [layout], [layout.chunk(count)], segments=segments,
+                                     data_offsets=held.offsets, world=world, rank=rank, padded=True)
 
 
 def data(n, seed=0):
