@@ -40,37 +40,16 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import hvd_aps
 from hvd_aps import _layout, emulate, peers, scaling
 from hvd_aps.peers import Op, Wire
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from study_tasks import Digits, StdlibText  # noqa: E402
+from study_tasks import DigitsCNN, StdlibText, shard_grads  # noqa: E402
 
 GLOBAL_BATCH = 2048
 CODES_UP_TO = 64  # workers emulate.codes_allreduce runs (one thread each); beyond, peers.aps_allreduce
-
-
-class TinyCNN(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.conv2 = torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1, self.fc2 = torch.nn.Linear(32 * 4 * 4, 64), torch.nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x.reshape(-1, 1, 8, 8))), 2)
-        return self.fc2(F.relu(self.fc1(F.relu(self.conv2(x)).flatten(1))))
-
-
-class DigitsCNN(Digits):
-    def __init__(self):
-        super().__init__()
-        self.name = "digits-cnn"
-
-    def model(self):
-        return TinyCNN()
 
 
 def trained(task, points, seed=0):
@@ -88,21 +67,6 @@ def trained(task, points, seed=0):
         if step in points:
             kept[step] = {name: p.detach().clone() for name, p in model.named_parameters()}
     return model, kept, train
-
-
-def shard_grads(task, model, params, x, y, shards, samples_at_once=128):
-    """Each of `shards` contiguous shards' gradient of the task's (scaled) mean loss: (shards, ...) per tensor."""
-    def loss(p, xs, ys):
-        return task.loss(lambda inputs: torch.func.functional_call(model, p, (inputs,)), xs, ys) * task.loss_scale
-
-    grad = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
-    xs, ys = x.reshape(shards, -1, *x.shape[1:]), y.reshape(shards, -1, *y.shape[1:])
-    out = {name: np.empty((shards, *p.shape), np.float32) for name, p in params.items()}
-    chunk = max(1, samples_at_once // xs.shape[1])
-    for a in range(0, shards, chunk):
-        for name, g in grad(params, xs[a:a + chunk], ys[a:a + chunk]).items():
-            out[name][a:a + chunk] = g.numpy()
-    return [out[name].reshape(shards, -1) for name in params]
 
 
 def workers_of(finest, n):

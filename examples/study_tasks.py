@@ -10,7 +10,8 @@ however small it is, and LayerNorm shapes the gradients of every layer: statisti
 does not have.
 
 Every model is written with plain tensor ops so torch.func.vmap can take per-worker gradients for
-the emulated runs.
+the emulated runs (shard_grads). DigitsCNN, the digits task through a small CNN, is the
+convolutional model of the at-scale examples (fidelity_at_scale.py, training_at_scale.py).
 """
 import dataclasses
 import math
@@ -147,6 +148,48 @@ class StdlibText(Task):
 
     def optimizer(self, params, lr):
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+class TinyCNN(torch.nn.Module):
+    """Two 3x3 convolutions (16, 32 channels), a max-pool, two linear layers: 38,282 parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1, self.fc2 = torch.nn.Linear(32 * 4 * 4, 64), torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x.reshape(-1, 1, 8, 8))), 2)
+        return self.fc2(F.relu(self.fc1(F.relu(self.conv2(x)).flatten(1))))
+
+
+class DigitsCNN(Digits):
+    """The digits task (data, SGD with momentum, loss scale) through TinyCNN: the convolutional model of
+    examples/fidelity_at_scale.py and examples/training_at_scale.py."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "digits-cnn"
+
+    def model(self):
+        return TinyCNN()
+
+
+def shard_grads(task, model, params, x, y, shards, samples_at_once=128):
+    """Each of `shards` contiguous shards' gradient of the task's (scaled) mean loss at `params`
+    ({name: tensor}), taken with torch.func.vmap over samples_at_once samples at a time:
+    (shards, numel) float32 per tensor, in params' order."""
+    def loss(p, xs, ys):
+        return task.loss(lambda inputs: torch.func.functional_call(model, p, (inputs,)), xs, ys) * task.loss_scale
+
+    grad = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+    xs, ys = x.reshape(shards, -1, *x.shape[1:]), y.reshape(shards, -1, *y.shape[1:])
+    out = {name: np.empty((shards, *p.shape), np.float32) for name, p in params.items()}
+    chunk = max(1, samples_at_once // xs.shape[1])
+    for a in range(0, shards, chunk):
+        for name, g in grad(params, xs[a:a + chunk], ys[a:a + chunk]).items():
+            out[name][a:a + chunk] = g.numpy()
+    return [out[name].reshape(shards, -1) for name in params]
 
 
 TASKS = {"digits": Digits, "transformer": StdlibText}
