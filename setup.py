@@ -26,5 +26,5 @@ setup(
     # The CPU engine: ops/host.c as a plain shared library, loaded through ctypes.
     ext_modules=[Extension("hvd_aps._hostcodec", sources=["ops/host.c"], depends=["ops/fpcodec.h"],
                            extra_compile_args=["-O3", "-std=c11", "-fno-trapping-math"], py_limited_api=True)],
-    package_data={"hvd_aps.ops": ["*.h", "*.c", "*.cu"], "hvd_aps": ["gpu_projection.json"]},
+    package_data={"hvd_aps.ops": ["*.h", "*.c", "*.cu"], "hvd_aps": ["gpu_projection.json", "fidelity.json"]},
 )

@@ -2,7 +2,7 @@
 would pick instead of hvd_aps (NCCL's FP8/bf16 ring and tree, torch's bf16 DDP hook, FP8 with APS's
 shared scale), emulated exactly (hvd_aps.peers), against hvd_aps's codes exchange, for N = 8 .. 1024.
 
-    python examples/fidelity_at_scale.py [--quick] [--out docs/fidelity_at_scale.json]
+    python examples/fidelity_at_scale.py [--quick] [--out docs/fidelity_at_scale.json] [--summary hvd_aps/fidelity.json]
 
 Real gradients: the accuracy study's byte-level transformer (examples/study_tasks.py, AdamW on the
 standard library's source) and a tiny CNN on scikit-learn's 8x8 digits (SGD with momentum, the study's
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 import hvd_aps
-from hvd_aps import _layout, emulate, peers, scaling
+from hvd_aps import _layout, emulate, fidelity, peers, scaling
 from hvd_aps.peers import Op, Wire
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -226,6 +226,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="N in 8, 64; one (early) point per task")
     parser.add_argument("--out", default="docs/fidelity_at_scale.json", help="the JSON; the PNG goes beside it")
+    parser.add_argument("--summary", help="also write the errors `python -m hvd_aps plan` prints "
+                                          "(hvd_aps.fidelity; the package's: hvd_aps/fidelity.json)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     ns = [8, 64] if args.quick else [8, 64, 256, 1024]
@@ -252,6 +254,8 @@ def main():
                                "seconds": round(time.perf_counter() - began, 1), "records": records,
                                "codes_allreduce_checks": checks, "markdown": text}, indent=1))
     plot(out.with_suffix(".png"), records, ns)
+    if args.summary:
+        pathlib.Path(args.summary).write_text(json.dumps(fidelity.summary(records), indent=1) + "\n")
     print(f"\nwrote {out} and {out.with_suffix('.png')} in {time.perf_counter() - began:.0f} s", file=sys.stderr)
 
 

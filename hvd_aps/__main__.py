@@ -11,7 +11,7 @@ import pathlib
 import re
 import sys
 
-from . import calibration, codec, emulate, perf, step_profile
+from . import calibration, codec, emulate, fidelity, perf, step_profile
 from .formats import PRESETS, FloatFormat
 
 _COUNT = re.compile(r"^\s*([0-9.]+)\s*([kmb]?)\s*$", re.IGNORECASE)
@@ -136,15 +136,16 @@ def plan_command(args):
               f"{'HSDP' if args.hsdp else 'FSDP2'} in {args.fsdp} units ({'no ' if args.no_reshard else ''}resharding "
               f"after forward): the framework's {_fsdp_peer(args)}" if args.fsdp else "the framework's allreduce") +
           " against codes" + (" through Horovod's collectives" if args.horovod else "") +
-          "; predicted step (x float32's), and what its exchanges spend")
+          "; predicted step (x float32's), what its exchanges spend, and the averaged gradient's relative error "
+          f"as measured at {fidelity.nearest_world(args.hosts * args.ranks_per_host)} workers (docs/accuracy.md)")
     if args.device == "cuda":
         print(f"(on a GPU: {loaded.describe()})")
     for rate, cluster in zip(args.links.split(","), clusters):
         rows = perf.table(work, paths, cluster, step)
         print(f"\n{rate} between hosts: fastest {min(rows, key=lambda row: row[1])[0].name}")
-        print(_table(["path", "step ms", "x float32", "on the links ms", "processor ms"],
-                     [(p.name, f"{t * 1e3:.1f}", f"{x:.2f}", *(f"{v * 1e3:.1f}" for v in split(work, p, cluster)))
-                      for p, t, x in rows]))
+        print(_table(["path", "step ms", "x float32", "on the links ms", "processor ms", "error"],
+                     [(p.name, f"{t * 1e3:.1f}", f"{x:.2f}", *(f"{v * 1e3:.1f}" for v in split(work, p, cluster)),
+                       _error(p.name, args.hosts * args.ranks_per_host)) for p, t, x in rows]))
     print()
     for path in paths[2:]:
         edge = min(perf.break_even(work, path, peer, clusters[0], step=step) or 0.0 for peer in paths[:2])
@@ -154,6 +155,11 @@ def plan_command(args):
         _write_pin(args.pin, work, paths, clusters, step)
     if args.plot:
         _plot(args.plot, work, paths, clusters[0], step)
+
+
+def _error(path: str, world: int) -> str:
+    measured = fidelity.error(path, world)
+    return "-" if measured is None else f"{100 * measured:.1f} %"
 
 
 def _workload(args) -> perf.Workload:

@@ -34,6 +34,7 @@ def test_wheel_holds_the_kernel_sources_and_the_host_engine(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     sources = {f"hvd_aps/ops/{name}" for name in ("__init__.py", "fpcodec.h", "host.c", "kernels.cu")}
     assert sources <= set(names), names
+    assert {"hvd_aps/gpu_projection.json", "hvd_aps/fidelity.json"} <= set(names), names  # what plan reads
     assert any(re.fullmatch(r"hvd_aps/_hostcodec\..*so", n) for n in names), names
 
 

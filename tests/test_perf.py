@@ -488,3 +488,27 @@ def test_plan_on_a_gpu_says_its_codec_is_projected_and_takes_a_measured_one(tmp_
     (tmp_path / "gpu.json").write_text(json.dumps(measured))
     main(args + ["--calibration", str(tmp_path / "gpu.json")])
     assert "the codec measured on a lent GPU on 2026-11-28" in capsys.readouterr().out
+
+
+def test_plan_prints_each_paths_measured_error_at_the_nearest_world(tmp_path, capsys):
+    """plan's error column: the packaged hvd_aps/fidelity.json is the medians of the measurement
+    docs/accuracy.md shows (docs/fidelity_at_scale.json), read at the measured world nearest the
+    job's; a path not measured prints none."""
+    from hvd_aps import fidelity
+    from hvd_aps.__main__ import main
+    docs = pathlib.Path(__file__).parent.parent / "docs"
+    measured = json.loads((docs / "fidelity_at_scale.json").read_text())["records"]
+    assert fidelity.summary(measured) == json.loads(fidelity.FILE.read_text())
+    e4m3 = [r["relative_error"] for r in measured if r["path"] == "hvd_aps e4m3" and r["workers"] == 64]
+    assert fidelity.error("codes e4m3", 64) == float(np.median(e4m3))
+    assert [fidelity.nearest_world(n) for n in (1, 8, 22, 23, 100, 5000)] == [8, 8, 8, 64, 64, 1024]
+    cal = tmp_path / "cal.json"
+    calibration.save({"format": calibration.FORMAT, "codecs": {f: dataclasses.asdict(perf.Codec(2e-3, 1e-9))
+                                                               for f in ("e4m3", "e2m1fn")}}, cal)
+    main(["plan", "--params", "20M", "--compute-ms", "100", "--hosts", "16", "--ranks-per-host", "4", "--links",
+          "1gbit", "--format", "e4m3", "--format", "e2m1fn", "--calibration", str(cal)])
+    printed = capsys.readouterr().out
+    assert "as measured at 64 workers" in printed
+    rows = {line.split("  ")[0]: line.rsplit("  ", 1)[1].strip() for line in printed.splitlines()[4:8]}
+    assert rows == {"float32": "-", "16-bit": f"{100 * fidelity.error('16-bit', 64):.1f} %",
+                    "codes e4m3": f"{100 * fidelity.error('codes e4m3', 64):.1f} %", "codes e2m1fn": "-"}
