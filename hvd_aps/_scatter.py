@@ -24,7 +24,7 @@ import numpy as np
 from . import _arrays, _device, _metadata, _tables, codec
 from ._layout import BLOCK
 from ._stages import corrected, formats_and_shifts, hybrid_error, limits
-from ._state import SEND
+from ._residuals import SEND
 from ._stats import BucketStats
 from .config import Rounding
 
@@ -129,7 +129,7 @@ class ScatterExchange:
         splits = [int(s) for s in a.lane_bytes.sum(axis=1)]
         message = self.state.buffers.get((a.name, "send"), sum(splits), np.uint8, xp)
         message[_device.on_device(a.ends, message)] = 0  # a reused buffer's unused high bits
-        residual = (self.state.next_residual((a.name, SEND, 0), a.rows.size, xp)
+        residual = (self.state.residuals.next((a.name, SEND, 0), a.rows.size, xp)
                     if self.config.error_feedback else None)
         if residual is not None:
             residual.fill(0)  # blocks left out (NaN/Inf) restart from zero

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _arrays, _device, _layout, _metadata, _tables, codec, scaling
 from ._layout import Segment
-from ._state import OWNER, SEND
+from ._residuals import OWNER, SEND
 from ._stats import BucketStats
 from .config import Rounding, Scaling
 
@@ -319,12 +319,12 @@ class CodesExchange:
         and per lane where its owner residuals go."""
         a = run.agreement
         keys, sizes = self._send_keys(a.bucket)
-        run.residual = self.state.next_residuals((a.bucket.name, SEND), keys, sizes, xp)
+        run.residual = self.state.residuals.next_flat((a.bucket.name, SEND), keys, sizes, xp)
         held = a.bucket.held()
         for k in a.fallback:
             run.residual[held.offsets[k]:held.offsets[k + 1]] = 0
         for n, (keys, owned) in enumerate(zip(a.plan.owner_keys, a.plan.owned)):
-            run.owner_residuals.append(self.state.next_residuals((a.bucket.name, OWNER, n), keys,
+            run.owner_residuals.append(self.state.residuals.next_flat((a.bucket.name, OWNER, n), keys,
                                                                  [size for _, _, size in owned], xp))
 
     def _send_keys(self, bucket: Bucket) -> tuple:
@@ -423,8 +423,8 @@ class CodesExchange:
         with run.lock:  # read once the residuals of shares that changed owner have moved here (exchange.run)
             if run.committed is None:
                 xp = _xp(run.owner_residuals[0])
-                run.committed = [self.state.residuals((a.bucket.name, OWNER, n), keys, [size for _, _, size in owned],
-                                                      xp)
+                run.committed = [self.state.residuals.committed_flat((a.bucket.name, OWNER, n), keys,
+                                                                     [size for _, _, size in owned], xp)
                                  for n, (keys, owned) in enumerate(zip(a.plan.owner_keys, a.plan.owned))]
         start = a.plan.shards[lane][0]
         return run.committed[lane][lo - start:hi - start], run.owner_residuals[lane][lo - start:hi - start]
@@ -479,7 +479,7 @@ class CodesExchange:
         keys, sizes = self._send_keys(bucket)
         xp = _xp(data)
         total = self.state.buffers.get((bucket.name, "corrected"), data.size, np.float32, xp)
-        xp.add(data, self.state.residuals((bucket.name, SEND), keys, sizes, xp), out=total)
+        xp.add(data, self.state.residuals.committed_flat((bucket.name, SEND), keys, sizes, xp), out=total)
         return total
 
 
@@ -497,5 +497,5 @@ def corrected(state, buffer_key: tuple, residual_key: tuple, x):
     buffer `buffer_key`."""
     xp = _xp(x)
     total = state.buffers.get(buffer_key, x.size, np.float32, xp)
-    xp.add(x, state.residual(residual_key, x.size, xp), out=total)
+    xp.add(x, state.residuals.committed(residual_key, x.size, xp), out=total)
     return total

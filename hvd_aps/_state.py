@@ -1,10 +1,10 @@
 """ExchangeState: what a compressor keeps between exchanges, with one owner.
 
 Grouped as torch's PowerSGDState is:
-- internal state: error-feedback residuals (one per tensor key, side and segment) and the layout
-  each was committed under (so a bucket laid out anew moves them), each tensor's count of
-  finished exchanges (stochastic rounding's step), the schedule's measurements and
-  decisions (hvd_aps._schedule), reusable buffers;
+- internal state: error-feedback residuals (hvd_aps._residuals: one per tensor key, side and
+  segment, and the layout each was committed under), each tensor's count of finished exchanges
+  (stochastic rounding's step), the schedule's measurements and decisions (hvd_aps._schedule),
+  reusable buffers;
 - the threads exchanges run on (created on first use, stopped by close()).
 
 Steps are transactions. An exchange reads the committed residuals and step counts and writes its
@@ -22,10 +22,10 @@ import threading
 import numpy as np
 
 from . import _arrays, _threads, codec
+from ._residuals import SEND, Residuals
 from ._schedule import Schedule
 
 WORKER_THREADS = 2  # one exchange's encoding and decoding overlap another's transfers
-SEND, OWNER = "send", "owner"  # residual sides: what a rank's codes lost, what a shard owner's re-encode lost
 
 
 class BufferPool:
@@ -67,102 +67,12 @@ class ExchangeState:
     def __init__(self, seed: int, schedule: Schedule):
         self.seed, self.schedule = int(seed), schedule
         self._lock = threading.RLock()
-        self._residuals, self._spare, self._pending = {}, {}, set()
+        self.residuals = Residuals(self._lock)
         self._steps, self._stepped = {}, set()
-        self._layouts, self._laid_out = {}, {}
-        self._groups, self._written = {}, {}  # residual groups: their flats, by group name (residuals())
         self.world = 0          # the ranks of this state's exchanges (0: none yet)
         self.resumed_world = 0  # the ranks of the exchanges a loaded state_dict came from (0: none loaded)
         self.buffers = BufferPool()
         self._workers, self._closed = None, False
-
-    # residuals ------------------------------------------------------------------------------------
-    def residual(self, key: tuple, n: int, xp):
-        """The committed residual under `key` (zeros where there is none, or it has another size, as
-        after DDP rebuilds its buckets or the world changes: the committed one stays until a step
-        commits its successor). Read only."""
-        with self._lock:
-            kept = self._residuals.get(key)
-            if kept is None or kept.size != n:
-                return xp.zeros(n, xp.float32)
-            elif _arrays.array_module(kept) is not xp:  # restored from a checkpoint onto the device
-                kept = self._residuals[key] = xp.asarray(kept)
-            return kept
-
-    def next_residual(self, key: tuple, n: int, xp):
-        """Where this step writes the residual under `key`: current once the step commits."""
-        with self._lock:
-            spare = self._spare.get(key)
-            if spare is None or spare.size != n or _arrays.array_module(spare) is not xp:
-                spare = self._spare[key] = xp.empty(n, xp.float32)
-            self._pending.add(key)
-            return spare
-
-    def residuals(self, group, keys: tuple, sizes, xp):
-        """The committed residuals under `keys` (of `sizes`) end to end in one flat array (read
-        only): a bucket's stage reads them in one pass. Where the last step committed this group's
-        keys from one flat (next_residuals), that flat; else (a checkpoint loaded, residuals moved
-        between layouts) one assembled from the keys' residuals, zeros where there are none."""
-        with self._lock:
-            kept = self._groups.get(group)
-            if kept is not None and kept[1] is keys and all(self._residuals.get(k) is v for k, v in zip(keys, kept[2])):
-                flat = kept[0]
-                if _arrays.array_module(flat) is xp:
-                    return flat
-            flat = xp.zeros(int(sum(sizes)), xp.float32)
-            at = 0
-            for key, n in zip(keys, sizes):
-                part = self._residuals.get(key)
-                if part is not None and part.size == n:
-                    flat[at:at + n] = xp.asarray(part)
-                at += n
-            return flat
-
-    def next_residuals(self, group, keys: tuple, sizes, xp):
-        """Where this step writes the residuals under `keys`, end to end in one flat array: each
-        key's residual a view of it, current once the step commits."""
-        total = int(sum(sizes))
-        with self._lock:
-            committed, written = self._groups.get(group), self._written.get(group)
-            spares = ([written[0]] if written else []) + ([committed[3]] if committed and committed[3] is not None
-                                                          else [])
-            flat = next((f for f in spares if f.size == total and _arrays.array_module(f) is xp), None)
-            if flat is None:
-                flat = xp.empty(total, xp.float32)
-            views = tuple(flat[a:b] for a, b in zip(_offsets(sizes)[:-1], _offsets(sizes)[1:]))
-            for key, view in zip(keys, views):
-                self._spare[key] = view
-            self._pending.update(keys)
-            self._written[group] = (flat, keys, views, committed[0] if committed else None)
-            return flat
-
-    # layouts: where each tensor's residuals lie among the ranks ------------------------------------
-    def moved(self, keys, side: str, signature: str) -> bool:
-        """Whether residuals of these tensors on `side` were committed under another layout than
-        `signature` (a bucket DDP rebuilt, a checkpoint resumed on other buckets): they must move
-        to the ranks that hold those elements now. The same answer on every rank, as long as every
-        rank's state has seen the same steps: all ranks start fresh, or all load their own
-        state_dict of the same step (forget_shards() clears the records when the world changes)."""
-        with self._lock:
-            return any(self._layouts.get((key, side), signature) != signature for key in keys)
-
-    def laid_out(self, keys, side: str, signature: str) -> None:
-        """This step's residuals of these tensors on `side` lie as `signature` says (at commit)."""
-        with self._lock:
-            self._laid_out.update({(key, side): signature for key in keys})
-
-    def held(self, keys, side: str) -> dict:
-        """This rank's committed residuals of these tensors on `side`: {(key, side, start): array}."""
-        wanted = set(keys)
-        with self._lock:
-            return {k: r for k, r in self._residuals.items() if k[1] == side and k[0] in wanted}
-
-    def moved_in(self, keys, side: str, residuals: dict) -> None:
-        """Committed residuals of these tensors on `side` replaced by those that moved here."""
-        with self._lock:
-            for key in list(self.held(keys, side)):
-                del self._residuals[key]
-            self._residuals.update(residuals)
 
     def ran_on(self, world: int) -> None:
         """An exchange over `world` ranks agreed its metadata (which checked resumed_world)."""
@@ -182,28 +92,17 @@ class ExchangeState:
     def commit(self) -> None:
         """The step is over: its residuals become current and its exchanges count."""
         with self._lock:
-            for key in self._pending:
-                self._residuals[key], self._spare[key] = self._spare[key], self._residuals.get(key)
-                if self._spare[key] is None or self._spare[key].size != self._residuals[key].size:
-                    del self._spare[key]
+            self.residuals.commit()
             for tensor_key in self._stepped:
                 self._steps[tensor_key] = self._steps.get(tensor_key, 0) + 1
-            self._layouts.update(self._laid_out)
-            for group, (flat, keys, views, before) in self._written.items():
-                self._groups[group] = (flat, keys, views, before)  # before: next step's flat to write
-            self._written.clear()
-            self._pending.clear()
             self._stepped.clear()
-            self._laid_out.clear()
             self.schedule.commit()
 
     def rollback(self) -> None:
         """The step raised: forget what it wrote."""
         with self._lock:
-            self._written.clear()
-            self._pending.clear()
+            self.residuals.rollback()
             self._stepped.clear()
-            self._laid_out.clear()
             self.schedule.rollback()
 
     def seed_for(self, rank: int, tensor_key: str, side: str) -> int:
@@ -230,13 +129,8 @@ class ExchangeState:
         and so does every record of where residuals lay (a rank that joins has none, and moving
         residuals is a collective that every rank must agree to run)."""
         with self._lock:
-            for store in (self._residuals, self._spare):
-                for key in [k for k in store if k[1] == OWNER]:
-                    del store[key]
+            self.residuals.forget_shards()
             self.world = self.resumed_world = 0
-            self._groups.clear()
-            self._layouts.clear()
-            self._laid_out.clear()
             self.buffers.clear()
 
     # checkpoints ----------------------------------------------------------------------------------
@@ -244,8 +138,7 @@ class ExchangeState:
         """What resuming bit for bit needs: residuals (NumPy), where they lay, step counts, seed,
         schedule, and the ranks of the exchanges they came from."""
         with self._lock:
-            residuals = {_name(key): _arrays.to_numpy(r).copy() for key, r in self._residuals.items()}
-            layouts = {f"{key}|{side}": signature for (key, side), signature in self._layouts.items()}
+            residuals, layouts = self.residuals.state()
             return {"residuals": residuals, "steps": dict(self._steps), "seed": self.seed,
                     "layouts": layouts, "schedule": self.schedule.state_dict(),
                     "world": self.world or self.resumed_world}
@@ -254,9 +147,8 @@ class ExchangeState:
         """Everything read and checked before anything changes: a state that cannot load leaves
         this one as it was."""
         try:
-            residuals = {_key(name): np.array(r, np.float32) for name, r in state["residuals"].items()}
+            residuals = Residuals.parse(state["residuals"], state.get("layouts", {}))
             steps = {k: int(v) for k, v in state["steps"].items()}
-            layouts = {tuple(name.rsplit("|", 1)): signature for name, signature in state.get("layouts", {}).items()}
             world, seed = int(state.get("world", 0)), int(state["seed"])
             schedule = Schedule(self.schedule.candidates, self.schedule.auto, self.schedule.link,
                                 self.schedule.natives)
@@ -265,10 +157,8 @@ class ExchangeState:
             raise ValueError(f"not a state_dict this APSCompressor can load ({type(err).__name__}: {err}): pass "
                              "what APSCompressor.state_dict() returned, saved whole") from err
         with self._lock:
-            self._residuals, self._spare, self._pending = residuals, {}, set()
-            self._groups, self._written = {}, {}
+            self.residuals.load(residuals)
             self._steps, self._stepped = steps, set()
-            self._layouts, self._laid_out = layouts, {}
             self.world, self.resumed_world = 0, world
             self.seed = seed
             self.schedule.load_state_dict(state["schedule"])
@@ -300,20 +190,3 @@ class ExchangeState:
             workers.shutdown(wait=True)
         self.buffers.clear()
 
-
-def _offsets(sizes) -> list:
-    out = [0]
-    for n in sizes:
-        out.append(out[-1] + int(n))
-    return out
-
-
-def _name(key: tuple) -> str:
-    """A residual key as a checkpoint name: tensor key, side and segment start."""
-    tensor_key, side, start = key
-    return f"{tensor_key}|{side}|{start}"
-
-
-def _key(name: str) -> tuple:
-    tensor_key, side, start = name.rsplit("|", 2)
-    return tensor_key, side, int(start)

@@ -37,7 +37,7 @@ import numpy as np
 from . import _arrays, _layout, _metadata
 from ._schedule import NATIVE, NATIVE_BYTES
 from ._stages import Bucket
-from ._state import OWNER, SEND
+from ._residuals import OWNER, SEND
 from .config import Policy
 
 
@@ -381,18 +381,18 @@ def _follow_layout(state, bucket: Bucket, side: str, signature: str, group: Coll
     applied to other elements. Every element's residual lies on one rank of `group`, zeros on
     the others: a Max-allreduce of the float32 bits as unsigned integers (exact in float64)
     hands each rank the residuals of `holdings`, (tensor, start, size) of what it holds now."""
-    if state.moved(bucket.keys, side, signature):
+    if state.residuals.moved(bucket.keys, side, signature):
         offsets = np.cumsum([0] + list(bucket.sizes))
         where = dict(zip(bucket.keys, offsets[:-1]))
         bits = np.zeros(int(offsets[-1]), np.float64)
-        for (key, _, start), residual in state.held(bucket.keys, side).items():
+        for (key, _, start), residual in state.residuals.held(bucket.keys, side).items():
             kept = _arrays.to_numpy(residual).view(np.uint32)[:max(bucket.sizes[bucket.keys.index(key)] - start, 0)]
             bits[where[key] + start:where[key] + start + kept.size] = kept
         agreed = _arrays.to_numpy(group.max_allreduce(bits, f"{bucket.name}.{side}_residuals"))
-        state.moved_in(bucket.keys, side, {
+        state.residuals.moved_in(bucket.keys, side, {
             (bucket.keys[t], side, start): agreed[offsets[t] + start:offsets[t] + start + size].astype(np.uint32).view(
                 np.float32) for t, start, size in holdings})
-    state.laid_out(bucket.keys, side, signature)
+    state.residuals.laid_out(bucket.keys, side, signature)
 
 
 def reduce_scatter(stages, name: str, rows, coll: Collectives, out, divisor: float = 1):

@@ -268,7 +268,7 @@ def test_close_stops_the_threads_and_refuses_more_work():
 
 def test_a_compressor_pickles_with_its_state():
     comp = hvd_aps.APSCompressor("e2m1fn", error_feedback=True, seed=3, chunk_bytes=0)
-    comp.state.next_residual(("t", "send", 0), 4, np).fill(0.5)
+    comp.state.residuals.next(("t", "send", 0), 4, np).fill(0.5)
     comp.state.exchanged(["t"])
     comp.state.commit()
     copy = pickle.loads(pickle.dumps(comp))
@@ -281,14 +281,14 @@ def test_commit_and_rollback():
     """A step's residuals and step counts count only once it commits; a rolled-back step leaves
     the state as it was."""
     state = hvd_aps.APSCompressor("e4m3", error_feedback=True).state
-    state.next_residual(("t", "send", 0), 3, np)[:] = 1
+    state.residuals.next(("t", "send", 0), 3, np)[:] = 1
     state.exchanged(["t"])
     state.rollback()
-    assert (state.residual(("t", "send", 0), 3, np) == 0).all() and state.step_of("t") == 0
-    state.next_residual(("t", "send", 0), 3, np)[:] = 2
+    assert (state.residuals.committed(("t", "send", 0), 3, np) == 0).all() and state.step_of("t") == 0
+    state.residuals.next(("t", "send", 0), 3, np)[:] = 2
     state.exchanged(["t"])
     state.commit()
-    assert (state.residual(("t", "send", 0), 3, np) == 2).all() and state.step_of("t") == 1
+    assert (state.residuals.committed(("t", "send", 0), 3, np) == 2).all() and state.step_of("t") == 1
     seed = state.seed_for(0, "t", "send")
     assert seed != state.seed_for(1, "t", "send") and seed == state.seed_for(0, "t", "send")
 
@@ -551,7 +551,7 @@ def test_job_link_reads_a_rate_or_a_calibration_file(monkeypatch, tmp_path):
 def stepped(fmt="e2m1fn", **options):
     """A compressor whose state holds one residual and one step."""
     comp = hvd_aps.APSCompressor(fmt, error_feedback=True, seed=3, chunk_bytes=0, **options)
-    comp.state.next_residual(("t", "send", 0), 4, np).fill(0.5)
+    comp.state.residuals.next(("t", "send", 0), 4, np).fill(0.5)
     comp.state.exchanged(["t"])
     comp.state.commit()
     return comp
