@@ -23,11 +23,14 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Hashable, Iterator, List, Optional
 
 import numpy as np
 
 from . import _arrays
+
+if TYPE_CHECKING:  # _engine imports _tables, which imports this module
+    from ._engine import Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Place:
     after: object = None  # a torch.cuda.Event the stream waits for when entered
 
 
-def place_of(tensor) -> Optional[Place]:
+def place_of(tensor: Any) -> Optional[Place]:
     """Where a torch tensor's exchange runs: its device and the stream current there in the
     calling thread (the framework's); None for a tensor off CUDA."""
     if not getattr(tensor, "is_cuda", False):
@@ -52,7 +55,7 @@ def place_of(tensor) -> Optional[Place]:
 
 
 @contextlib.contextmanager
-def entered(place: Optional[Place]):
+def entered(place: Optional[Place]) -> Iterator[None]:
     """Inside: CuPy's (and with a torch stream, torch's) current device and stream are the
     place's in this thread, and CuPy allocates from torch's caching allocator, so the two
     pools never compete for the device's memory. No place: nothing changes."""
@@ -77,7 +80,7 @@ _streams = {}  # (device, key) -> the torch stream of a thread that exchanges be
 _streams_lock = threading.Lock()
 
 
-def branch(place: Optional[Place], key) -> Optional[Place]:
+def branch(place: Optional[Place], key: Hashable) -> Optional[Place]:
     """A place on a stream of its own for `key` (made once per device), which waits for what
     `place`'s stream has queued until now (an event recorded here, in the framework's thread)."""
     if place is None or place.torch_stream is None:
@@ -102,16 +105,16 @@ def finished(place: Optional[Place]) -> None:
 class _TorchBlock:
     """Memory from torch's caching allocator, given back when CuPy drops its last pointer."""
 
-    def __init__(self, ptr: int):
+    def __init__(self, ptr: int) -> None:
         self.ptr = ptr
 
-    def __del__(self):
+    def __del__(self) -> None:
         if self.ptr:
             import torch
             torch.cuda.caching_allocator_delete(self.ptr)
 
 
-def _torch_allocation(size: int):
+def _torch_allocation(size: int) -> Any:
     """CuPy's allocator inside `entered`: `size` bytes from torch's caching allocator, on the
     current device and stream."""
     import cupy
@@ -135,7 +138,7 @@ _copies = {}  # (id of the host array, device) -> its _Copy, dropped when the ho
 _copies_lock = threading.Lock()
 
 
-def on_device(host: np.ndarray, like):
+def on_device(host: np.ndarray, like: "Array") -> "Array":
     """`host` as an array of `like`'s kind: itself for NumPy, else its copy on the current device,
     made once and kept while `host` lives; the current stream ordered after the copy."""
     xp = _arrays.array_module(like)
@@ -161,12 +164,12 @@ def on_device(host: np.ndarray, like):
     return kept.array
 
 
-def take(values, index: np.ndarray):
+def take(values: "Array", index: np.ndarray) -> "Array":
     """values[index] where `values` lies, with the host index array copied there once."""
     return values[on_device(index, values)]
 
 
-def where(array) -> Optional[tuple]:
+def where(array: "Array") -> Optional[tuple]:
     """(device, stream handle) current for a device array made here, None for a host array: where
     a later copy of it must run to come after the work that made it."""
     xp = _arrays.array_module(array)
@@ -175,7 +178,7 @@ def where(array) -> Optional[tuple]:
     return xp.cuda.Device().id, xp.cuda.get_current_stream().ptr
 
 
-def copied_to_host(waiting: list):
+def copied_to_host(waiting: list) -> Iterator[List[np.ndarray]]:
     """Each (where, arrays) of `waiting` -> its arrays on the host, in order, as an iterator: the
     device arrays of each (device, stream) in one copy, on that stream after the work that made
     them, whichever thread asks."""

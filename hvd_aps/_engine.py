@@ -7,11 +7,12 @@ block, on inputs checked by their caller (once per bucket layout in the exchange
 hvd_aps.codec). Arrays in and out lie where the data does: on a device, what a call returns
 stays there. tests/test_tables.py holds every engine to this Protocol's signatures.
 """
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
 
 from ._tables import Blocks
+from .config import Rounding
 from .formats import FloatFormat
 
 Array = Any  # a NumPy array, or a CuPy array for the CuPy engine
@@ -22,7 +23,7 @@ class Engine(Protocol):
     def table_amax(self, x: Array, blocks: Blocks) -> Array:
         """max |x| per block (+inf where a block holds NaN or Inf), float32."""
 
-    def table_encode(self, x: Array, fmt: FloatFormat, blocks: Blocks, shifts: Array, rounding: str,
+    def table_encode(self, x: Array, fmt: FloatFormat, blocks: Blocks, shifts: Array, rounding: Union[Rounding, str],
                      seeds: Optional[Array], saturate: bool, message: Array, residual: Optional[Array] = None) -> Array:
         """Every block's codes at its exponent into its stream in `message` (the other bits of the
         bytes they touch kept); with `residual`, what each code lost (x minus its value) there."""

@@ -11,13 +11,15 @@ import math
 import os
 import pathlib
 import threading
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 import numpy as np
 
 from . import _numpy_engine
-from ._tables import SAMPLE_SUMS
+from ._tables import SAMPLE_SUMS, Blocks
 from ._threads import pool as named_pool
 from .config import Rounding
+from .formats import FloatFormat
 
 _MIN_CHUNK = 1 << 18  # below this, thread hand-off costs more than it saves
 
@@ -27,7 +29,7 @@ class _Fmt(ctypes.Structure):
                 ("policy", ctypes.c_int32), ("saturate", ctypes.c_int32)]
 
 
-def _find_library():
+def _find_library() -> Optional[pathlib.Path]:
     here = pathlib.Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = here / f"_hostcodec{suffix}"
@@ -36,7 +38,7 @@ def _find_library():
     return None
 
 
-def _load():
+def _load() -> Optional[ctypes.CDLL]:
     path = _find_library()
     if path is None:
         return None
@@ -61,7 +63,7 @@ _LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_L
                     "SLURM_NTASKS_PER_NODE")
 
 
-def _thread_count():
+def _thread_count() -> int:
     """HVD_APS_THREADS, else this process's cores shared by the ranks on this machine: each of
     2 ranks on 16 cores gets 8, not 16 (which would put two codec threads on every core); never
     more than the cores this process may use."""
@@ -94,7 +96,7 @@ def beside_compute() -> None:
 
 
 @contextlib.contextmanager
-def awaited():
+def awaited() -> Iterator[None]:
     """The caller waits for exchanges' results: until it is done, every thread codes at full width."""
     with _awaiting_lock:
         _awaiting[0] += 1
@@ -111,7 +113,7 @@ def _width() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _c_fmt(fmt, saturate=False):
+def _c_fmt(fmt: FloatFormat, saturate: bool = False) -> _Fmt:
     return _Fmt(fmt.exp_bits, fmt.man_bits, fmt.policy, int(bool(saturate)))
 
 
@@ -122,7 +124,7 @@ TABLES_KEPT = 128
 
 
 @functools.lru_cache(maxsize=TABLES_KEPT)
-def _scaled_table(fmt, shift, divisor):
+def _scaled_table(fmt: FloatFormat, shift: int, divisor: float) -> np.ndarray:
     """fmt's values at 2**-shift, divided by `divisor` in float32 (an average's N)."""
     table = np.empty(1 << fmt.bits, dtype=np.float32)
     _lib.hvd_decode_table(table.ctypes.data, _c_fmt(fmt), shift)
@@ -139,13 +141,13 @@ _RUN_TABLE_ELEMENTS = 1 << 14
 
 
 @functools.lru_cache(maxsize=TABLES_KEPT)
-def _run_tables(fmt, low, high, divisor):
+def _run_tables(fmt: FloatFormat, low: int, high: int, divisor: float) -> np.ndarray:
     tables = np.stack([_scaled_table(fmt, s, divisor) for s in range(low, high + 1)])
     tables.flags.writeable = False
     return tables
 
 
-def _tables_for(fmt, shifts, divisor=1.0) -> tuple:
+def _tables_for(fmt: FloatFormat, shifts: np.ndarray, divisor: Union[float, np.float32] = 1.0) -> tuple:
     """(tables, which): one decode table per exponent the blocks take (_run_tables over their
     run, else one per distinct exponent), each divided by `divisor` as the values are, and the
     int32 index of every block's table."""
@@ -159,7 +161,7 @@ def _tables_for(fmt, shifts, divisor=1.0) -> tuple:
 
 
 # Block tables (hvd_aps._tables): one call per stage of a bucket, threads sharing its blocks
-def _run_table(fn, blocks, period=1):
+def _run_table(fn: Callable[[int, int, int, int], Any], blocks: Blocks, period: int = 1) -> List[Any]:
     """fn(b0, o0, b1, o1) over shares of the table's blocks, in parallel where it pays (period:
     Blocks.cuts')."""
     width = _width()
@@ -168,14 +170,16 @@ def _run_table(fn, blocks, period=1):
     return list(_pool.map(lambda share: fn(*share[0], *share[1]), blocks.cuts(width, period)))
 
 
-def table_amax(x, blocks):
+def table_amax(x: np.ndarray, blocks: Blocks) -> np.ndarray:
     peaks = np.empty(blocks.count, np.float32)
     xp, tp, pp = x.ctypes.data, blocks.rows.ctypes.data, peaks.ctypes.data
     _run_table(lambda b0, o0, b1, o1: _lib.hvd_table_amax(xp, tp, b0, b1, pp), blocks)
     return peaks
 
 
-def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual=None):
+def table_encode(x: np.ndarray, fmt: FloatFormat, blocks: Blocks, shifts: np.ndarray, rounding: Union[Rounding, str],
+                 seeds: Optional[np.ndarray], saturate: bool, message: np.ndarray,
+                 residual: Optional[np.ndarray] = None) -> np.ndarray:
     shifts = np.ascontiguousarray(shifts, np.int32)
     stochastic = int(Rounding(rounding) is Rounding.STOCHASTIC)
     seeds = np.ascontiguousarray(seeds, np.uint64) if stochastic else None
@@ -190,7 +194,7 @@ def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, res
     return message
 
 
-def table_sum(rows, fmt, blocks, shifts, out):
+def table_sum(rows: np.ndarray, fmt: FloatFormat, blocks: Blocks, shifts: np.ndarray, out: np.ndarray) -> np.ndarray:
     peaks = np.empty(blocks.count, np.float32)
     if not blocks.count:
         return peaks
@@ -203,7 +207,8 @@ def table_sum(rows, fmt, blocks, shifts, out):
     return peaks
 
 
-def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), stream=False):
+def table_decode(message: np.ndarray, fmt: FloatFormat, blocks: Blocks, shifts: np.ndarray, out: np.ndarray,
+                 divisor: np.float32 = np.float32(1), stream: bool = False) -> np.ndarray:
     if not blocks.count:
         return out
     tables, which = _tables_for(fmt, np.asarray(shifts, np.int32), divisor)
@@ -214,7 +219,8 @@ def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), strea
     return out
 
 
-def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
+def table_stats(x: np.ndarray, message: np.ndarray, fmt: FloatFormat, blocks: Blocks, shifts: np.ndarray,
+                first: np.ndarray, step: np.ndarray, limits: np.ndarray) -> np.ndarray:
     sums = np.zeros((blocks.count, SAMPLE_SUMS), np.float64)
     if not blocks.count:
         return sums

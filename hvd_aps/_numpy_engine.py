@@ -2,22 +2,25 @@
 compiled engine is missing, and a second, independently written implementation of ops/fpcodec.h
 that the tests hold the others against.
 """
+from typing import Optional, Tuple, Union
+
 import numpy as np
 
-from .formats import FINITE, FN_NAN, IEEE
+from ._tables import Blocks
+from .formats import FINITE, FN_NAN, IEEE, FloatFormat
 from .scaling import shifts_under
 from .config import Rounding
 
 _U64 = np.uint64
 
 
-def _mix64(z):
+def _mix64(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
     return z ^ (z >> _U64(31))
 
 
-def _random32(seeds, index):
+def _random32(seeds: Union[np.ndarray, int], index: np.ndarray) -> np.ndarray:
     """The 32 random bits ops/fpcodec.h's hvd_random32 draws for (seeds[i], index[i]) for every i
     (seeds broadcast)."""
     with np.errstate(over="ignore"):
@@ -26,13 +29,13 @@ def _random32(seeds, index):
         return (_mix64(z) >> _U64(32)).astype(np.uint32)
 
 
-def _limits(fmt):
+def _limits(fmt: FloatFormat) -> Tuple[int, int, int]:
     all_ones = (1 << (fmt.exp_bits + fmt.man_bits)) - 1
     inf_code = ((1 << fmt.exp_bits) - 1) << fmt.man_bits
     return all_ones, inf_code, fmt.max_code
 
 
-def _special_codes(a, sign, fmt):
+def _special_codes(a: np.ndarray, sign: np.ndarray, fmt: FloatFormat) -> np.ndarray:
     """Codes for NaN/Inf inputs (a = |x| bits), matching ml_dtypes for every policy."""
     all_ones, inf_code, max_code = _limits(fmt)
     top = np.uint32(fmt.exp_bits + fmt.man_bits)
@@ -45,7 +48,8 @@ def _special_codes(a, sign, fmt):
     return np.where(is_inf, (sign << top) | np.uint32(max_code), (sign ^ np.uint32(1)) << top)
 
 
-def _encode(x, fmt, shift, rounding, seed, saturate, index):
+def _encode(x: np.ndarray, fmt: FloatFormat, shift: Union[np.ndarray, int], rounding: Union[Rounding, str],
+            seed: Union[np.ndarray, int], saturate: bool, index: np.ndarray) -> np.ndarray:
     """Codes of x * 2**shift (x flat float32; shift one per element or one for all) as uint32.
     index: the stochastic hash's index of every element (seed one per element or one for all)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
@@ -85,7 +89,7 @@ def _encode(x, fmt, shift, rounding, seed, saturate, index):
     return codes
 
 
-def _decode_table(fmt, shift):
+def _decode_table(fmt: FloatFormat, shift: int) -> np.ndarray:
     """float32 value of every code, times 2**-shift."""
     codes = np.arange(1 << fmt.bits, dtype=np.int64)
     m = fmt.man_bits
@@ -108,18 +112,18 @@ def _decode_table(fmt, shift):
 
 
 # Block tables (hvd_aps._tables): every block's elements at once -----------------------------------
-def _elements(blocks):
+def _elements(blocks: Blocks) -> Tuple[np.ndarray, np.ndarray]:
     """(block of every element, its offset in the block) over the table's blocks in order."""
     counts = blocks.rows[:, 1]
     block = np.repeat(np.arange(blocks.count), counts)
     return block, np.arange(blocks.elements) - blocks.starts[:-1][block]
 
 
-def _bit_positions(blocks, bits, block, within):
+def _bit_positions(blocks: Blocks, bits: int, block: np.ndarray, within: np.ndarray) -> np.ndarray:
     return blocks.rows[block, 2] * 8 + (blocks.rows[block, 3] + within) * bits
 
 
-def _codes_at_bits(message, bits, where):
+def _codes_at_bits(message: np.ndarray, bits: int, where: np.ndarray) -> np.ndarray:
     """The `bits`-bit codes starting at bit positions `where` of a byte array."""
     byte = where >> 3
     word = np.zeros(where.shape, np.uint32)
@@ -128,7 +132,7 @@ def _codes_at_bits(message, bits, where):
     return (word >> (where & 7).astype(np.uint32)) & np.uint32((1 << bits) - 1)
 
 
-def _values(fmt, codes, shifts, divisor=np.float32(1)):
+def _values(fmt: FloatFormat, codes: np.ndarray, shifts: np.ndarray, divisor: np.float32 = np.float32(1)) -> np.ndarray:
     """Each code's value at its own exponent, divided by divisor in float32 as the tables are."""
     out = np.empty(codes.shape, np.float32)
     for shift in np.unique(shifts):
@@ -137,19 +141,21 @@ def _values(fmt, codes, shifts, divisor=np.float32(1)):
     return out
 
 
-def _block_peaks(values, blocks):
+def _block_peaks(values: np.ndarray, blocks: Blocks) -> np.ndarray:
     """max |v| of each block's run of `values` (the blocks' elements in order), +inf for NaN/Inf."""
     with np.errstate(invalid="ignore"):
         peaks = np.maximum.reduceat(np.abs(values), blocks.starts[:-1]) if blocks.count else values[:0]
     return np.where(np.isfinite(peaks), peaks, np.inf).astype(np.float32)
 
 
-def table_amax(x, blocks):
+def table_amax(x: np.ndarray, blocks: Blocks) -> np.ndarray:
     block, within = _elements(blocks)
     return _block_peaks(x[blocks.rows[block, 0] + within], blocks)
 
 
-def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, residual=None):
+def table_encode(x: np.ndarray, fmt: FloatFormat, blocks: Blocks, shifts: np.ndarray, rounding: Union[Rounding, str],
+                 seeds: Optional[np.ndarray], saturate: bool, message: np.ndarray,
+                 residual: Optional[np.ndarray] = None) -> np.ndarray:
     """Every block's codes placed bit by bit into its stream (the other bits of the bytes they
     touch kept)."""
     block, within = _elements(blocks)
@@ -170,7 +176,7 @@ def table_encode(x, fmt, blocks, shifts, rounding, seeds, saturate, message, res
     return message
 
 
-def table_sum(rows, fmt, blocks, shifts, out):
+def table_sum(rows: np.ndarray, fmt: FloatFormat, blocks: Blocks, shifts: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Each rank's codes decoded at its block's exponent, added in rank order from +0.0."""
     block, within = _elements(blocks)
     shifts_each = np.asarray(shifts, np.int64)[block]
@@ -183,14 +189,15 @@ def table_sum(rows, fmt, blocks, shifts, out):
     return _block_peaks(total, blocks)
 
 
-def table_decode(message, fmt, blocks, shifts, out, divisor=np.float32(1), stream=False):
+def table_decode(message: np.ndarray, fmt: FloatFormat, blocks: Blocks, shifts: np.ndarray, out: np.ndarray,
+                 divisor: np.float32 = np.float32(1), stream: bool = False) -> np.ndarray:
     block, within = _elements(blocks)
     codes = _codes_at_bits(message, fmt.bits, _bit_positions(blocks, fmt.bits, block, within))
     out[blocks.rows[block, 0] + within] = _values(fmt, codes, np.asarray(shifts, np.int64)[block], divisor)
     return out
 
 
-def table_shifts(peaks, limit, exponents):
+def table_shifts(peaks: np.ndarray, limit: float, exponents: np.ndarray) -> np.ndarray:
     """Each block's APS shift from its peak (scaling.shifts_under), as int32, its little-endian
     int16 exponent written into `exponents` (2 bytes a block)."""
     shifts = shifts_under(np.asarray(peaks, np.float32), limit).astype(np.int32)
@@ -198,7 +205,8 @@ def table_shifts(peaks, limit, exponents):
     return shifts
 
 
-def table_stats(x, message, fmt, blocks, shifts, first, step, limits):
+def table_stats(x: np.ndarray, message: np.ndarray, fmt: FloatFormat, blocks: Blocks, shifts: np.ndarray,
+                first: np.ndarray, step: np.ndarray, limits: np.ndarray) -> np.ndarray:
     """Per block: samples, nonzero inputs, nonzero values sent, inputs beyond the limit, and the
     float64 sums of (sent - input)^2 and input^2 over its elements first, first + step, ..."""
     counts = blocks.rows[:, 1]

@@ -31,11 +31,15 @@ import math
 import os
 import secrets
 import warnings
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _host_engine, _numpy_engine, _tables
 from ._arrays import array_module, as_array, to_numpy
+from ._engine import Array, Engine
+from ._tables import Blocks
 from .config import Rounding
 from .formats import FloatFormat, fp16
 
@@ -43,9 +47,15 @@ _INPUT_KINDS = "fiub"  # float, signed, unsigned, bool: numbers NumPy converts e
 # How wide the CPU engine's calls run (the other engines have no threads of their own): one
 # thread for exchanges beside the step's compute, every thread while the step waits for them
 beside_compute, awaited = _host_engine.beside_compute, _host_engine.awaited
+# What the functions here take: a format or its name (FloatFormat.parse); a Python or NumPy
+# integer; one shift, or one per block; a rounding by its Rounding or its name
+_Format = Union[FloatFormat, str]
+_Int = Union[int, np.integer]
+_Shifts = Union[int, np.integer, np.ndarray, Sequence[int]]
+_Rounding = Union[Rounding, str]
 
 
-def engine_for(a):
+def engine_for(a: Array) -> Engine:
     """The engine for arrays like `a`: the CuPy engine on a CUDA device, else the CPU's. The
     exchange's stages call its table functions directly, their arguments checked once per
     bucket layout (hvd_aps._tables) rather than per call."""
@@ -55,7 +65,7 @@ def engine_for(a):
     return _engine()
 
 
-def _engine():
+def _engine() -> Engine:
     choice = os.environ.get("HVD_APS_ENGINE", "auto")
     if choice not in ("auto", "host", "numpy"):
         raise ValueError(f"HVD_APS_ENGINE must be auto, host or numpy, got {choice!r}")
@@ -71,7 +81,7 @@ def _engine():
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_numpy_fallback():
+def _warn_numpy_fallback() -> None:
     """Once per process: a source tree without the built host engine runs, but slower."""
     warnings.warn("hvd_aps: the compiled host engine (ops/host.c) is not built, so the NumPy engine "
                   "runs instead, about 2.5x slower; build it with `pip install -e .` where a C compiler "
@@ -79,25 +89,25 @@ def _warn_numpy_fallback():
                   RuntimeWarning, stacklevel=4)
 
 
-def engine_name():
+def engine_name() -> str:
     """Which engine NumPy inputs use: "host" (compiled ops/host.c) or "numpy"."""
     return "host" if _engine() is _host_engine else "numpy"
 
 
-def _as_float32(x):
+def _as_float32(x: Array) -> Array:
     x = as_array(x)
     if x.dtype.kind not in _INPUT_KINDS and x.dtype.name != "bfloat16":
         raise TypeError(f"expected a numeric array, got dtype {x.dtype}")
     return array_module(x).ascontiguousarray(x, dtype=np.float32)
 
 
-def _check_shift(shift):
+def _check_shift(shift: _Int) -> int:
     if not isinstance(shift, (int, np.integer)) or not -1000 <= shift <= 1000:
         raise ValueError(f"shift must be an int in -1000..1000, got {shift!r}")
     return int(shift)
 
 
-def _check_seed(rounding, seed):
+def _check_seed(rounding: _Rounding, seed: Optional[_Int]) -> int:
     if rounding not in [r.value for r in Rounding]:
         raise ValueError(f"rounding must be one of {[r.value for r in Rounding]}, got {rounding!r}")
     if Rounding(rounding) is Rounding.NEAREST:
@@ -109,7 +119,7 @@ def _check_seed(rounding, seed):
     return int(seed) & ((1 << 64) - 1)
 
 
-def _check_out(out, shape, dtype, like):
+def _check_out(out: Optional[Array], shape: Tuple[int, ...], dtype: npt.DTypeLike, like: Array) -> Optional[Array]:
     """`out` as given, after checking it can take the result (None: a new array takes it)."""
     if out is None:
         return None
@@ -121,13 +131,13 @@ def _check_out(out, shape, dtype, like):
     return out
 
 
-def _whole_bytes(fmt):
+def _whole_bytes(fmt: FloatFormat) -> bool:
     """Whether fmt's codes fill whole bytes (8 and 16 bits): its packed stream is then the array
     of its codes, byte for byte (16-bit codes low byte first, as little-endian machines hold them)."""
     return fmt.bits % 8 == 0
 
 
-def _shifts(table, shifts):
+def _shifts(table: Blocks, shifts: Union[int, np.ndarray]) -> np.ndarray:
     """Each table row's exponent (int32, as engines take them): one int for the whole run, or
     one per block of it."""
     if isinstance(shifts, int):
@@ -135,25 +145,27 @@ def _shifts(table, shifts):
     return np.ascontiguousarray(shifts[table.tensor], np.int32)
 
 
-def _seeds(table, rounding, seed):
+def _seeds(table: Blocks, rounding: _Rounding, seed: int) -> Optional[np.ndarray]:
     """Each row's seed: the run's one seed (None for rounding to nearest, which draws none)."""
     return np.full(table.count, seed, np.uint64) if Rounding(rounding) is Rounding.STOCHASTIC else None
 
 
-def _encode_stream(x, fmt, shift, rounding, seed, saturate, message):
+def _encode_stream(x: Array, fmt: FloatFormat, shift: int, rounding: _Rounding, seed: int, saturate: bool,
+                   message: Array) -> Array:
     """The codes of flat x at 2**shift into the packed stream `message` (one engine call)."""
     table = _tables.run(x.size, max(1, x.size))
     return engine_for(x).table_encode(x, fmt, table, _shifts(table, shift), rounding, _seeds(table, rounding, seed),
                                       saturate, message)
 
 
-def _decode_stream(message, fmt, shift, out):
+def _decode_stream(message: Array, fmt: FloatFormat, shift: int, out: Array) -> Array:
     """The float32 values of the out.size codes of a packed stream at 2**-shift into flat `out`."""
     table = _tables.run(out.size, max(1, out.size))
     return engine_for(message).table_decode(message, fmt, table, _shifts(table, shift), out, np.float32(1), False)
 
 
-def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, out=None):
+def encode(x: Array, fmt: _Format, rounding: _Rounding = "nearest", seed: Optional[_Int] = None, saturate: bool = False,
+           shift: _Int = 0, out: Optional[Array] = None) -> Array:
     """Codes of x * 2**shift in `fmt`: uint8 for formats of <= 8 bits, else uint16.
 
     x: float32 array (float16, bfloat16, float64 and integer arrays are converted to float32 first).
@@ -181,7 +193,7 @@ def encode(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, out=N
     return out
 
 
-def _check_dtype(dtype, fmt):
+def _check_dtype(dtype: npt.DTypeLike, fmt: FloatFormat) -> np.dtype:
     dtype = np.dtype(dtype)
     if dtype == np.float16 and fmt.fits_float16:
         return dtype
@@ -190,14 +202,14 @@ def _check_dtype(dtype, fmt):
     return dtype
 
 
-def _streams(codes, fmt):
+def _streams(codes: Array, fmt: FloatFormat) -> Array:
     """codes (contiguous, of fmt's code dtype) as packed streams along their last axis."""
     if _whole_bytes(fmt):
         return codes.view(np.uint8)
     return _pack_bits(codes, fmt.bits)
 
 
-def _in_dtype(values, dtype, out):
+def _in_dtype(values: Array, dtype: np.dtype, out: Optional[Array]) -> Array:
     """float32 values as `dtype`, into `out` where given: float16 values are fp16's codes, which
     every engine encodes bit for bit as NumPy casts float32 to float16 (the oracle tests hold
     it to ml_dtypes), in one engine call where NumPy's cast takes several times as long."""
@@ -208,7 +220,8 @@ def _in_dtype(values, dtype, out):
     return out
 
 
-def decode(codes, fmt, shift=0, dtype=np.float32, out=None):
+def decode(codes: Array, fmt: _Format, shift: _Int = 0, dtype: npt.DTypeLike = np.float32,
+           out: Optional[Array] = None) -> Array:
     """Values of `codes` (as produced by encode) times 2**-shift, as float32 (or float16 where
     fmt.fits_float16 and the scaled values stay in float16's range), into `out` if given. Values
     beyond float32's range (e8mXfn reaches 2^128) come back as +-Inf."""
@@ -227,7 +240,7 @@ def decode(codes, fmt, shift=0, dtype=np.float32, out=None):
     return _in_dtype(values, dtype, out)
 
 
-def decode_sum(codes, fmt, shift=0, out=None):
+def decode_sum(codes: Array, fmt: _Format, shift: _Int = 0, out: Optional[Array] = None) -> Array:
     """Sum over codes' leading axis (one code buffer per rank) of decode(codes[r]) * 2**-shift, added
     in rank order in float32, into `out` (float32, added to) or a new array: a new sum (from +0.0)
     is one pass over the ranks' codes, for exchanges that carry the codes themselves."""
@@ -250,7 +263,7 @@ def decode_sum(codes, fmt, shift=0, out=None):
     return out
 
 
-def _check_blocks(shift, block, n):
+def _check_blocks(shift: _Shifts, block: Optional[_Int], n: int) -> Tuple[np.ndarray, int]:
     """(one int32 exponent per block, block length) from a shift and a block length: a single
     int shift without a block (one block of all n codes), or one shift per block."""
     if block is None:
@@ -265,13 +278,15 @@ def _check_blocks(shift, block, n):
     return np.ascontiguousarray(shifts, np.int32), int(block)
 
 
-def _check_block(block):
+def _check_block(block: _Int) -> int:
     if not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     return int(block)
 
 
-def encode_into(x, fmt, row, start, rounding="nearest", seed=None, saturate=False, shift=0, index=0, block=None):
+def encode_into(x: Array, fmt: _Format, row: Array, start: int, rounding: _Rounding = "nearest",
+                seed: Optional[_Int] = None, saturate: bool = False, shift: _Shifts = 0, index: _Int = 0,
+                block: Optional[_Int] = None) -> Array:
     """encode() and pack() in one pass: the codes of x written straight into the packed stream
     `row` (a flat uint8 array, as pack() writes) at code positions start .. start + x.size; the
     bits of every other code in the bytes they touch are kept, so pieces of a stream can be
@@ -297,7 +312,8 @@ def encode_into(x, fmt, row, start, rounding="nearest", seed=None, saturate=Fals
     return row
 
 
-def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None, block=None):
+def decode_sum_rows(rows: Array, fmt: _Format, start: int, stop: int, shift: _Int = 0, out: Optional[Array] = None,
+                    block: Optional[_Int] = None) -> Tuple[Array, Union[float, np.ndarray]]:
     """Codes start..stop of every row of `rows` (a (ranks, bytes) uint8 array, each row a stream
     as pack() writes it; rows may lie apart, as slices of a larger buffer do) decoded, times
     2**-shift, and summed over the rows in rank order from +0.0 in float32 -> (sums, max(abs(sums)),
@@ -315,14 +331,15 @@ def decode_sum_rows(rows, fmt, start, stop, shift=0, out=None, block=None):
     return out, _block_max(peaks, table, max(1, -(-(stop - start) // size)))  # no codes: one block's 0
 
 
-def _block_max(peaks, table, blocks):
+def _block_max(peaks: Array, table: Blocks, blocks: int) -> np.ndarray:
     """The max of every block's rows' peaks (float32; 0 for a block of no rows)."""
     out = np.zeros(blocks, np.float32)
     np.maximum.at(out, table.tensor, to_numpy(peaks))
     return out
 
 
-def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1, stream=False, block=None):
+def decode_row(row: Array, fmt: _Format, start: int, stop: int, shift: _Shifts = 0, out: Optional[Array] = None,
+               divisor: float = 1, stream: bool = False, block: Optional[_Int] = None) -> Array:
     """decode() of codes start..stop of one packed stream `row`, without unpacking it first,
     divided by `divisor` in float32 (an average's N: one rounding, as decoding and then dividing
     gives, without a second pass over the values). block: codes in blocks of this many, block k
@@ -337,7 +354,7 @@ def decode_row(row, fmt, start, stop, shift=0, out=None, divisor=1, stream=False
                                          bool(stream))
 
 
-def codes_at(row, fmt, positions):
+def codes_at(row: Array, fmt: _Format, positions: Array) -> Array:
     """The codes at `positions` (an integer array) of a packed stream, as uint32: a strided
     sample of a stream without unpacking the rest of it. Three bytes hold any code of <= 16 bits
     wherever it starts."""
@@ -351,7 +368,7 @@ def codes_at(row, fmt, positions):
     return (word >> (bit & 7).astype(np.uint32)) & np.uint32((1 << fmt.bits) - 1)
 
 
-def _check_rows(rows, fmt, start, stop):
+def _check_rows(rows: Array, fmt: _Format, start: int, stop: int) -> Tuple[FloatFormat, Array]:
     fmt, rows = FloatFormat.parse(fmt), as_array(rows)
     if rows.ndim != 2 or rows.dtype != np.uint8 or (rows.shape[1] > 1 and rows.strides[1] != 1):
         raise TypeError(f"rows must be a (ranks, bytes) uint8 array with contiguous rows, got {rows.dtype}{rows.shape}")
@@ -361,8 +378,8 @@ def _check_rows(rows, fmt, start, stop):
     return fmt, rows
 
 
-def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, unscale=True,
-             dtype=np.float32):
+def quantize(x: Array, fmt: _Format, rounding: _Rounding = "nearest", seed: Optional[_Int] = None,
+             saturate: bool = False, shift: _Int = 0, unscale: bool = True, dtype: npt.DTypeLike = np.float32) -> Array:
     """x rounded onto fmt's grid after scaling by 2**shift, and scaled back unless unscale=False.
     dtype float16 (where fmt.fits_float16) gives the grid values in half the bytes, exactly."""
     fmt = FloatFormat.parse(fmt)
@@ -376,14 +393,14 @@ def quantize(x, fmt, rounding="nearest", seed=None, saturate=False, shift=0, uns
     return _in_dtype(values, dtype, None)
 
 
-def amax(x):
+def amax(x: Array) -> float:
     """max(abs(x)) as a Python float, or +inf when x holds any NaN or Inf."""
     x = _as_float32(x).ravel()
     table = _tables.run(x.size, max(1, x.size))
     return float(_block_max(engine_for(x).table_amax(x, table), table, 1)[0])
 
 
-def amax_blocks(x, block):
+def amax_blocks(x: Array, block: _Int) -> np.ndarray:
     """amax() of every block of `block` elements of x (the last may be shorter), as a float32
     NumPy array."""
     x, block = _as_float32(x).ravel(), _check_block(block)
@@ -391,12 +408,12 @@ def amax_blocks(x, block):
     return _block_max(engine_for(x).table_amax(x, table), table, -(-x.size // block))
 
 
-def packed_size(n, fmt):
+def packed_size(n: int, fmt: _Format) -> int:
     """Bytes that `n` codes of `fmt` take when packed."""
     return FloatFormat.parse(fmt).packed_size(n)
 
 
-def pack(codes, fmt):
+def pack(codes: Array, fmt: _Format) -> Array:
     """Codes as a dense little-endian bit stream: two 4-bit codes a byte, four 6-bit codes in
     three bytes, and so on. Returns a flat uint8 array of packed_size(codes.size) bytes (8-bit
     codes come back as they are, without a copy)."""
@@ -408,7 +425,7 @@ def pack(codes, fmt):
     return _pack_bits(codes, fmt.bits)
 
 
-def unpack(packed, fmt, n):
+def unpack(packed: Array, fmt: _Format, n: int) -> Array:
     """Inverse of pack: the first `n` codes of the packed bytes (for 8-bit formats a view)."""
     fmt = FloatFormat.parse(fmt)
     packed = as_array(packed)
@@ -420,7 +437,7 @@ def unpack(packed, fmt, n):
     return _unpack_bits(packed, fmt.bits, n, np.dtype(fmt.code_dtype))
 
 
-def _group(bits):
+def _group(bits: int) -> Tuple[int, int]:
     """(codes, bytes): the fewest codes of `bits` bits that fill whole bytes, and those bytes.
     Code k of every group starts at the same bit of its group (k * bits), so packing loops over
     the few codes of a group, each over every group at once."""
@@ -428,7 +445,7 @@ def _group(bits):
     return codes, codes * bits // 8
 
 
-def _cut_or_padded(a, size):
+def _cut_or_padded(a: Array, size: int) -> Array:
     """The first `size` elements of a's last axis, zeros after its end."""
     if a.shape[-1] >= size:
         return a[..., :size]
@@ -437,7 +454,7 @@ def _cut_or_padded(a, size):
     return out
 
 
-def _pack_bits(codes, bits):
+def _pack_bits(codes: Array, bits: int) -> Array:
     """The codes along codes' last axis as packed streams (pack()), a group at a time: byte j
     of a group is the OR of the parts of the codes that overlap it."""
     per, size = _group(bits)
@@ -459,7 +476,7 @@ def _pack_bits(codes, bits):
 _SPANS = {1: np.uint8, 2: np.uint16, 3: np.uint32}
 
 
-def _unpack_bits(packed, bits, n, dtype):
+def _unpack_bits(packed: Array, bits: int, n: int, dtype: np.dtype) -> Array:
     """The first n codes of a flat packed stream (unpack()), a group at a time: code k of a
     group is read from the (at most three) bytes it overlaps."""
     per, size = _group(bits)

@@ -6,6 +6,7 @@ Names follow ml_dtypes' suffixes so that `e4m3` here is `ml_dtypes.float8_e4m3` 
 import dataclasses
 import math
 import re
+from typing import Optional, Union
 
 _VARIANTS = ("ieee", "fn")
 _NAME = re.compile(r"^e(\d+)m(\d+)(fn)?$")
@@ -30,7 +31,7 @@ class FloatFormat:
     man_bits: int
     variant: str = "ieee"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("exp_bits", "man_bits"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
@@ -46,7 +47,7 @@ class FloatFormat:
             raise ValueError(f"{self} has no finite nonzero value")
 
     @classmethod
-    def parse(cls, name):
+    def parse(cls, name: Union["FloatFormat", str]) -> "FloatFormat":
         """Build a format from a name: "e4m3", "e4m3fn", "e3m0", "fp16", "bf16"."""
         if isinstance(name, FloatFormat):
             return name
@@ -59,11 +60,11 @@ class FloatFormat:
                              f"suffix (e.g. e4m3, e4m3fn, e3m0) or one of {sorted(_ALIASES)}")
         return cls(int(match[1]), int(match[2]), "fn" if match[3] else "ieee")
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"e{self.exp_bits}m{self.man_bits}{'fn' if self.variant == 'fn' else ''}"
 
     @property
-    def bits(self):
+    def bits(self) -> int:
         return 1 + self.exp_bits + self.man_bits
 
     def packed_size(self, n: int) -> int:
@@ -71,67 +72,67 @@ class FloatFormat:
         return -(-n * self.bits // 8)
 
     @property
-    def code_dtype(self):
+    def code_dtype(self) -> str:
         """NumPy dtype name of one code: uint8 up to 8 bits, uint16 above."""
         return "uint8" if self.bits <= 8 else "uint16"
 
     @property
-    def fits_float16(self):
+    def fits_float16(self) -> bool:
         """Whether float16 holds every value of the format exactly (all 8-bit-and-below formats)."""
         return self.exp_bits <= 5 and self.man_bits <= 10 and self.max <= 65504.0
 
     @property
-    def bias(self):
+    def bias(self) -> int:
         return (1 << (self.exp_bits - 1)) - 1
 
     @property
-    def policy(self):
+    def policy(self) -> int:
         """Special-value policy number used by the kernels (IEEE, FN_NAN or FINITE)."""
         if self.variant == "ieee":
             return IEEE
         return FN_NAN if self.bits >= 8 else FINITE
 
     @property
-    def has_inf(self):
+    def has_inf(self) -> bool:
         return self.policy == IEEE
 
     @property
-    def has_nan(self):
+    def has_nan(self) -> bool:
         return self.policy == FN_NAN or (self.policy == IEEE and self.man_bits > 0)
 
     @property
-    def max_code(self):
+    def max_code(self) -> int:
         """Largest finite magnitude code (sign bit clear)."""
         all_ones = (1 << (self.exp_bits + self.man_bits)) - 1
         return {IEEE: all_ones - (1 << self.man_bits), FN_NAN: all_ones - 1, FINITE: all_ones}[self.policy]
 
     @property
-    def max(self):
+    def max(self) -> float:
         exp_field, man = divmod(self.max_code, 1 << self.man_bits)
         if exp_field == 0:  # only e1mX ieee: its one finite binade is subnormal
             return man / (1 << self.man_bits) * self.min_normal
         return (1 + man / (1 << self.man_bits)) * 2.0 ** (exp_field - self.bias)
 
     @property
-    def min_normal(self):
+    def min_normal(self) -> float:
         return 2.0 ** (1 - self.bias)
 
     @property
-    def min_subnormal(self):
+    def min_subnormal(self) -> float:
         return 2.0 ** (1 - self.bias - self.man_bits)
 
     @property
-    def max_exponent(self):
+    def max_exponent(self) -> int:
         """floor(log2(max)): the largest power of two the format holds."""
         return math.frexp(self.max)[1] - 1
 
     @property
-    def max_ulp(self):
+    def max_ulp(self) -> float:
         """Spacing of the grid at max: where the next value would be, had the format one."""
         return 2.0 ** (max(self.max_exponent, 1 - self.bias) - self.man_bits)
 
     @property
-    def ml_dtypes_name(self):
+    def ml_dtypes_name(self) -> Optional[str]:
         """Name of the bit-identical ml_dtypes/NumPy type, or None where ml_dtypes has none."""
         return _TWINS.get(self)
 

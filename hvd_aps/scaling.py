@@ -16,13 +16,17 @@ The rule is CPD's (Han et al., arXiv 1911.08907) with three changes:
   zeros), and a non-finite amax gives 0 too: callers send such a tensor unscaled so every rank
   ends with a non-finite result rather than finite garbage.
 """
+from types import ModuleType
+from typing import Optional, Sequence, Union
+
 import numpy as np
 
 from ._arrays import array_module
+from ._engine import Array
 from .formats import FloatFormat
 
 
-def shift_for(amax, world_size, fmt, sum_max=None):
+def shift_for(amax: float, world_size: int, fmt: Union[FloatFormat, str], sum_max: Optional[float] = None) -> int:
     """The largest shift s with amax * 2**s <= fmt.max (every rank's term fits the format) and
     the sum of world_size such terms, each *after rounding*, stays within sum_max (where the sum is
     accumulated; None: in the format itself, the paper's setting, so the x N headroom).
@@ -30,7 +34,8 @@ def shift_for(amax, world_size, fmt, sum_max=None):
     return int(shifts_for(np.array([amax], dtype=np.float64), world_size, fmt, sum_max)[0])
 
 
-def shifts_for(amaxes, world_size, fmt, sum_max=None):
+def shifts_for(amaxes: Union[np.ndarray, Sequence[float]], world_size: int, fmt: Union[FloatFormat, str],
+               sum_max: Optional[float] = None) -> np.ndarray:
     """shift_for over an array of per-tensor amaxes (one grouped Max-allreduce's result)."""
     fmt = FloatFormat.parse(fmt)
     if not isinstance(world_size, (int, np.integer)) or world_size < 1:
@@ -41,13 +46,13 @@ def shifts_for(amaxes, world_size, fmt, sum_max=None):
     return shifts_under(amaxes, limit_for(world_size, fmt, sum_max))
 
 
-def limit_for(world_size: int, fmt: FloatFormat, sum_max=None) -> float:
+def limit_for(world_size: int, fmt: FloatFormat, sum_max: Optional[float] = None) -> float:
     """The largest scaled term: both bounds at once (the largest shift under the smaller limit is
     the largest under both)."""
     return min(fmt.max, _term_limit(world_size, fmt, sum_max))
 
 
-def shifts_under(amaxes, limit: float):
+def shifts_under(amaxes: Array, limit: float) -> Array:
     """Per max |g|, the largest s with amax * 2**s <= limit (0 for amax 0 or not finite): the
     reference of the engines' table_shifts (the CUDA kernel does the same float64 arithmetic)."""
     xp = array_module(amaxes)
@@ -56,7 +61,7 @@ def shifts_under(amaxes, limit: float):
     return xp.where(usable, _largest_shift(xp, xp.where(usable, amaxes, 1.0), limit), 0)
 
 
-def _term_limit(world_size, fmt, sum_max):
+def _term_limit(world_size: int, fmt: FloatFormat, sum_max: Optional[float]) -> float:
     """Largest scaled term whose rounding, added world_size times, stays within sum_max: rounding to
     nearest adds at most half an ulp, a relative 2**-(man_bits+1) for normals and half the
     smallest subnormal below them. Where even world_size smallest subnormals overflow, no shift
@@ -67,7 +72,7 @@ def _term_limit(world_size, fmt, sum_max):
     return min(relative, absolute) if absolute > 0 else relative
 
 
-def _largest_shift(xp, peak, limit):
+def _largest_shift(xp: ModuleType, peak: Array, limit: float) -> Array:
     """Largest integer s with peak * 2**s <= limit (exact: float64 products of float32 values and
     small integers, and powers of two)."""
     _, exp = xp.frexp(limit / peak)

@@ -133,3 +133,31 @@ def test_every_engine_keeps_the_engine_contract(counting_cupy):
             want = list(inspect.signature(getattr(_engine.Engine, name)).parameters.values())[1:]  # past self
             got = list(inspect.signature(getattr(engine, name)).parameters.values())
             assert [(p.name, p.default) for p in got] == [(p.name, p.default) for p in want], (engine.__name__, name)
+
+
+# The modules whose every function and method is annotated (the codec, the formats, scaling, the
+# engines and where the device's work runs)
+ANNOTATED = ("codec", "formats", "scaling", "_numpy_engine", "_host_engine", "_cupy_engine", "_device")
+
+
+def test_every_function_of_the_codec_and_the_engines_is_annotated():
+    """Every function and method of ANNOTATED's modules, public or private, nested or decorated,
+    annotates each of its parameters (but self and cls) and its return. Read from the sources, so
+    the CuPy engine is held to it without CuPy."""
+    import ast
+    import pathlib
+    import hvd_aps
+    root = pathlib.Path(hvd_aps.__file__).parent
+    offenders = []
+    for module in ANNOTATED:
+        path = root / f"{module}.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            params = [p for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+            params += [p for p in (a.vararg, a.kwarg) if p is not None]
+            missing = [p.arg for p in params if p.annotation is None] + (["return"] if node.returns is None else [])
+            if missing:
+                offenders.append(f"hvd_aps/{module}.py:{node.lineno} {node.name}: {', '.join(missing)}")
+    assert not offenders, f"{len(offenders)} functions not fully annotated:\n" + "\n".join(offenders)
