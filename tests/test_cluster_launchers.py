@@ -27,7 +27,7 @@ def mpi_built():
     return mpi_built()
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "slurm-mpirun"])
+@pytest.mark.parametrize("launcher", ["mpirun", pytest.param("slurm-mpirun", marks=pytest.mark.slow)])
 def test_mpirun_across_hosts_runs_horovod_on_two_levels_bit_exact(launcher, tmp_path):
     """Horovod's MPI controller: its local ranks are MPI's (the shared-memory communicator of
     each host), the hosts' names their own; float32 inside a host through shared memory."""

@@ -32,6 +32,7 @@ def attempts_of(phase_index, killed):
     return [phase_index] * (KILL_STEP - 1) + [phase_index + 1] * (STEPS - KILL_STEP + 1)
 
 
+@pytest.mark.slow  # a minute of killing and resuming: .ci/run and scripts/soak.sh (pytest.ini)
 def test_a_worker_killed_mid_step_resumes_from_checkpoints_on_the_bits_of_a_run_never_killed(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir()
@@ -57,7 +58,7 @@ STALL_CHECK_S, STALL_SHUTDOWN_S = 2, 10
 STALL_BOUND_S = 120  # the job's own end comes in about STALL_SHUTDOWN_S + Horovod's start
 
 
-@pytest.mark.parametrize("mode", ["torch", "tensorflow", "one-line"])
+@pytest.mark.parametrize("mode", ["torch", pytest.param("tensorflow", marks=pytest.mark.slow), "one-line"])
 def test_horovods_stall_check_ends_a_wait_for_a_tensor_a_live_peer_never_submits(tmp_path, mode):
     """2 ranks under horovodrun --gloo, each waiting for a tensor the other never submits (the one
     line: a layer only rank 0 builds). With Horovod's stall check set, every rank gets an error

@@ -55,6 +55,7 @@ def test_horovod_elastic_keeps_each_ranks_compressor_state(tmp_path):
         assert r["params"].tobytes() == ranks[0]["params"].tobytes()
 
 
+@pytest.mark.slow  # a minute each of recovery: .ci/run and scripts/soak.sh (pytest.ini)
 @pytest.mark.parametrize("wrapper", ["one-line", "codes-optimizer"])
 def test_horovod_elastic_survives_a_killed_worker_on_the_bits_of_a_job_never_interrupted(wrapper, tmp_path):
     """horovodrun's elastic mode, 3 ranks on two hosts (localhost:2, 127.0.0.1:1): the rank on

@@ -19,7 +19,7 @@ LAUNCHES = {"gloo": lambda tmp, block: horovodrun("readme_checks.py", tmp, args=
              "mpirun": lambda tmp, block: mpirun("readme_checks.py", tmp, args=(block,))}
 
 
-@pytest.mark.parametrize("block", ["horovod-torch", "horovod-tensorflow"])
+@pytest.mark.parametrize("block", ["horovod-torch", pytest.param("horovod-tensorflow", marks=pytest.mark.slow)])
 def test_mpi_launchers_give_the_bits_gloo_gives(block, tmp_path):
     results = {}
     for launcher, launch in LAUNCHES.items():

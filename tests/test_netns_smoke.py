@@ -12,6 +12,7 @@ import pytest
 from horovod_run import bounded
 from support import SCRIPT, namespaces_work
 
+@pytest.mark.slow  # a minute of shaped links: .ci/run and scripts/soak.sh (pytest.ini)
 @pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc, and network namespaces")
 def test_quick_cluster_run(tmp_path):
     out = tmp_path / "rows.json"

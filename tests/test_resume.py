@@ -100,7 +100,7 @@ def test_ddp_and_fsdp2_end_on_the_same_bits_as_the_tree_before(runs):
     recorded_bits.same_bits("torch", {f"ddp/{s}": runs[0][0][s] for s in DDP_SETTINGS})
 
 
-@pytest.fixture(scope="module", params=["flat", "two_levels"])
+@pytest.fixture(scope="module", params=["flat", pytest.param("two_levels", marks=pytest.mark.slow)])
 def tf_runs(tmp_path_factory, request):
     return horovod_resumed(tmp_path_factory.mktemp(f"tf_resume_{request.param}"), "tf_resume_checks.py", "tf",
                            request.param)
