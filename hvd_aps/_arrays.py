@@ -1,7 +1,11 @@
 """Which array library holds an array: CuPy for CUDA-resident data (taken zero-copy through
 DLPack from CuPy, CUDA torch tensors and TF GPU tensors), NumPy for everything else. Internal:
 the codec, the exchange stages and the framework adapters share it."""
+from typing import Any
+
 import numpy as np
+
+Array = Any  # a NumPy array, or a CuPy array (what the CuPy engine takes and returns)
 
 
 def _is_cupy(a):

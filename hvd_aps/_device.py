@@ -23,14 +23,12 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Hashable, Iterator, List, Optional
+from typing import Any, Hashable, Iterator, List, Optional
 
 import numpy as np
 
 from . import _arrays
-
-if TYPE_CHECKING:  # _engine imports _tables, which imports this module
-    from ._engine import Array
+from ._arrays import Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +136,7 @@ _copies = {}  # (id of the host array, device) -> its _Copy, dropped when the ho
 _copies_lock = threading.Lock()
 
 
-def on_device(host: np.ndarray, like: "Array") -> "Array":
+def on_device(host: np.ndarray, like: Array) -> Array:
     """`host` as an array of `like`'s kind: itself for NumPy, else its copy on the current device,
     made once and kept while `host` lives; the current stream ordered after the copy."""
     xp = _arrays.array_module(like)
@@ -164,12 +162,12 @@ def on_device(host: np.ndarray, like: "Array") -> "Array":
     return kept.array
 
 
-def take(values: "Array", index: np.ndarray) -> "Array":
+def take(values: Array, index: np.ndarray) -> Array:
     """values[index] where `values` lies, with the host index array copied there once."""
     return values[on_device(index, values)]
 
 
-def where(array: "Array") -> Optional[tuple]:
+def where(array: Array) -> Optional[tuple]:
     """(device, stream handle) current for a device array made here, None for a host array: where
     a later copy of it must run to come after the work that made it."""
     xp = _arrays.array_module(array)

@@ -7,15 +7,15 @@ block, on inputs checked by their caller (once per bucket layout in the exchange
 hvd_aps.codec). Arrays in and out lie where the data does: on a device, what a call returns
 stays there. tests/test_tables.py holds every engine to this Protocol's signatures.
 """
-from typing import Any, Optional, Protocol, Union, runtime_checkable
+from typing import Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
 
+from ._arrays import Array
 from ._tables import Blocks
 from .config import Rounding
 from .formats import FloatFormat
 
-Array = Any  # a NumPy array, or a CuPy array for the CuPy engine
 
 
 @runtime_checkable
