@@ -180,7 +180,9 @@ class APSCompressor:
     def state_dict(self) -> dict:
         """What a checkpoint must hold to resume bit for bit: the error-feedback residuals (as
         NumPy arrays), every tensor's step count, the seed and the schedule's decisions, and the
-        settings that give them their meaning (RESUMED_SETTINGS)."""
+        settings that give them their meaning (RESUMED_SETTINGS). Taken once a step has returned,
+        it holds that step: a commit still trailing its results is waited for."""
+        self.exchanger.settle()
         return self.state.state_dict() | {"settings": self._resumed_settings()}
 
     def _resumed_settings(self) -> dict:
@@ -202,6 +204,7 @@ class APSCompressor:
                              + ", ".join(f"{name}={saved}" for name, saved in differ.items()) + " where this one has "
                              + ", ".join(f"{name}={mine.get(name)}" for name in differ)
                              + ": load it into a compressor made with the same settings")
+        self.exchanger.settle()  # a trailing commit would overwrite what is loaded
         self.state.load_state_dict(state)
 
     def reset(self) -> None:

@@ -149,6 +149,14 @@ class Exchanger:
             if self._in_flight == 0:
                 self._close()
 
+    def settle(self) -> None:
+        """Wait until the step handed over (end_step) has committed or rolled back. An exchange's
+        waiters wake before its done callbacks run (concurrent.futures and torch Futures alike),
+        so the commit, which the last callback makes, can trail the results the framework's step
+        returned; what reads or replaces the state (a checkpoint) waits for it here."""
+        with self._step:
+            self._step.wait_for(lambda: not self._ending)
+
     def abort_step(self) -> None:
         """Give the step up: wait for its exchanges in flight, then roll it back."""
         with self._step:

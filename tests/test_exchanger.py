@@ -128,6 +128,28 @@ def test_a_bucket_through_the_exchanger_commits_its_residuals_at_the_steps_end()
     comp.close()
 
 
+def test_a_checkpoint_taken_once_the_step_returned_holds_that_step():
+    """The step's commit runs in its last exchange's done callback, after the Future's waiters
+    woke: state_dict() right after the framework's step returned waits for it, and holds that
+    step's residuals and counts rather than the step before's (as a killed elastic worker's
+    survivors once restored a state one step ahead of their checkpoint)."""
+    comp = hvd_aps.APSCompressor("e3m0", error_feedback=True, chunk_bytes=0)
+    ended = comp.exchanger._ended
+
+    def trailing(error):  # the callback late, as a loaded core makes it
+        time.sleep(0.5)
+        ended(error)
+
+    comp.exchanger._ended = trailing
+    bucket = Bucket.whole("b", ["t"], ["t"], [5000])
+    future = comp.exchanger.bucket(exchange.Levels.flat(Mirror(2)), bucket, np.linspace(-1, 1, 5000, dtype=np.float32))
+    comp.exchanger.end_step()
+    future.result(10)
+    saved = comp.state_dict()
+    assert saved["steps"].get("t") == 1 and saved["residuals"]
+    comp.close()
+
+
 def _members(protocol) -> dict:
     return {name: member for name, member in vars(protocol).items()
             if not name.startswith("_") and callable(member)}
