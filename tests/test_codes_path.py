@@ -33,6 +33,25 @@ def test_equal_to_the_numpy_model_on_every_rank(ranks, fmt):
         assert all(r[f"{fmt}_{i}"].tobytes() == ranks[0][f"{fmt}_{i}"].tobytes() for i in range(len(CODES_SIZES)))
 
 
+def test_the_native_path_is_horovods_float32_sum_averaged_and_counted(ranks):
+    """policy="auto" settled on Horovod's float32 allreduce: each gradient summed by Horovod and
+    divided by the ranks in float32 (2 ranks: the exact float32 average, bit for bit), alike on
+    every rank, its bytes a float32 ring's: twice the float16 path's for the bucketed tensors."""
+    grads = [codes_grads(r) for r in range(len(ranks))]
+    for i in range(len(CODES_SIZES)):
+        got = ranks[0][f"native_float32_{i}"]
+        total = sum(g[i] for g in grads[1:]) + grads[0][i] if len(ranks) == 2 else None
+        if total is not None:
+            assert got.tobytes() == (total / np.float32(len(ranks))).astype(np.float32).tobytes(), i
+        parts = np.array([g[i] for g in grads], np.float64)
+        bound = 2 * len(ranks) * np.finfo(np.float32).eps * np.abs(parts).mean(axis=0)  # float32 sums' rounding
+        assert (np.abs(got - parts.mean(axis=0)) <= bound).all(), i
+        assert all(r[f"native_float32_{i}"].tobytes() == got.tobytes() for r in ranks), i
+    n, big = len(ranks), sum(int(np.prod(CODES_SIZES[i])) for i in BIG)
+    ring = 2 * (n - 1) / n * big  # a ring allreduce's elements a rank sends
+    assert ranks[0]["native_float32_bytes"] - ranks[0]["native_float16_bytes"] == pytest.approx(ring * (4 - 2), abs=8)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_low_precision_model_gets_its_dtype_back(ranks, dtype):
     """Parameters held in bfloat16 or float16: the bucket's codes from the gradients' values

@@ -5,7 +5,8 @@ for users who want buckets fixed at construction (reverse parameter order, as gr
 ready) and the results written into the gradients in place. When a bucket's last gradient is
 accumulated, its exchange (hvd_aps.exchange, with Horovod's collectives) starts on the
 compressor's threads while backward goes on; step() waits for all of them. Tensors below the
-compressor's min_elements go through a plain Horovod allreduce. The lifecycle is Horovod's:
+compressor's min_elements go through a plain Horovod allreduce, and so does every gradient where
+policy="auto" chose Horovod's float32 allreduce. The lifecycle is Horovod's:
 synchronize(), skip_synchronize(), and zero_grad() refused between backward and step. A
 synchronize() that raises leaves the optimizer and the compressor as they were before the step.
 """
@@ -52,7 +53,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _reset(self):
         self._passes = {p: 0 for p in self._names}
         self._ready = [set() for _ in self._buckets]
-        self._futures, self._targets, self._handles = {}, {}, {}
+        self._futures, self._targets, self._handles, self._native = {}, {}, {}, {}
 
     def _on_grad(self, p):
         if self._passes[p] >= self._passes_per_step:
@@ -76,13 +77,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         wire = p.grad if reducible(p.grad) else p.grad.to(torch.float32)
         self._compression.exchanger.pass_through(label(p.grad), p.grad.numel())
-        self._handles[p] = hvd.allreduce_async_(wire, op=self._op, name=f"hvd_aps.small.{self._names[p]}"), wire
+        name = f"hvd_aps.small.{self._names[p]}"
+        self._handles[p] = hvd.allreduce_async_(wire, op=self._op, name=name), wire, name, 1
 
     def _launch(self, b):
         for p in self._buckets[b]:  # parameters that got no gradient this step count as zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self._buckets[b]]
+        if self._compression.exchanger.native_dtype() == "float32" and all(g.dtype == torch.float32 for g in grads):
+            self._launch_native(b, grads)
+            return
         # one float32 copy of the bucket's gradients end to end, exchanged in place; synchronize()
         # copies the results back into the gradients
         flat = _flatten_dense_tensors([g.detach() if g.dtype == torch.float32 else g.detach().to(torch.float32)
@@ -96,6 +101,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                               out=array, average=self._op == hvd.Average)
         self._targets[b] = flat
 
+    def _launch_native(self, b, grads):
+        """policy="auto" chose Horovod's float32 allreduce: every gradient of bucket `b` summed in
+        place, as Horovod's own optimizer sends it (no bucket copy, no exchange thread), averaged
+        in synchronize() by the division the codes path's native exchange makes (the same bits)."""
+        divisor = hvd.size() if self._op == hvd.Average else 1
+        for p, g in zip(self._buckets[b], grads):
+            name = f"hvd_aps.native.{self._names[p]}"
+            self._handles[p] = hvd.allreduce_async_(g, op=hvd.Sum, name=name), g, name, divisor
+        self._native[b] = [self._names[p] for p in self._buckets[b]], [(label(g), g.numel()) for g in grads]
+
     def synchronize(self):
         """Finish every exchange of this step and write the results into the gradients. If one
         raises, the others are waited for, the step is forgotten (the compressor's state as before
@@ -107,7 +122,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sent_before = self._compression.bytes_sent
         try:
             for b in range(len(self._buckets)):
-                if b not in self._futures:
+                if b not in self._futures and b not in self._native:
                     self._launch(b)
             for p in self._small:
                 if p not in self._handles:
@@ -124,10 +139,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._compression.exchanger.abort_step()  # after its exchanges: nothing writes once forgotten
             self._reset()
             raise
+        for keys, labelled_sizes in self._native.values():  # counted once sent, in this step's bytes
+            self._compression.exchanger.count_native(keys, labelled_sizes, "float32", hvd.size())
         for b, flat in self._targets.items():
             grads = [p.grad for p in self._buckets[b]]
             torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
-        for p, (_, wire) in self._handles.items():
+        for p, (_, wire, _, divisor) in self._handles.items():
+            if divisor != 1:
+                wire.div_(divisor)
             if wire is not p.grad:
                 p.grad.copy_(wire)
         self._compression.exchanger.end_step()
@@ -136,8 +155,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
 
     def _wait_small(self, p, timeout):
-        """The allreduce of a parameter below min_elements, waited for `timeout` seconds at most."""
-        wait(self._handles[p][0], f"the allreduce hvd_aps.small.{self._names[p]}", hvd.global_process_set, timeout)
+        """The allreduce of a parameter below min_elements or of a native bucket, waited for
+        `timeout` seconds at most."""
+        handle, _, name, _ = self._handles[p]
+        wait(handle, f"the allreduce {name}", hvd.global_process_set, timeout)
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -36,6 +36,16 @@ for dtype in (torch.bfloat16, torch.float16):  # a model held in low precision
     key = str(dtype).replace("torch.", "")
     for i, g in enumerate(exchange(codes_grads(rank), "e4m3", key, dtype)):
         out[f"{key}_{i}"] = g
+for fallback in ("float32", "float16"):  # policy="auto" settled on Horovod's own allreduce
+    native = hvd_aps.APSCompressor("e4m3", min_elements=16, policy="auto", fallback=fallback)
+    native.pin({"policy": "native"})
+    params = [torch.zeros(g.shape, requires_grad=True) for g in codes_grads(rank)]
+    opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), compression=native)
+    sum((p * torch.from_numpy(g)).sum() for p, g in zip(params, codes_grads(rank))).backward()
+    opt.synchronize()
+    out[f"native_{fallback}_bytes"] = np.array(opt.bytes_sent)
+    for i, p in enumerate(params):
+        out[f"native_{fallback}_{i}"] = p.grad.numpy().copy()
 poisoned = codes_grads(rank)
 poisoned[1][:] = 0.0  # an all-zero tensor
 if rank == size - 1:
