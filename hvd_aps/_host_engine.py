@@ -163,8 +163,11 @@ def _tables_for(fmt: FloatFormat, shifts: np.ndarray, divisor: Union[float, np.f
 # Block tables (hvd_aps._tables): one call per stage of a bucket, threads sharing its blocks
 def _run_table(fn: Callable[[int, int, int, int], Any], blocks: Blocks, period: int = 1) -> List[Any]:
     """fn(b0, o0, b1, o1) over shares of the table's blocks, in parallel where it pays (period:
-    Blocks.cuts')."""
+    Blocks.cuts'). Packed codes (period > 1) are cut into shares only where the rows come in
+    stream order: elsewhere two shares' rows could share a byte, which each would rewrite."""
     width = _width()
+    if period > 1 and not blocks.in_stream_order:
+        width = 1
     if _pool is None or width == 1 or blocks.elements < 2 * _MIN_CHUNK:
         return [fn(0, 0, blocks.count, 0)] if blocks.count else []
     return list(_pool.map(lambda share: fn(*share[0], *share[1]), blocks.cuts(width, period)))

@@ -55,6 +55,13 @@ class Blocks:
     def count(self) -> int:
         return len(self.rows)
 
+    @functools.cached_property
+    def in_stream_order(self) -> bool:
+        """Whether the rows come stream by stream (BASE ascending) and, within one, by POS: then
+        shares cut at codes that start a byte (cuts) leave no byte to two shares."""
+        base, pos = self.rows[:, BASE], self.rows[:, POS]
+        return bool(((base[1:] > base[:-1]) | ((base[1:] == base[:-1]) & (pos[1:] >= pos[:-1]))).all())
+
     @property
     def elements(self) -> int:
         return int(self.starts[-1])

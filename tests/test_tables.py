@@ -161,3 +161,20 @@ def test_every_function_of_the_codec_and_the_engines_is_annotated():
             if missing:
                 offenders.append(f"hvd_aps/{module}.py:{node.lineno} {node.name}: {', '.join(missing)}")
     assert not offenders, f"{len(offenders)} functions not fully annotated:\n" + "\n".join(offenders)
+
+
+def test_packed_codes_are_cut_into_threads_shares_only_where_rows_come_in_stream_order(monkeypatch):
+    """Two threads' rows sharing a packed byte would each rewrite it (a lost code): rows out of
+    stream order (a device's table may come in any order) are encoded by one thread; a layout's
+    run, in order, still in shares."""
+    from kernel_cases import LARGE, Table
+    monkeypatch.setattr(_host_engine, "_width", lambda: 2)
+    monkeypatch.setattr(_host_engine, "_pool", concurrent.futures.ThreadPoolExecutor(2))
+    shuffled = Table.of(LARGE, FloatFormat.parse("e2m2"), np.random.default_rng(5)).blocks
+    in_order = _tables.run(LARGE, LARGE)
+    assert not shuffled.in_stream_order and in_order.in_stream_order
+
+    def shares(blocks, period):
+        return len(_host_engine._run_table(lambda *share: share, blocks, period))
+
+    assert shares(shuffled, 8) == 1 and shares(shuffled, 1) == 2 and shares(in_order, 8) == 2
