@@ -13,6 +13,7 @@ synchronize() that raises leaves the optimizer and the compressor as they were b
 import contextlib
 import time
 import warnings
+from typing import NamedTuple
 
 import horovod.torch as hvd
 import torch
@@ -23,6 +24,15 @@ from .._stages import Bucket
 from ..compressor import APSCompressor
 from .adapter import label, levels, reducible, wait
 from ..config import Fallback, Policy, Wire
+
+
+class _Allreduce(NamedTuple):
+    """A gradient on Horovod's own allreduce in place: its handle, the tensor it reduces (the
+    gradient, or a float32 copy written back), its name, and what synchronize() divides it by."""
+    handle: object
+    wire: torch.Tensor
+    name: str
+    divisor: int = 1
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -78,14 +88,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         wire = p.grad if reducible(p.grad) else p.grad.to(torch.float32)
         self._compression.exchanger.pass_through(label(p.grad), p.grad.numel())
         name = f"hvd_aps.small.{self._names[p]}"
-        self._handles[p] = hvd.allreduce_async_(wire, op=self._op, name=name), wire, name, 1
+        self._handles[p] = _Allreduce(hvd.allreduce_async_(wire, op=self._op, name=name), wire, name)
 
     def _launch(self, b):
         for p in self._buckets[b]:  # parameters that got no gradient this step count as zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self._buckets[b]]
-        if self._compression.exchanger.native_dtype() == "float32" and all(g.dtype == torch.float32 for g in grads):
+        if self._compression.exchanger.native_dtype() == Fallback.FLOAT32 and all(g.dtype == torch.float32 for g in grads):
             self._launch_native(b, grads)
             return
         # one float32 copy of the bucket's gradients end to end, exchanged in place; synchronize()
@@ -108,7 +118,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         divisor = hvd.size() if self._op == hvd.Average else 1
         for p, g in zip(self._buckets[b], grads):
             name = f"hvd_aps.native.{self._names[p]}"
-            self._handles[p] = hvd.allreduce_async_(g, op=hvd.Sum, name=name), g, name, divisor
+            self._handles[p] = _Allreduce(hvd.allreduce_async_(g, op=hvd.Sum, name=name), g, name, divisor)
         self._native[b] = [self._names[p] for p in self._buckets[b]], [(label(g), g.numel()) for g in grads]
 
     def synchronize(self):
@@ -130,35 +140,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for future in self._futures.values():
                 self._compression.exchanger.result(future)
             for p in self._handles:
-                self._wait_small(p, self._compression.config.timeout)
+                self._wait_allreduce(p, self._compression.config.timeout)
         except BaseException:
             deadline = time.monotonic() + self._compression.config.timeout  # one bound for them all
             for p in self._handles:
                 with contextlib.suppress(Exception):
-                    self._wait_small(p, max(0.0, deadline - time.monotonic()))
+                    self._wait_allreduce(p, max(0.0, deadline - time.monotonic()))
             self._compression.exchanger.abort_step()  # after its exchanges: nothing writes once forgotten
             self._reset()
             raise
         for keys, labelled_sizes in self._native.values():  # counted once sent, in this step's bytes
-            self._compression.exchanger.count_native(keys, labelled_sizes, "float32", hvd.size())
+            self._compression.exchanger.count_native(keys, labelled_sizes, Fallback.FLOAT32.value, hvd.size())
         for b, flat in self._targets.items():
             grads = [p.grad for p in self._buckets[b]]
             torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
-        for p, (_, wire, _, divisor) in self._handles.items():
-            if divisor != 1:
-                wire.div_(divisor)
-            if wire is not p.grad:
-                p.grad.copy_(wire)
+        for p, reduced in self._handles.items():
+            if reduced.divisor != 1:
+                reduced.wire.div_(reduced.divisor)
+            if reduced.wire is not p.grad:
+                p.grad.copy_(reduced.wire)
         self._compression.exchanger.end_step()
         self.bytes_sent = self._compression.bytes_sent - sent_before
         self._reset()
         self._synchronized = True
 
-    def _wait_small(self, p, timeout):
-        """The allreduce of a parameter below min_elements or of a native bucket, waited for
-        `timeout` seconds at most."""
-        handle, _, name, _ = self._handles[p]
-        wait(handle, f"the allreduce {name}", hvd.global_process_set, timeout)
+    def _wait_allreduce(self, p, timeout):
+        """Horovod's allreduce of `p`'s gradient (below min_elements, or in a native bucket),
+        waited for `timeout` seconds at most."""
+        reduced = self._handles[p]
+        wait(reduced.handle, f"the allreduce {reduced.name}", hvd.global_process_set, timeout)
 
     @contextlib.contextmanager
     def skip_synchronize(self):

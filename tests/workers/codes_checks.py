@@ -16,13 +16,14 @@ hvd.init()
 rank, size, out = hvd.rank(), hvd.size(), {}
 
 
-def exchange(grads, fmt, key, dtype=torch.float32, **kwargs):
+def exchange(grads, fmt, key, dtype=torch.float32, compression=None, **kwargs):
     """Parameters of `dtype` whose gradients are exactly `grads` in that dtype (loss = sum(p * g));
-    returns the averaged grads (as float32)."""
+    returns the averaged grads (as float32). compression: default an APSCompressor of `fmt`."""
     params = [torch.zeros(g.shape, dtype=dtype, requires_grad=True) for g in grads]
-    opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=1.0),
-                                             compression=hvd_aps.APSCompressor(fmt, min_elements=16), **kwargs)
+    compression = compression or hvd_aps.APSCompressor(fmt, min_elements=16)
+    opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), compression=compression, **kwargs)
     sum((p * torch.from_numpy(g).to(dtype)).sum() for p, g in zip(params, grads)).backward()
+    out[f"{key}_threaded"] = np.array(len(opt._futures))  # buckets handed to the compressor's threads
     opt.synchronize()
     out[f"{key}_bytes"] = np.array(opt.bytes_sent)
     out[f"{key}_dtype_ok"] = np.array(all(p.grad.dtype == dtype for p in params))
@@ -39,13 +40,8 @@ for dtype in (torch.bfloat16, torch.float16):  # a model held in low precision
 for fallback in ("float32", "float16"):  # policy="auto" settled on Horovod's own allreduce
     native = hvd_aps.APSCompressor("e4m3", min_elements=16, policy="auto", fallback=fallback)
     native.pin({"policy": "native"})
-    params = [torch.zeros(g.shape, requires_grad=True) for g in codes_grads(rank)]
-    opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), compression=native)
-    sum((p * torch.from_numpy(g)).sum() for p, g in zip(params, codes_grads(rank))).backward()
-    opt.synchronize()
-    out[f"native_{fallback}_bytes"] = np.array(opt.bytes_sent)
-    for i, p in enumerate(params):
-        out[f"native_{fallback}_{i}"] = p.grad.numpy().copy()
+    for i, g in enumerate(exchange(codes_grads(rank), "e4m3", f"native_{fallback}", compression=native)):
+        out[f"native_{fallback}_{i}"] = g
 poisoned = codes_grads(rank)
 poisoned[1][:] = 0.0  # an all-zero tensor
 if rank == size - 1:

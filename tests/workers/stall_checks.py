@@ -5,7 +5,7 @@ test): Horovod must warn, shut the job down and raise on every rank within the s
     horovodrun -np 2 --gloo python stall_checks.py MODE OUTDIR
 
 MODE torch, tensorflow: each rank allreduces a tensor named after itself, which the other never
-submits (TensorFlow: in a tf.function, where ops keep their names). MODE one-line: the card's line (hvd.DistributedOptimizer with an APSCompressor) on a
+submits (TensorFlow: in a tf.function, where ops keep their names). MODE one-line: the one line (hvd.DistributedOptimizer with an APSCompressor) on a
 model whose second layer only rank 0 builds, for a few steps. Each rank saves
 OUTDIR/stall_rank<r>.json: the error it got (its type and message), the seconds until it got it.
 """
