@@ -25,7 +25,8 @@ way). Steps vary by a quarter from one to the next on shared cores, so where the
 agreed medians lie within CLEAR_MARGIN of each other another round runs (up to ROUNDS), its
 steps pooled with the earlier ones; then a path is kept over a more exact one (float32 before
 16-bit, 16-bit before codes) only where it is CODES_MARGIN faster. The decisions are in the
-compressor's state_dict, so a resumed run keeps them.
+compressor's state_dict, so a resumed run keeps them. RECHECK_STEPS steps after a decision the
+trials run again, from a round of every path (a decision pin() gave stays).
 
 With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calfile.job_link), policy="auto"
 starts from the performance model (hvd_aps.perf): after the first block of trial steps (codes,
@@ -78,6 +79,10 @@ CODES_MARGIN = 0.05
 # (docs/performance-model.md)
 PRIOR_MARGIN = 0.25
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
+# policy="auto" times its paths again this many steps after each decision (a pinned one never): a
+# link or a machine that changed since is noticed. Every rank counts the same commits, so every rank
+# starts alike; a round where one path loses by a third costs about 0.3 % of the steps between.
+RECHECK_STEPS = 1000
 log = logging.getLogger("hvd_aps")
 
 
@@ -176,6 +181,8 @@ class _Policy:
         self.rounds = 1  # rounds of trials begun
         self.predicting = None  # this rank's {path: step}: the codes median, the model's natives
         self.prediction = None  # the agreed {path: step} of the prediction
+        self.since = 0  # steps since the decision
+        self.pinned = False  # decided by pin(): never timed again
 
     @property
     def trying(self) -> "str | None":
@@ -207,12 +214,14 @@ class _Policy:
         self.block, self.timed, self.rounds = saved.get("block", 0), saved.get("timed", 0), saved.get("rounds", 1)
         self.order = tuple(path(k) for k in saved.get("order", self.order))
         self.predicting, self.prediction = paths(saved.get("predicting")), paths(saved.get("prediction"))
+        self.since, self.pinned = saved.get("since", 0), saved.get("pinned", False)
         self.steps = {**{k: [] for k in self.paths}, **{path(k): list(v) for k, v in saved["steps"].items()}}
 
     def state(self) -> dict:
         return {"phase": self.phase.value, "chosen": self.chosen, "block": self.block, "timed": self.timed,
                 "rounds": self.rounds, "order": list(self.order), "steps": {k: list(v) for k, v in self.steps.items()},
-                "predicting": self.predicting, "prediction": self.prediction}
+                "predicting": self.predicting, "prediction": self.prediction, "since": self.since,
+                "pinned": self.pinned}
 
 
     # decisions ------------------------------------------------------------------------------------
@@ -222,6 +231,11 @@ class _Policy:
         once the first block of codes steps is timed."""
         if self.phase is Phase.DECIDING and self.medians is not None:
             self.decide(self.medians)
+            return
+        if self.phase is Phase.DECIDED and not self.pinned:
+            self.since += 1
+            if self.since >= RECHECK_STEPS:
+                self.recheck()
             return
         if self.phase is Phase.CHUNKING and chunking_fixed:
             self.phase = Phase.TRIALS  # the first trial step starts here
@@ -244,6 +258,15 @@ class _Policy:
                 if natives is not None:
                     self.predicting = {CODES: statistics.median(self.steps[CODES]), **natives}
                     self.phase = Phase.DECIDING
+
+    def recheck(self) -> None:
+        """RECHECK_STEPS after the decision: every path timed again, from a fresh round (the
+        codes steps first: the deciding step's exchanges must carry metadata)."""
+        log.info("hvd_aps schedule: %d steps since %s was chosen: timing every path again", self.since,
+                 _path_text(self.chosen))
+        self.phase, self.chosen, self.order, self.block, self.timed = Phase.TRIALS, None, trial_order(self.paths), 0, 0
+        self.warming, self.rounds, self.since, self.medians = WARMUP_STEPS, 1, 0, None
+        self.steps = {path: [] for path in self.paths}
 
     def decide(self, medians: dict) -> None:
         """Every rank's slowest median step on each path weighed -> another round of trials where
@@ -534,7 +557,7 @@ class Schedule:
                 self._bucket(name).chosen = value
             if policy is not None:
                 self._policy.chosen = dtype if policy == "native" else policy
-                self._policy.phase = Phase.DECIDED
+                self._policy.phase, self._policy.pinned = Phase.DECIDED, True
 
     def _chosen_text(self, b: _Bucket):
         if self._policy_native():

@@ -11,6 +11,7 @@ import pytest
 import hvd_aps
 from hvd_aps import _tokens, _values
 from hvd_aps._stats import STATS_SAMPLE
+from support import WAIT_S
 
 
 def to_wire(comp, x, amax, world=2, label="g"):
@@ -261,7 +262,7 @@ def test_hybrid_configuration_is_checked_and_signed():
 
 def test_close_stops_the_threads_and_refuses_more_work():
     with hvd_aps.APSCompressor("e4m3") as comp:
-        assert comp.state.workers().submit(lambda: 7).result() == 7
+        assert comp.state.workers().submit(lambda: 7).result(timeout=WAIT_S) == 7
     with pytest.raises(RuntimeError, match="closed"):
         comp.state.workers()
 
@@ -359,6 +360,41 @@ def test_policy_auto_switches_only_between_steps():
     assert schedule.native_dtype() is None  # not within the deciding step
     schedule.commit()
     assert schedule.native_dtype() == "float32" and schedule.report()[-1]["chosen"] == "native float32"
+
+
+def test_policy_auto_times_every_path_again_recheck_steps_after_deciding_and_resumes_the_count():
+    """RECHECK_STEPS steps after a decision a fresh round of trial blocks runs (codes first, its
+    steps timed anew) and decides again; the steps counted so far are in the state_dict, so a
+    resumed run re-checks where the uninterrupted one would; a pinned decision never re-checks."""
+    from hvd_aps._schedule import RECHECK_STEPS, STEP_TRIALS, UNMEASURED, Schedule, trial_order, trial_steps
+    paths = ("codes", "float32")
+    native = [UNMEASURED, UNMEASURED, 2.0, 1.0, UNMEASURED, UNMEASURED]  # float32 faster (slowest rank)
+
+    def decided():
+        schedule = Schedule((0,), auto=True)
+        schedule.candidate("b")
+        schedule.commit()
+        _commits(schedule, trial_steps(paths) - 1)
+        schedule.agreed("b", native)
+        schedule.commit()
+        assert schedule.native_dtype() == "float32"
+        return schedule
+
+    schedule = decided()
+    assert _commits(schedule, RECHECK_STEPS - 1) == ["float32"] * (RECHECK_STEPS - 1)
+    resumed = Schedule((0,), auto=True)
+    resumed.load_state_dict(schedule.state_dict())
+    for run in (schedule, resumed):
+        assert _commits(run, 1) == ["float32"]  # the last step before the re-check
+        assert run.report()[-1]["chosen"] is None and run.decisions()["policy"] is None
+        assert _commits(run, trial_steps(paths) - 1) == _blocks(trial_order(paths))[:-1]
+        assert [len(v) for v in run.state_dict()["(policy)"]["steps"].values()] == [STEP_TRIALS] * 2
+        run.agreed("b", [UNMEASURED, UNMEASURED, 0.5, 1.0, UNMEASURED, UNMEASURED])  # codes faster now
+        run.commit()
+        assert run.native_dtype() is None and run.report()[-1]["chosen"] == "codes"
+    pinned = Schedule((0,), auto=True)
+    pinned.pin({"policy": "native"})
+    assert set(_commits(pinned, RECHECK_STEPS + 1)) == {"float32"}
 
 
 def test_fallback_auto_times_float32_and_float16_and_keeps_the_faster():
