@@ -21,7 +21,7 @@ setup(
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow>=2.16"],
         "cupy": ["cupy-cuda13x>=14"],
-        "test": ["pytest", "hypothesis", "ml_dtypes>=0.5"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "ml_dtypes>=0.5"],
     },
     # The CPU engine: ops/host.c as a plain shared library, loaded through ctypes.
     ext_modules=[Extension("hvd_aps._hostcodec", sources=["ops/host.c"], depends=["ops/fpcodec.h"],

@@ -26,7 +26,9 @@ users run it.
 """
 import argparse
 import json
+import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -83,7 +85,7 @@ def launch(entry: str, compression: str, tensors: int, elements: int, args) -> d
                         "--tensor-elements", str(elements // tensors), "--batch-size", "1", "--compression",
                         compression, "--num-warmup-batches", str(args.warmup), "--num-iters", str(args.iters),
                         "--stats"]  # as users run it
-    run = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=HERE)
+    run = bounded(command)
     # horovodrun prefixes each rank's lines with "[rank]<stdout>:"
     rows = [json.loads(line[line.index("{"):]) for line in run.stdout.splitlines()
             if line.startswith("{") or "<stdout>:{" in line]
@@ -92,6 +94,19 @@ def launch(entry: str, compression: str, tensors: int, elements: int, args) -> d
     if not rows:
         raise RuntimeError(f"{' '.join(command)} failed ({run.returncode}):\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
     return {row["compression"]: (1e3 * row["step_median"], 1e3 * row["cpu_per_step"]) for row in rows}
+
+
+def bounded(command) -> subprocess.CompletedProcess:
+    """`command` run in a session of its own; past LAUNCH_TIMEOUT_S every process of that session
+    (the launcher's ranks too, which killing the launcher alone would leave running) is killed."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"{' '.join(command)} ran past {LAUNCH_TIMEOUT_S} s: killed with its ranks") from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def per_tensor_us(ms: dict) -> float:

@@ -19,11 +19,13 @@ import contextlib
 import json
 import os
 import pathlib
+import select
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -45,11 +47,13 @@ BENCHMARKS = {"": "pytorch_synthetic_benchmark.py", "tf": "tensorflow2_synthetic
               "ddp": "pytorch_ddp_synthetic_benchmark.py", "fsdp": "pytorch_fsdp_synthetic_benchmark.py"}
 OMP_WAIT_POLICY = "PASSIVE"  # see rank_env
 UNCOMPRESSED = ("none", "fp16")  # each framework's peers: its own allreduce in fp32 and in 16 bits
+COMMAND_S = 30  # an ip or tc command
+SERVE_S = 60    # the rendezvous server's start, up to the port it prints
 
 
 def sh(*cmd, ns=None, check=True):
     full = (["ip", "netns", "exec", ns] if ns else []) + [str(c) for c in cmd]
-    done = subprocess.run(full, capture_output=True, text=True)
+    done = subprocess.run(full, capture_output=True, text=True, timeout=COMMAND_S)
     if check and done.returncode:
         raise RuntimeError(f"{' '.join(full)} failed ({done.returncode}): {done.stderr.strip()}")
     return done
@@ -138,6 +142,8 @@ def launch(names, per_host, argv, timeout, rank_prefix="", label=""):
                                f"{len(names)},{per_host}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     procs = []
     try:
+        if not select.select([server.stdout], [], [], SERVE_S)[0]:
+            raise RuntimeError(f"the rendezvous server printed no port within {SERVE_S} s")
         port = server.stdout.readline().strip()
         for host, ns in enumerate(names):
             for local in range(per_host):
@@ -145,7 +151,8 @@ def launch(names, per_host, argv, timeout, rank_prefix="", label=""):
                 cmd = ["ip", "netns", "exec", ns, *prefix, sys.executable, str(EXAMPLES / argv[0]), *argv[1:]]
                 procs.append(subprocess.Popen(cmd, env=rank_env(host, local, len(names), per_host, port),
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        deadline = time.monotonic() + timeout  # one bound for the job, not one a rank in turn
+        outs = [p.communicate(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
         failed = [f"rank {rank} failed ({p.returncode}):\n{out[-1000:]}\n{_without_module_list(err)[-3000:]}"
                   for rank, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode]
         if failed:  # every failed rank's own words: the first to fail is often not rank 0

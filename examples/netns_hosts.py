@@ -21,6 +21,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 from netns_cluster import RUN, SUBNET, SWITCH, cluster
 
@@ -75,7 +76,8 @@ def srun(args, names) -> int:
                        WORLD_SIZE=allocation["SLURM_NTASKS"], LOCAL_RANK=str(local))
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *args.command], env=env))
     try:
-        codes = [p.wait(timeout=args.timeout) for p in procs]
+        deadline = time.monotonic() + args.timeout  # one bound for the job, not one a task in turn
+        codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
     finally:
         for p in procs:
             p.kill()

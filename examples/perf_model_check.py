@@ -76,6 +76,7 @@ HOST_LEVELS = {**dict.fromkeys(("hosts2x2_mlp", "hosts2x4_mlp4m", "levels2x2_bef
                                {"host_copies": 4})}
 # the commit whose exchange runs one engine call a stage over block tables (per bucket, not per tensor)
 TABLES_COMMIT = "b9aa8d4"
+GIT_S = 30  # a git query of the checkout
 ERAS = ("pieces", "tables")  # era(): the rows before TABLES_COMMIT and after
 LATENCIES = (0.0, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3)
 TIMELINES = {}  # (profile, parameters) -> its gradients' timeline (gradient_timelines)
@@ -205,7 +206,7 @@ def era(tree) -> str:
     if not tree:
         return "pieces"
     known = subprocess.run(["git", "merge-base", "--is-ancestor", TABLES_COMMIT, tree.rstrip("+")],
-                           cwd=DOCS.parent, capture_output=True)
+                           cwd=DOCS.parent, capture_output=True, timeout=GIT_S)
     return "tables" if known.returncode == 0 else "pieces"
 
 

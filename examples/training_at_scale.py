@@ -74,6 +74,7 @@ from study_tasks import ByteTransformer, DigitsCNN, StdlibText, shard_grads  # n
 
 TARGET_FRACTION = 0.8   # the target: fp32's loss at this share of the step budget (fixed before any run)
 GLOBAL_BATCH = 256      # samples a step over all workers, at every N
+JOB_S = 3600            # the longest wait for a job's record (the dearest took 463 s on 2 shared cores)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -344,15 +345,16 @@ def run(task_names, ns, seeds, paths, budget, check_steps, codes_up_to, jobs=1, 
         order = sorted(todo, key=lambda j: (-j[1], j[0] != "transformer-w32"))
         done = pool.imap_unordered(_job, order)
     try:
-        for record in done:
+        for _ in todo:
+            record = next(done) if jobs == 1 else done.next(timeout=JOB_S)
             records[record["task"], record["workers"], record["seed"], record["path"]] = record
             if log:
                 log(f"  {record['task']} N={record['workers']} seed {record['seed']} {record['path']}: "
                     f"final loss {record['final_loss']:.4f} in {record['seconds']:.1f} s ({len(records)}/{len(todo)})")
     finally:
         if jobs != 1:
-            pool.close()
-            pool.join()
+            pool.terminate()  # every record is in, or one was not within JOB_S: nothing left to wait for
+            pool.join()  # bounded: terminate() stopped its workers
     return scored([records[job[:4]] for job in todo])
 
 

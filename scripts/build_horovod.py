@@ -18,6 +18,9 @@ import tarfile
 import tempfile
 
 HOROVOD_VERSION = "0.28.1"
+PIP_S = 1800    # a pip download or install of one package
+BUILD_S = 5400  # building the Horovod wheel (about 12 minutes on 2 cores)
+PATCHELF_S = 60
 
 KERAS3_HELPERS = '''def _tf_variable(v):
     """The tf.Variable behind a Keras 3 variable (its .value), or v itself."""
@@ -170,7 +173,7 @@ def cache_dir(torch, tf):
 def download_sdist(workdir):
     log(f"downloading the horovod {HOROVOD_VERSION} sdist")
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    "-d", str(workdir), f"horovod=={HOROVOD_VERSION}"], check=True)
+                    "-d", str(workdir), f"horovod=={HOROVOD_VERSION}"], check=True, timeout=PIP_S)
     sdist = next(workdir.glob("horovod-*.tar.gz"), None)
     if sdist is None:
         die("pip download produced no horovod sdist")
@@ -261,14 +264,14 @@ def relocate_mpi_runpath():
     package = installed_package()
     for so in package.rglob("*.so"):
         needed = subprocess.run([patchelf, "--print-needed", str(so)], check=True, capture_output=True,
-                                text=True).stdout.split()
+                                text=True, timeout=PATCHELF_S).stdout.split()
         if not any(name.startswith("libmpi") for name in needed):
             continue
         own = "$ORIGIN/" + os.path.relpath(lib, so.parent)
         old = subprocess.run([patchelf, "--print-rpath", str(so)], check=True, capture_output=True,
-                             text=True).stdout.strip()
+                             text=True, timeout=PATCHELF_S).stdout.strip()
         runpath = ":".join([own] + [entry for entry in old.split(":") if entry and entry != own])
-        subprocess.run([patchelf, "--set-rpath", runpath, str(so)], check=True)
+        subprocess.run([patchelf, "--set-rpath", runpath, str(so)], check=True, timeout=PATCHELF_S)
         log(f"{so.relative_to(package.parent)}: RUNPATH {runpath}")
 
 
@@ -279,7 +282,7 @@ def build_wheel(dest, torch, tf):
         log("building the horovod wheel (about 12 minutes on 2 cores)")
         staging = pathlib.Path(tmp) / "wheel"
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
-                        "-w", str(staging), str(src)], check=True, env=build_env(torch, tf))
+                        "-w", str(staging), str(src)], check=True, env=build_env(torch, tf), timeout=BUILD_S)
         dest.mkdir(parents=True, exist_ok=True)
         for whl in staging.glob("horovod-*.whl"):
             shutil.copy2(whl, dest / whl.name)
@@ -305,7 +308,7 @@ def main():
     else:
         log(f"using cached wheel {wheel}")
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall",
-                    str(wheel)], check=True)
+                    str(wheel)], check=True, timeout=PIP_S)
     relocate_mpi_runpath()
     apply_patches(installed_package(), INSTALLED_PATCHES)
     stamp.write_text(installed)

@@ -139,10 +139,12 @@ if [ -n "$WHEELS" ]; then
   say "offering the wheels of $WHEELS to pip at $FIND_LINKS"
 fi
 
+BUILD_S=5400  # the image's build, its bound (first build: 10 to 30 minutes)
+DEMO_S=600    # a demo's run inside the image (under a minute), its bound
 say "building $IMAGE from $DOCKERFILE (first build: 10 to 30 minutes, mostly Horovod)"
 start=$(date +%s)
-docker build --network host -f "$DOCKERFILE" --build-arg BASE="$BUILD_BASE" --build-arg PIP_FIND_LINKS="$FIND_LINKS" \
-  ${TORCH_INDEX:+--build-arg TORCH_INDEX_URL="$TORCH_INDEX"} -t "$IMAGE" . || fail "docker build failed"
+timeout "$BUILD_S" docker build --network host -f "$DOCKERFILE" --build-arg BASE="$BUILD_BASE" --build-arg PIP_FIND_LINKS="$FIND_LINKS" \
+  ${TORCH_INDEX:+--build-arg TORCH_INDEX_URL="$TORCH_INDEX"} -t "$IMAGE" . || fail "docker build failed (or ran past $BUILD_S s)"
 say "built in $(( $(date +%s) - start )) s; image size $(docker image inspect "$IMAGE" --format '{{.Size}}' | awk '{printf "%.2f GB", $1 / 1e9}')"
 
 demo() {  # launcher name, then docker run's options and the command
@@ -155,5 +157,5 @@ demo() {  # launcher name, then docker run's options and the command
 }
 say "running the 2-rank demo inside the image"
 DEMO=(python examples/pytorch_digits.py --compression aps-e4m3)
-demo "horovodrun, Gloo" "$IMAGE" horovodrun -np 2 -H localhost:2 --gloo "${DEMO[@]}"
-demo "mpirun" --cap-add SYS_PTRACE "$IMAGE" mpirun -np 2 "${DEMO[@]}"
+demo "horovodrun, Gloo" "$IMAGE" timeout "$DEMO_S" horovodrun -np 2 -H localhost:2 --gloo "${DEMO[@]}"
+demo "mpirun" --cap-add SYS_PTRACE "$IMAGE" timeout "$DEMO_S" mpirun -np 2 "${DEMO[@]}"

@@ -86,10 +86,10 @@ esac
 # What hvd_aps, horovodrun and the examples use (scikit-learn: the digits data), and what Horovod's
 # build needs (cloudpickle, psutil, pyyaml, packaging; no build isolation).
 DEPS="numpy ml_dtypes tqdm scikit-learn cloudpickle psutil pyyaml packaging setuptools wheel"
-# The tests (accelerate and pytorch-lightning for their recipes' tests, pinned: they must not move
-# torch; tensorboard, whose reader the dashboard's tests read events with), the docs and their API
-# reference (tests/test_docs.py builds them), the plots.
-DEV_DEPS="pytest hypothesis matplotlib tensorboard==2.21.0 accelerate==1.15.0 pytorch-lightning==2.6.6 sphinx==9.0.4 myst-parser==5.2.0"
+# The tests (pytest-timeout: every test's bound; accelerate and pytorch-lightning for their recipes'
+# tests, pinned: they must not move torch; tensorboard, whose reader the dashboard's tests read events
+# with), the docs and their API reference (tests/test_docs.py builds them), the plots.
+DEV_DEPS="pytest pytest-timeout hypothesis matplotlib tensorboard==2.21.0 accelerate==1.15.0 pytorch-lightning==2.6.6 sphinx==9.0.4 myst-parser==5.2.0"
 if [ "$RUNTIME" = 1 ]; then
   say "installing $FRAMEWORKS and the run-time dependencies (--runtime: no test, docs or plotting ones)"
 else

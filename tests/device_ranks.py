@@ -2,11 +2,14 @@
 (nothing they do counts as the package's reads, uploads or allocations), and ranks run on
 threads of their own that stop together when one fails."""
 import threading
+import time
 
 import numpy as np
 
 import counting_cupy as standin
 from hvd_aps import _inprocess
+
+RANKS_S = 2 * _inprocess.BARRIER_TIMEOUT_S  # a test's ranks, their barriers bounded
 
 
 class DeviceCollectives(_inprocess.ThreadCollectives):
@@ -48,10 +51,13 @@ def run_ranks(rank, world: int, barriers: list) -> None:
             for barrier in barriers:
                 barrier.abort()
 
-    threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in range(world)]
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}", daemon=True) for r in range(world)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + RANKS_S
     for thread in threads:
-        thread.join()
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    assert not stuck, f"{stuck} still running after {RANKS_S} s"
     if errors:
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])

@@ -72,7 +72,10 @@ def _stacks_then_kill(proc: subprocess.Popen) -> tuple:
         pass
     for p in family:
         _signal(p, signal.SIGKILL)
-    return proc.communicate()
+    try:
+        return proc.communicate(timeout=STACKS_S)  # the session killed: its pipes close
+    except subprocess.TimeoutExpired:
+        return "", f"(the job's pipes were still open {STACKS_S} s after it was killed: its output is lost)"
 
 
 # what killing horovodrun's helper processes makes multiprocessing's resource tracker print, once each

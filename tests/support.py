@@ -86,13 +86,16 @@ def check_levels_ddp(ranks):
 
 
 SCRIPT = Path(__file__).parent.parent / "examples" / "netns_cluster.py"
+COMMAND_S = 30  # a short system command (ip, git)
+WAIT_S = 60  # the longest a test waits for a thread or a future of its own
 
 
 def namespaces_work():
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         return False
-    made = subprocess.run(["ip", "netns", "add", f"hvdaps-probe{os.getpid()}"], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", f"hvdaps-probe{os.getpid()}"], capture_output=True)
+    made = subprocess.run(["ip", "netns", "add", f"hvdaps-probe{os.getpid()}"], capture_output=True,
+                          timeout=COMMAND_S).returncode == 0
+    subprocess.run(["ip", "netns", "del", f"hvdaps-probe{os.getpid()}"], capture_output=True, timeout=COMMAND_S)
     return made
 
 

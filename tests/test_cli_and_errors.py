@@ -1,15 +1,17 @@
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 import hvd_aps
+from horovod_run import bounded
+
+PROCESS_S = 120  # a CLI run or an interpreter's imports
 
 
 def run_cli(*args):
-    out = subprocess.run([sys.executable, "-m", "hvd_aps", *args], capture_output=True, text=True, check=True)
+    out = bounded([sys.executable, "-m", "hvd_aps", *args], PROCESS_S, env=dict(os.environ))
     return out.stdout
 
 
@@ -29,7 +31,8 @@ def test_probe_table():
 
 
 def test_cli_rejects_bad_format():
-    out = subprocess.run([sys.executable, "-m", "hvd_aps", "probe", "--format", "e9m9"], capture_output=True, text=True)
+    out = bounded([sys.executable, "-m", "hvd_aps", "probe", "--format", "e9m9"], PROCESS_S, env=dict(os.environ),
+                  check=False)
     assert out.returncode != 0 and "exp_bits must be in 1..8" in out.stderr
 
 
@@ -54,13 +57,13 @@ def test_codec_bad_input():
 
 def test_import_pulls_in_no_framework():
     code = "import sys, hvd_aps; print(any(m in sys.modules for m in ('torch', 'tensorflow')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = bounded([sys.executable, "-c", code], PROCESS_S, env=dict(os.environ))
     assert out.stdout.strip() == "False"
 
 
 def test_the_ddp_hook_needs_no_horovod():
     code = "import sys, hvd_aps.ddp; print('horovod' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = bounded([sys.executable, "-c", code], PROCESS_S, env=dict(os.environ))
     assert out.stdout.strip() == "False"
 
 

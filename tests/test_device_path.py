@@ -162,7 +162,8 @@ def run_exchange(case: Case, counts: standin.Counts = None, spread: bool = False
     else:
         group = _inprocess.Group(world)
         levels = [exchange.Levels.flat(DeviceCollectives(group, r)) for r in range(world)]
-    last_step = threading.Barrier(world, action=None if counts is None else counts.reset)
+    last_step = threading.Barrier(world, action=None if counts is None else counts.reset,
+                                  timeout=_inprocess.BARRIER_TIMEOUT_S)
     run = Run([[None] * world for _ in range(STEPS)], [None] * world, [None] * world)
 
     def rank(r):
@@ -175,7 +176,7 @@ def run_exchange(case: Case, counts: standin.Counts = None, spread: bool = False
             for step in range(STEPS):
                 flat = case.grads(step, r) if counts is None else cp.asarray(case.grads(step, r))
                 if step == STEPS - 1:
-                    last_step.wait()
+                    last_step.wait()  # bounded: the barrier's timeout
                 run.results[step][r] = standin.peek(exchange.run(stages, bucket, flat, levels[r], average=True))
                 compressors[r].state.commit()
         run.stats[r] = compressors[r].stats_table()

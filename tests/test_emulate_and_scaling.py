@@ -121,8 +121,8 @@ def test_two_level_results_are_reused_only_when_nothing_holds_them():
         grads, out = rank_grads(world, [5000], seed=seed), [None] * world
 
         def worker(w):
-            out[w] = compressors[w].exchanger.bucket(levels[w], bucket, grads[w][0], threaded=False,
-                                                     average=True).result()
+            done = compressors[w].exchanger.bucket(levels[w], bucket, grads[w][0], threaded=False, average=True)
+            out[w] = done.result()  # bounded: threaded=False ran the exchange here
             compressors[w].exchanger.end_step()
         _inprocess.run_ranks(worker, world)
         want = model.two_levels(grads, "e4m3", [[0, 1], [2, 3]])[0]

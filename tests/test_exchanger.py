@@ -13,6 +13,7 @@ import hvd_aps
 from hvd_aps import _tokens, exchange
 from hvd_aps._stages import Bucket
 from hvd_aps.calibration import Mirror
+from support import WAIT_S
 
 
 class _Events:
@@ -178,8 +179,8 @@ def test_the_exchange_threads_carry_their_names_in_the_os():
 
     comp = hvd_aps.APSCompressor("e4m3")
     try:
-        names = {comp.state.workers().submit(os_name).result() for _ in range(8)}
-        beside = comp.state.workers().submit(lambda: hvd_aps._host_engine._width()).result()
+        names = {comp.state.workers().submit(os_name).result(timeout=WAIT_S) for _ in range(8)}
+        beside = comp.state.workers().submit(lambda: hvd_aps._host_engine._width()).result(timeout=WAIT_S)
     finally:
         comp.close()
     assert names and all(name.startswith("hvd_aps_lane_") for name in names), names
@@ -201,14 +202,14 @@ def test_the_benchmarks_tell_the_threads_apart():
 
     comp, loop = hvd_aps.APSCompressor("e4m3"), threading.Thread(target=cycling, name="Thread-horovod-like")
     try:
-        lane = comp.state.workers().submit(threading.get_native_id).result()
+        lane = comp.state.workers().submit(threading.get_native_id).result(timeout=WAIT_S)
         loop.start()
         for _ in range(50):  # each read looks at every thread's wait once
             benchmark_common.thread_cpu()
             time.sleep(2e-3)
     finally:
         stop.set()
-        loop.join()
+        loop.join(timeout=WAIT_S)
         comp.close()
     kinds = [benchmark_common.thread_kind(t) for t in (threading.get_native_id(), lane, ids[0])]
     assert kinds == ["main", "exchange", "horovod"]

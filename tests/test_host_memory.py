@@ -4,6 +4,7 @@ the alltoall's message written from pieces) against NumPy, message after message
 in /dev/shm; a rank that closes before a slow peer read its message; a peer that dies is
 reported, not waited for, and one that runs but never comes is waited for `timeout` seconds
 only; a full /dev/shm is an error that says what to do; files of dead processes are swept."""
+import contextlib
 import errno
 import multiprocessing
 import os
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.skipif(not _host_memory.available(), reason="needs /dev
 ROUNDS = 4  # more than the two messages after which a box's file is unlinked
 WORLD = 3
 PEER_SECONDS = 10  # how long the peer that never comes runs
+JOIN_S = 30  # how long the ranks get to meet at the start, and to end once the test is done with them
 
 
 def message(rank, step, n):
@@ -53,22 +55,32 @@ def local_rank(job, pids, rank, results):
     memory.close()
 
 
-def launch(target, *extra):
-    """WORLD processes running target(job, pids, rank, results, *extra) -> (procs, results queue, job)."""
+@contextlib.contextmanager
+def launched(target, *extra):
+    """WORLD processes running target(job, pids, rank, results, *extra) -> (results queue, job, exit
+    codes): on leaving, each rank gets JOIN_S to end, and one still running then is killed (-9)."""
     ctx = multiprocessing.get_context("fork")
-    job, results = secrets.token_hex(4), ctx.Queue()
-    barrier = ctx.Barrier(WORLD)
+    job, results, exits = secrets.token_hex(4), ctx.Queue(), []
+    barrier = ctx.Barrier(WORLD, timeout=JOIN_S)
     shared = ctx.Array("q", WORLD)  # every rank's pid
 
     def child(rank):
         shared[rank] = os.getpid()
-        barrier.wait()
+        barrier.wait()  # bounded: the barrier's timeout
         target(job, list(shared), rank, results, *extra)
 
     procs = [ctx.Process(target=child, args=(r,)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    return procs, results, job
+    try:
+        yield results, job, exits
+    finally:
+        for p in procs:
+            p.join(timeout=JOIN_S)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=JOIN_S)
+            exits.append(p.exitcode)
 
 
 def leftovers(job):
@@ -76,14 +88,12 @@ def leftovers(job):
 
 
 def test_alltoall_and_allgather_match_numpy_every_message_and_leave_nothing():
-    procs, results, job = launch(local_rank)
     got = {}
-    for _ in range(WORLD * ROUNDS * 4):
-        rank, step, kind, value = results.get(timeout=60)
-        got[rank, step, kind] = value
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    with launched(local_rank) as (results, job, exits):
+        for _ in range(WORLD * ROUNDS * 4):
+            rank, step, kind, value = results.get(timeout=60)
+            got[rank, step, kind] = value
+    assert exits == [0] * WORLD
     for step in range(ROUNDS):
         bounds = np.cumsum([0] + splits_of(step))
         for rank in range(WORLD):
@@ -108,11 +118,9 @@ def closes_at_once(job, pids, rank, results):
 
 
 def test_a_rank_that_closes_first_leaves_its_message_for_a_late_peer():
-    procs, results, job = launch(closes_at_once)
-    got = dict(results.get(timeout=30) for _ in range(WORLD))
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    with launched(closes_at_once) as (results, job, exits):
+        got = dict(results.get(timeout=30) for _ in range(WORLD))
+    assert exits == [0] * WORLD
     gathered = np.concatenate([message(w, 0, 3 + w) for w in range(WORLD)])
     for rank in range(WORLD):
         assert got[rank].tobytes() == gathered.tobytes()
@@ -133,10 +141,9 @@ def dies_after_one(job, pids, rank, results):
 
 
 def test_a_peer_that_exits_is_reported_and_its_files_are_swept():
-    procs, results, job = launch(dies_after_one)
-    errors = dict(results.get(timeout=60) for _ in range(WORLD - 1))
-    for p in procs:
-        p.join(timeout=30)
+    with launched(dies_after_one) as (results, job, exits):
+        errors = dict(results.get(timeout=60) for _ in range(WORLD - 1))
+    assert exits == [0, 3, 0]  # the crash's own code: the others ended by themselves
     for rank in (0, 2):
         assert "local rank 1" in errors[rank] and "exited" in errors[rank]
     _host_memory.sweep()  # the dead rank's box was never unlinked
@@ -157,7 +164,7 @@ def test_a_peer_that_runs_but_never_comes_is_waited_for_timeout_seconds_only():
             memory.allgather(np.zeros(4, np.float32), "gather")
     finally:
         peer.kill()
-        peer.wait()
+        peer.wait(timeout=JOIN_S)
         memory.close(wait=0.0)  # the peer gone, its box goes too
     assert time.monotonic() - start < timeout + 2 * _host_memory.LIVENESS_SECONDS
     assert leftovers(job) == []

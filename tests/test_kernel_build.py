@@ -10,6 +10,7 @@ import pytest
 
 OPS = pathlib.Path(__file__).parent.parent / "ops"
 ENGINE = pathlib.Path(__file__).parent.parent / "hvd_aps" / "_cupy_engine.py"
+NVCC_S = 600  # nvcc compiling every kernel for one architecture
 TABLE_KERNELS = {"hvd_table_amax", "hvd_table_encode", "hvd_table_sum", "hvd_table_decode", "hvd_table_shifts",
                  "hvd_table_stats"}
 
@@ -20,7 +21,8 @@ def test_kernels_compile(arch, tmp_path):
     if nvcc is None:
         pytest.skip("nvcc not found")
     run = subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "--cubin", "-Werror", "all-warnings",
-                          "-o", str(tmp_path / "k.cubin"), str(OPS / "kernels.cu")], capture_output=True, text=True)
+                          "-o", str(tmp_path / "k.cubin"), str(OPS / "kernels.cu")], capture_output=True, text=True,
+                         timeout=NVCC_S)
     assert run.returncode == 0, run.stderr
     cubin = (tmp_path / "k.cubin").read_bytes()
     assert len(cubin) > 10_000

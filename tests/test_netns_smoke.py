@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from horovod_run import bounded
-from support import SCRIPT, namespaces_work
+from support import COMMAND_S, SCRIPT, namespaces_work
 
 @pytest.mark.slow  # a minute of shaped links: .ci/run and scripts/soak.sh (pytest.ini)
 @pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc, and network namespaces")
@@ -28,9 +28,9 @@ def test_quick_cluster_run(tmp_path):
     assert rows["ddp:aps-e4m3"]["bytes_ratio"] <= 0.25 + overhead
     assert rows["none"]["tx_bytes_per_step"] > 2 * 1e6  # ~4 MB of float32 gradients really crossed the link
     head = subprocess.run(["git", "-C", str(SCRIPT.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
+                          text=True, timeout=COMMAND_S).stdout.strip()
     assert head and rows["none"]["tree"].rstrip("+") == head  # which code the row measured
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=COMMAND_S).stdout
     assert f"hvdaps-{run.pid}-" not in left  # everything it made is gone
 
 

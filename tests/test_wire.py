@@ -14,7 +14,7 @@ from hvd_aps._inprocess import flat_levels, host_levels, run_ranks, subgroup_lev
 from hvd_aps._schedule import BLOCK_STEPS, STEP_TRIALS, _path_text, max_trial_steps
 from hvd_aps._stages import HYBRID_SAMPLE, Bucket
 import model
-from support import rank_grads, same_format, simulate
+from support import WAIT_S, rank_grads, same_format, simulate
 
 
 def assert_all_equal(results, want):
@@ -65,12 +65,12 @@ def test_exchanges_beside_compute_code_on_one_thread_until_awaited(monkeypatch):
     monkeypatch.setattr(_host_engine, "_pool", pool)
     n = 1 << 20
     with pool, concurrent.futures.ThreadPoolExecutor(1, initializer=hvd_aps.codec.beside_compute) as worker:
-        assert worker.submit(_host_engine._width).result() == 1
+        assert worker.submit(_host_engine._width).result(timeout=WAIT_S) == 1
         with hvd_aps.codec.awaited():
-            assert worker.submit(_host_engine._width).result() == 2
-        assert worker.submit(_host_engine._width).result() == 1
+            assert worker.submit(_host_engine._width).result(timeout=WAIT_S) == 2
+        assert worker.submit(_host_engine._width).result(timeout=WAIT_S) == 1
         x = np.random.default_rng(6).standard_normal(n).astype(np.float32)
-        beside = worker.submit(hvd_aps.encode, x, "e4m3").result()
+        beside = worker.submit(hvd_aps.encode, x, "e4m3").result(timeout=WAIT_S)
         assert _host_engine._width() == 2  # a thread of the caller's own
         assert beside.tobytes() == hvd_aps.encode(x, "e4m3").tobytes()
     comp = hvd_aps.APSCompressor("e4m3")
@@ -78,10 +78,12 @@ def test_exchanges_beside_compute_code_on_one_thread_until_awaited(monkeypatch):
     waited = []
     worker = threading.Thread(target=lambda: waited.append(comp.exchanger.result(done)))
     worker.start()
+    deadline = time.monotonic() + WAIT_S
     while not _host_engine._awaiting[0]:  # the waiting caller widens every exchange's codec
+        assert time.monotonic() < deadline, "the waiting caller never widened the codec"
         time.sleep(1e-3)
     done.set_result([1])
-    worker.join()
+    worker.join(timeout=WAIT_S)
     assert waited == [[1]] and _host_engine._awaiting[0] == 0
 
 
