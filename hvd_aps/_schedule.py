@@ -163,7 +163,7 @@ class Phase(str, enum.Enum):
     CHUNKING = "chunking"  # the buckets' chunkings still tried: no policy trial yet
     TRIALS = "trials"      # blocks of trial steps on each path
     DECIDING = "deciding"  # the medians (or the model's prediction) ride on the next step's metadata
-    DECIDED = "decided"    # every rank chose alike; no more trials
+    DECIDED = "decided"    # every rank chose alike; no more trials for RECHECK_STEPS steps
 
 
 class _Policy:
@@ -260,12 +260,14 @@ class _Policy:
                     self.phase = Phase.DECIDING
 
     def recheck(self) -> None:
-        """RECHECK_STEPS after the decision: every path timed again, from a fresh round (the
-        codes steps first: the deciding step's exchanges must carry metadata)."""
+        """RECHECK_STEPS after the decision: every path weighed again as at the start, codes
+        steps first (a bucket first met on a native path has its chunking tried there, and the
+        deciding step's exchanges must carry metadata), then a fresh round of trials (or, with a
+        link, the model's prediction from the first block)."""
         log.info("hvd_aps schedule: %d steps since %s was chosen: timing every path again", self.since,
                  _path_text(self.chosen))
-        self.phase, self.chosen, self.order, self.block, self.timed = Phase.TRIALS, None, trial_order(self.paths), 0, 0
-        self.warming, self.rounds, self.since, self.medians = WARMUP_STEPS, 1, 0, None
+        self.phase, self.chosen, self.order, self.block, self.timed = Phase.CHUNKING, None, trial_order(self.paths), 0, 0
+        self.warming, self.rounds, self.since, self.medians, self.prediction = WARMUP_STEPS, 1, 0, None, None
         self.steps = {path: [] for path in self.paths}
 
     def decide(self, medians: dict) -> None:

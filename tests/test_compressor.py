@@ -363,8 +363,9 @@ def test_policy_auto_switches_only_between_steps():
 
 
 def test_policy_auto_times_every_path_again_recheck_steps_after_deciding_and_resumes_the_count():
-    """RECHECK_STEPS steps after a decision a fresh round of trial blocks runs (codes first, its
-    steps timed anew) and decides again; the steps counted so far are in the state_dict, so a
+    """RECHECK_STEPS steps after a decision the paths are weighed again as at the start: a codes
+    step for the chunkings, then a fresh round of trial blocks (codes first, timed anew), decided
+    again; the steps counted so far are in the state_dict, so a
     resumed run re-checks where the uninterrupted one would; a pinned decision never re-checks."""
     from hvd_aps._schedule import RECHECK_STEPS, STEP_TRIALS, UNMEASURED, Schedule, trial_order, trial_steps
     paths = ("codes", "float32")
@@ -387,6 +388,7 @@ def test_policy_auto_times_every_path_again_recheck_steps_after_deciding_and_res
     for run in (schedule, resumed):
         assert _commits(run, 1) == ["float32"]  # the last step before the re-check
         assert run.report()[-1]["chosen"] is None and run.decisions()["policy"] is None
+        assert _commits(run, 1) == [None]  # codes while the chunkings are checked, as at the start
         assert _commits(run, trial_steps(paths) - 1) == _blocks(trial_order(paths))[:-1]
         assert [len(v) for v in run.state_dict()["(policy)"]["steps"].values()] == [STEP_TRIALS] * 2
         run.agreed("b", [UNMEASURED, UNMEASURED, 0.5, 1.0, UNMEASURED, UNMEASURED])  # codes faster now

@@ -190,6 +190,7 @@ def test_policy_auto_passes_decided_batches_to_horovods_own_allreduce(ranks):
 def test_a_slow_rank_through_horovods_optimizer_neither_hangs_nor_flaps(tmp_path):
     """The one line with policy="auto" while the last rank's backward sleeps
     (workers/slow_rank_checks.py): the same decisions on every rank after every step, none
-    changes once decided, and the step follows the slow rank."""
+    changes once decided (the re-check, RECHECK_STEPS later, lies past the run), and the step
+    follows the slow rank."""
     horovodrun("slow_rank_checks.py", tmp_path, args=("horovod",))
     check_slow_rank_runs(load(tmp_path, "slow"))
