@@ -25,16 +25,16 @@ machine's other load moves far less than it moves the wall clock on a shared mac
 users run it.
 """
 import argparse
+import contextlib
 import json
-import os
 import pathlib
-import signal
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+import psutil
 
 import recipes
 
@@ -97,14 +97,16 @@ def launch(entry: str, compression: str, tensors: int, elements: int, args) -> d
 
 
 def bounded(command) -> subprocess.CompletedProcess:
-    """`command` run in a session of its own; past LAUNCH_TIMEOUT_S every process of that session
-    (the launcher's ranks too, which killing the launcher alone would leave running) is killed."""
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
-                          start_new_session=True) as proc:
+    """`command` run to its end; past LAUNCH_TIMEOUT_S it is killed with every process under it
+    (the launchers start their ranks in sessions of their own: killing the launcher's alone would
+    leave them running)."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE) as proc:
         try:
             out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
             raise RuntimeError(f"{' '.join(command)} ran past {LAUNCH_TIMEOUT_S} s: killed with its ranks") from None
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 

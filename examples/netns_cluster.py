@@ -48,12 +48,18 @@ BENCHMARKS = {"": "pytorch_synthetic_benchmark.py", "tf": "tensorflow2_synthetic
 OMP_WAIT_POLICY = "PASSIVE"  # see rank_env
 UNCOMPRESSED = ("none", "fp16")  # each framework's peers: its own allreduce in fp32 and in 16 bits
 COMMAND_S = 30  # an ip or tc command
-SERVE_S = 60    # the rendezvous server's start, up to the port it prints
+SERVE_S = 60    # the rendezvous server's start, up to the port it prints, and its end
+DRAIN_S = 5     # what a rank's pipes get to be read once the job's bound has passed
 
 
 def sh(*cmd, ns=None, check=True):
+    """Run an ip or tc command within COMMAND_S; check: a failure (or a command past it) raises,
+    else it is returned (a command past it as exit code -9: cleanup goes on)."""
     full = (["ip", "netns", "exec", ns] if ns else []) + [str(c) for c in cmd]
-    done = subprocess.run(full, capture_output=True, text=True, timeout=COMMAND_S)
+    try:
+        done = subprocess.run(full, capture_output=True, text=True, timeout=COMMAND_S)
+    except subprocess.TimeoutExpired:
+        done = subprocess.CompletedProcess(full, -9, "", f"ran past {COMMAND_S} s")
     if check and done.returncode:
         raise RuntimeError(f"{' '.join(full)} failed ({done.returncode}): {done.stderr.strip()}")
     return done
@@ -152,7 +158,7 @@ def launch(names, per_host, argv, timeout, rank_prefix="", label=""):
                 procs.append(subprocess.Popen(cmd, env=rank_env(host, local, len(names), per_host, port),
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + timeout  # one bound for the job, not one a rank in turn
-        outs = [p.communicate(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+        outs = [p.communicate(timeout=max(DRAIN_S, deadline - time.monotonic())) for p in procs]
         failed = [f"rank {rank} failed ({p.returncode}):\n{out[-1000:]}\n{_without_module_list(err)[-3000:]}"
                   for rank, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode]
         if failed:  # every failed rank's own words: the first to fail is often not rank 0
@@ -162,7 +168,10 @@ def launch(names, per_host, argv, timeout, rank_prefix="", label=""):
         for p in procs:
             p.kill()
         server.stdin.close()
-        server.wait(timeout=30)
+        try:
+            server.wait(timeout=SERVE_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def _without_module_list(stderr: str) -> str:

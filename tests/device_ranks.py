@@ -57,7 +57,7 @@ def run_ranks(rank, world: int, barriers: list) -> None:
     deadline = time.monotonic() + RANKS_S
     for thread in threads:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    stuck = [thread.name for thread in threads if thread.is_alive()]
-    assert not stuck, f"{stuck} still running after {RANKS_S} s"
     if errors:
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    assert not stuck, f"{stuck} still running after {RANKS_S} s"

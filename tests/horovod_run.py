@@ -74,8 +74,9 @@ def _stacks_then_kill(proc: subprocess.Popen) -> tuple:
         _signal(p, signal.SIGKILL)
     try:
         return proc.communicate(timeout=STACKS_S)  # the session killed: its pipes close
-    except subprocess.TimeoutExpired:
-        return "", f"(the job's pipes were still open {STACKS_S} s after it was killed: its output is lost)"
+    except subprocess.TimeoutExpired as held:  # a process outside it holds them: what was read
+        return tuple(text.decode(errors="replace") if isinstance(text, bytes) else text or ""
+                     for text in (held.stdout, held.stderr))
 
 
 # what killing horovodrun's helper processes makes multiprocessing's resource tracker print, once each

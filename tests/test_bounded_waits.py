@@ -1,7 +1,10 @@
-"""No test, example or script of the project waits without a bound: every child process run, every
-join, result, wait or get of a thread, process, future or queue, and every barrier is given a
-timeout (a hung peer then fails the run, it does not stall CI). A wait bounded some other way says
-how on its line, in a comment starting "bounded:"."""
+"""No test, example or script of the project waits without a bound (a hung peer then fails the
+run, it does not stall CI). In the Python of tests/, examples/ and scripts/: every subprocess.run
+(and check_output, check_call, call), every join, result, wait, get, communicate or acquire
+called with no argument (a thread's, process's, future's, queue's), and every Barrier is given a
+timeout, or says on its line what bounds it otherwise, in a comment starting "bounded:". Calls
+with arguments are taken for what else those names are (str.join, dict.get); the shell scripts
+bound theirs with timeout(1), and pytest.ini bounds every test as a whole."""
 import ast
 import pathlib
 

@@ -76,13 +76,15 @@ def test_exchanges_beside_compute_code_on_one_thread_until_awaited(monkeypatch):
     comp = hvd_aps.APSCompressor("e4m3")
     done = concurrent.futures.Future()
     waited = []
-    worker = threading.Thread(target=lambda: waited.append(comp.exchanger.result(done)))
+    worker = threading.Thread(target=lambda: waited.append(comp.exchanger.result(done)), daemon=True)
     worker.start()
     deadline = time.monotonic() + WAIT_S
-    while not _host_engine._awaiting[0]:  # the waiting caller widens every exchange's codec
-        assert time.monotonic() < deadline, "the waiting caller never widened the codec"
-        time.sleep(1e-3)
-    done.set_result([1])
+    try:
+        while not _host_engine._awaiting[0]:  # the waiting caller widens every exchange's codec
+            assert time.monotonic() < deadline, "the waiting caller never widened the codec"
+            time.sleep(1e-3)
+    finally:
+        done.set_result([1])
     worker.join(timeout=WAIT_S)
     assert waited == [[1]] and _host_engine._awaiting[0] == 0
 
