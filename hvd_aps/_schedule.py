@@ -232,10 +232,8 @@ class _Policy:
         if self.phase is Phase.DECIDING and self.medians is not None:
             self.decide(self.medians)
             return
-        if self.phase is Phase.DECIDED and not self.pinned:
+        if self.phase is Phase.DECIDED:
             self.since += 1
-            if self.since >= RECHECK_STEPS:
-                self.recheck()
             return
         if self.phase is Phase.CHUNKING and chunking_fixed:
             self.phase = Phase.TRIALS  # the first trial step starts here
@@ -259,16 +257,11 @@ class _Policy:
                     self.predicting = {CODES: statistics.median(self.steps[CODES]), **natives}
                     self.phase = Phase.DECIDING
 
-    def recheck(self) -> None:
-        """RECHECK_STEPS after the decision: every path weighed again as at the start, codes
-        steps first (a bucket first met on a native path has its chunking tried there, and the
-        deciding step's exchanges must carry metadata), then a fresh round of trials (or, with a
-        link, the model's prediction from the first block)."""
-        log.info("hvd_aps schedule: %d steps since %s was chosen: timing every path again", self.since,
-                 _path_text(self.chosen))
-        self.phase, self.chosen, self.order, self.block, self.timed = Phase.CHUNKING, None, trial_order(self.paths), 0, 0
-        self.warming, self.rounds, self.since, self.medians, self.prediction = WARMUP_STEPS, 1, 0, None, None
-        self.steps = {path: [] for path in self.paths}
+    @property
+    def recheck_due(self) -> bool:
+        """RECHECK_STEPS steps since a decision pin() did not give: every path is to be weighed
+        again as at the start."""
+        return self.phase is Phase.DECIDED and not self.pinned and self.since >= RECHECK_STEPS
 
     def decide(self, medians: dict) -> None:
         """Every rank's slowest median step on each path weighed -> another round of trials where
@@ -487,8 +480,18 @@ class Schedule:
             self._model.timeline.committed(began, now, self.predicting and fixed and ran_codes)
             if self._policy is not None:
                 self._policy.step_ended(took, fixed, self._prediction)
+                if self._policy.recheck_due:
+                    self._recheck()
             elif self._model.watch is not None:
                 self._model.watched(took, self._buckets)
+
+    def _recheck(self) -> None:
+        """A fresh policy, as at the start: codes steps first (a bucket first met on a native path
+        has its chunking tried there, and the deciding step's exchanges must carry metadata), then
+        a round of trials (or, with a link, the model's prediction from the first block)."""
+        log.info("hvd_aps schedule: %d steps since %s was chosen: timing every path again", self._policy.since,
+                 _path_text(self._policy.chosen))
+        self._policy = _Policy(self.natives)
 
     def rollback(self) -> None:
         with self._lock:
