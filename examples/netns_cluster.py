@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import select
+import shutil
 import signal
 import socket
 import statistics
@@ -48,6 +49,7 @@ BENCHMARKS = {"": "pytorch_synthetic_benchmark.py", "tf": "tensorflow2_synthetic
 OMP_WAIT_POLICY = "PASSIVE"  # see rank_env
 UNCOMPRESSED = ("none", "fp16")  # each framework's peers: its own allreduce in fp32 and in 16 bits
 COMMAND_S = 30  # an ip or tc command
+CALIBRATED = ("horovod", "torch")  # --calibrate: a job of each framework, as horovodrun and torchrun start them
 SERVE_S = 60    # the rendezvous server's start, up to the port it prints, and its end
 DRAIN_S = 5     # what a rank's pipes get to be read once the job's bound has passed
 
@@ -139,10 +141,12 @@ def rank_env(host, local, hosts, per_host, port):
                 GROUP_RANK=str(host))
 
 
-def launch(names, per_host, argv, timeout, rank_prefix="", label=""):
-    """Run the example `argv` (a script in examples/ and its arguments) as every rank of the
+def launch(names, per_host, argv, timeout, rank_prefix="", label="", torch_only=False):
+    """Run the example `argv` (a script in examples/ and its arguments, or -m and a module) as every rank of the
     cluster, per_host ranks in each host namespace, Horovod's rendezvous served from the switch
     namespace; returns rank 0's JSON lines (whatever a rank_prefix command prints around them).
+    torch_only: the ranks see torchrun's variables alone, not Horovod's (what decides which
+    framework a program that takes either runs, as `calibrate --links` does).
     rank_prefix: a command every rank runs under, {rank} and {compression} (label) filled in."""
     server = subprocess.Popen(["ip", "netns", "exec", SWITCH, sys.executable, __file__, "--serve",
                                f"{len(names)},{per_host}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -154,8 +158,12 @@ def launch(names, per_host, argv, timeout, rank_prefix="", label=""):
         for host, ns in enumerate(names):
             for local in range(per_host):
                 prefix = rank_prefix.format(rank=host * per_host + local, compression=label).split()
-                cmd = ["ip", "netns", "exec", ns, *prefix, sys.executable, str(EXAMPLES / argv[0]), *argv[1:]]
-                procs.append(subprocess.Popen(cmd, env=rank_env(host, local, len(names), per_host, port),
+                program = argv if argv[0] == "-m" else [str(EXAMPLES / argv[0]), *argv[1:]]
+                cmd = ["ip", "netns", "exec", ns, *prefix, sys.executable, *program]
+                env = rank_env(host, local, len(names), per_host, port)
+                if torch_only:
+                    env = {k: v for k, v in env.items() if not k.startswith("HOROVOD_")}
+                procs.append(subprocess.Popen(cmd, env=env,
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + timeout  # one bound for the job, not one a rank in turn
         outs = [p.communicate(timeout=max(DRAIN_S, deadline - time.monotonic())) for p in procs]
@@ -317,6 +325,24 @@ def cpu_table(rows):
               + " ".join(f"{1e3 * row['cpu_threads_per_step'][k]:8.1f}" for k in kinds), flush=True)
 
 
+def calibrate(names, hosts, rate, args, progress):
+    """`python -m hvd_aps calibrate --links --entry-points` on every rank of this cluster, once as a
+    horovodrun job and once as a torchrun job, each into a copy of the --calibrate file named for
+    the cluster's shape, rate and framework (FILE's stem.HxL.RATE.FRAMEWORK.json): the link, each
+    entry point's costs and the contention as a user's job measures them (every rank shares this
+    machine's cores)."""
+    source = pathlib.Path(args.calibrate).resolve()
+    for framework in CALIBRATED:
+        out = source.with_name(f"{source.stem}.{hosts}x{args.ranks_per_host}.{rate or 'uncapped'}.{framework}.json")
+        shutil.copyfile(source, out)
+        launch(names, args.ranks_per_host, ["-m", "hvd_aps", "calibrate", "--links", "--entry-points", "--sharing",
+                                            str(hosts * args.ranks_per_host), "--out", str(out)], args.timeout,
+               label=f"calibrate {framework}", torch_only=framework == "torch")
+        print(f"{hosts} hosts x {args.ranks_per_host}, {rate or 'uncapped'}: {framework} calibrated into {out}",
+              flush=True)
+        progress.update()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", default="2,4", help="host counts to run")
@@ -343,6 +369,10 @@ def main():
     parser.add_argument("--timeout", type=int, default=600, help="seconds per job")
     parser.add_argument("--quick", action="store_true", help="2 hosts at 1gbit, a 1M-parameter model, 3 steps")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--calibrate", help="in place of the benchmarks: a calibration file holding the codec's "
+                        "(python -m hvd_aps calibrate); on each cluster every rank runs calibrate --links "
+                        "--entry-points (its ranks sharing this machine) as a horovodrun and a torchrun job, each into a copy "
+                        "of it, FILE's stem.HxL.RATE.FRAMEWORK.json")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -354,9 +384,14 @@ def main():
         args.hosts, args.rates, args.hidden, args.iters = "2", "1gbit", 512, 3
     rows = []
     shapes = [(int(h), None if r == "none" else r) for h in args.hosts.split(",") for r in args.rates.split(",")]
-    progress = tqdm(total=len(shapes) * len(jobs(args.compressions.split(","), args)), unit="job")
+    per_shape = len(CALIBRATED) if args.calibrate else len(jobs(args.compressions.split(","), args))
+    progress = tqdm(total=len(shapes) * per_shape, unit="job")
     for hosts, rate in shapes:
         progress.set_description(f"{hosts} hosts x {args.ranks_per_host}, {rate or 'uncapped'}")
+        if args.calibrate:
+            with cluster(hosts, rate, args.queue) as names:
+                calibrate(names, hosts, rate, args, progress)
+            continue
         with cluster(hosts, rate, args.queue) as names:
             results = repeated(names, args.compressions.split(","), args, progress)
         rows += table(results, hosts, args.ranks_per_host, rate, args)

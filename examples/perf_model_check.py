@@ -44,12 +44,11 @@ import subprocess
 
 import torch
 
+import recipes
 from hvd_aps import calibration, perf, step_profile
 from synthetic_models import inputs, loss_fn, model as build_model
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-HOROVOD_FUSION_BYTES = 128 << 20  # Horovod >= 0.21's fusion threshold
-CODES_BUCKET_BYTES = 16 << 20     # APSCompressor's bucket_bytes
 TWO_LEVEL_BYTES = 0.25  # a host's bytes x an fp32 ring's under which a row of several ranks a host ran two levels
 FORMATS = {"e4m3": 8, "e3m0": 4}
 PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments that build it
@@ -57,11 +56,15 @@ PROFILE_ARGS = {  # (profile, parameters) -> the synthetic benchmark's arguments
     ("resnet18", 11689512): dict(image_size=112), ("transformer", 18915328): dict(hidden=512, blocks=6),
     ("lm", 23083008): dict(hidden=512, blocks=2, vocab=16384),
     ("tensors300x20000", 6000000): dict(profile="tensors", tensors=300, tensor_elements=20000),
-    ("tensors2x3000000", 6000000): dict(profile="tensors", tensors=2, tensor_elements=3000000)}
+    ("tensors2x3000000", 6000000): dict(profile="tensors", tensors=2, tensor_elements=3000000),
+    ("tensors400x10000", 4000000): dict(profile="tensors", tensors=400, tensor_elements=10000)}
 # the `tensors` profile's rows hold the same parameters in different tensors: its files' shapes, by name
-TENSOR_FILES = {"tensors300_1gbit": "tensors300x20000", "tensors300_trimmed_1gbit": "tensors300x20000",
-                "tensors300_lastbatch_1gbit": "tensors300x20000", "tensors2_1gbit": "tensors2x3000000",
-                "tensors2_trimmed_1gbit": "tensors2x3000000"}
+TENSOR_FILES = {**dict.fromkeys(("tensors300_1gbit", "tensors300_trimmed_1gbit", "tensors300_lastbatch_1gbit",
+                                  "tensors300_1gbit_cpu", "tensors300_1gbit_floor", "tensors300_1gbit_threads"),
+                                 "tensors300x20000"),
+                **dict.fromkeys(("tensors2_1gbit", "tensors2_trimmed_1gbit", "tensors2x3m_1gbit_cpu",
+                                 "tensors2x3m_1gbit_floor", "tensors2x3m_1gbit_threads"), "tensors2x3000000"),
+                **dict.fromkeys(("tensors400_1gbit", "tensors400_1gbit_cbe1851"), "tensors400x10000")}
 # the host level of two levels as the tree that recorded a file ran it (by the commits that changed it;
 # every other file: the model's perf.HOST_COPIES, as the code now runs it), as the Cluster's keywords:
 # over TCP on loopback (process sets and Gloo subgroups, before d285d71 put it in shared memory: no
@@ -100,9 +103,10 @@ def measured_rows():
 
 
 def path_of(compression):
-    """(framework, name, bits, format or None) of a cluster compression name; None where left out."""
+    """(framework, name, bits, format or None) of a cluster compression name; None where left out
+    (policy="auto", and the floor of Horovod's per-gradient path, which exchanges nothing)."""
     framework, _, name = compression.rpartition(":")
-    if framework not in ("", "ddp", "fsdp") or name.endswith("-auto"):
+    if framework not in ("", "ddp", "fsdp") or name.endswith("-auto") or name == recipes.FLOOR:
         return None
     if name in ("none", "fp16"):
         return framework or "hvd", name, 32 if name == "none" else 16, None
@@ -178,8 +182,9 @@ def workload(r):
     elif framework == "ddp":
         buckets = perf.ddp_buckets(n)
     else:
-        cap = (CODES_BUCKET_BYTES if fmt else HOROVOD_FUSION_BYTES) // perf.FLOAT32_BYTES
-        buckets = [min(cap, n - i) for i in range(0, n, cap)]
+        # codes in APSCompressor's buckets; Horovod's own allreduce as fusion buffers at the backward's end
+        cap = perf.HOROVOD_FUSION_BYTES // perf.FLOAT32_BYTES
+        buckets = perf.entry_buckets(n, perf.EntryPoint.HOROVOD) if fmt else [min(cap, n - i) for i in range(0, n, cap)]
     return perf.Workload(n, compute, r["backward"] / compute if compute else 1.0, r["optimizer"], buckets,
                          shapes(r["profile"], n)[0], TIMELINES[(r["profile"], n)])
 

@@ -4,6 +4,7 @@
 `python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit [--fsdp 8 [--hsdp]]`
 (or `plan --profile step.json`, a step hvd_aps.step_profile measured)."""
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -45,7 +46,9 @@ def probe_command(args):
 
 def calibrate_command(args):
     if args.links:
-        return _calibrate_links(args.out)
+        return _calibrate_links(args)
+    if args.entry_points or args.sharing:
+        raise SystemExit("--entry-points and --sharing need --links (in a horovodrun or torchrun job)")
     print(f"timing the codes exchange as rank 0 of {args.world} ranks ({calibration.engine_name(args.device)} "
           f"engine)...", file=sys.stderr)
     result = calibration.calibrate([str(f) for f in args.format], args.world, device=args.device)
@@ -57,57 +60,72 @@ def calibrate_command(args):
     print(f"written to {args.out}")
 
 
-def _calibrate_links(out):
+def _calibrate_links(args):
     """Inside a job launched by horovodrun (Horovod's allreduce) or torchrun (torch.distributed's,
     Gloo; NCCL where CUDA is there): time the framework's float32 allreduce at several sizes on
-    every rank, fit the link, and (rank 0) add it to `out`."""
+    every rank and fit the link; with --entry-points, each path's costs in the job and the
+    contention of codec and compute (hvd_aps.entry_costs); rank 0 adds them to --out."""
+    from . import entry_costs  # torch, and Horovod under horovodrun
     if "HOROVOD_RANK" in os.environ:
-        _job_links(out, *_horovod_job())
+        job = entry_costs.HorovodJob()
     elif "RANK" in os.environ:
-        _job_links(out, *_torch_job())
+        job = entry_costs.TorchJob()
     else:
         raise ValueError("calibrate --links measures a running job: launch it on every host with horovodrun "
                          "(horovodrun -np N -H ... python -m hvd_aps calibrate --links) or torchrun "
                          "(torchrun --nnodes H --nproc-per-node L ... -m hvd_aps calibrate --links)")
-
-
-def _job_links(out, name, rank, hosts, world, allreduce, finish):
-    """Time `allreduce` on this job's hosts x (world / hosts) ranks; rank 0 writes the link."""
     try:
-        cluster = perf.Cluster(hosts, perf.Link(1.0), world // hosts)
-        link, rows = calibration.time_links(allreduce, cluster)
-        if rank == 0:
-            calibration.add_links(out, calibration.links_entry(link, cluster, rows))
-            print(f"{hosts} hosts x {cluster.ranks_per_host} ranks: {name}'s float32 allreduce gets "
-                  f"{_rate(link.bandwidth)} and {link.latency * 1e6:.0f} us a message step; written to {out}")
-    finally:
-        finish()
+        _job_links(job, args)
+    except BaseException:
+        job.finish(clean=False)  # a rank that failed: the others may not be where it is
+        raise
+    job.finish()
 
 
-def _horovod_job() -> tuple:
-    """(name, rank, hosts, world, allreduce, finish) of a horovodrun job (Horovod's torch
-    binding: a host is a group of local ranks, Horovod's cross size)."""
-    import horovod.torch as hvd
-    import torch
-    hvd.init()
-    return ("Horovod", hvd.rank(), hvd.cross_size(), hvd.size(),
-            lambda values: hvd.allreduce(torch.from_numpy(values), op=hvd.Sum, name=f"calibrate.{values.size}"),
-            hvd.shutdown)
+def _job_links(job, args):
+    """Time the job's link (and its entry points' costs) on its hosts x (world / hosts) ranks;
+    rank 0 writes them."""
+    formats = [str(f) for f in args.format]
+    codecs = _agreed_codecs(job, args.out, formats) if args.entry_points else None
+    per_host = job.world // job.hosts
+    cluster = perf.Cluster(job.hosts, perf.Link(1.0), per_host, sharing=args.sharing or per_host)
+    link, rows = calibration.time_links(job.allreduce, cluster)
+    cluster = dataclasses.replace(cluster, between=link, inside=link if job.hosts == 1 else cluster.inside)
+    costs = None
+    if codecs:
+        from . import entry_costs
+        say = print if job.rank == 0 else (lambda *_, **__: None)
+        costs = entry_costs.measure(job, dataclasses.replace(cluster, copy=codecs.copy or 0.0), formats,
+                                    codecs.codecs, progress=lambda what: say(f"timing {what} in the job...",
+                                                                             file=sys.stderr))
+    if job.rank == 0:
+        calibration.add_links(args.out, calibration.links_entry(link, cluster, rows, costs))
+        print(f"{job.hosts} hosts x {per_host} ranks: {job.name}'s float32 allreduce gets "
+              f"{_rate(link.bandwidth)} and {link.latency * 1e6:.0f} us a message step; written to {args.out}")
+        if costs:
+            _print_costs(costs)
 
 
-def _torch_job() -> tuple:
-    """(name, rank, hosts, world, allreduce, finish) of a torchrun job."""
-    import torch
-    import torch.distributed as dist
-    from ._topology import launcher_place
-    from .ddp import TorchDistributedCollectives
-    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    dist.init_process_group("nccl" if device != "cpu" else "gloo")
-    places = [None] * dist.get_world_size()
-    dist.all_gather_object(places, launcher_place()[0])
-    coll = TorchDistributedCollectives(None, device)
-    return ("torch.distributed", dist.get_rank(), len(set(places)), dist.get_world_size(),
-            lambda values: coll.allreduce(values, "calibrate"), dist.destroy_process_group)
+def _agreed_codecs(job, out: str, formats: list) -> calibration.Calibration:
+    """Rank 0's calibration in `out`, which --entry-points needs to hold every format's codec,
+    the same on every rank (other hosts need not have the file)."""
+    loaded, missing = None, formats
+    if job.rank == 0 and pathlib.Path(out).exists():
+        loaded = calibration.load(out)
+        missing = [f for f in formats if f not in loaded.codecs]
+    loaded, missing = job.allgather_object((loaded, missing))[0]
+    if missing:  # every rank alike
+        raise SystemExit(f"--entry-points needs the codec's calibration in rank 0's {out}: run python -m hvd_aps "
+                         f"calibrate --format {' --format '.join(missing)} --out {out} first (one process, no launcher)")
+    return loaded
+
+
+def _print_costs(costs: dict) -> None:
+    rows = [(entry.value, path, f"{cost.per_gradient * 1e6:.1f}", f"{cost.processor * 1e9:+.2f}")
+            for entry, paths in costs["entry_points"].items() for path, cost in paths.items()]
+    print(_table(["entry point", "path", "us a gradient", "ns an element beyond the model"], rows))
+    print(f"contention: {costs['contention']:.2f} s of compute lost a second of codec time, "
+          f"{costs['wire_contention']:.2f} a second of the float32 allreduce")
 
 
 def plan_command(args):
@@ -123,21 +141,23 @@ def plan_command(args):
                          f"run python -m hvd_aps calibrate --format {missing[0]}")
     work = _workload(args)
     step, split = _step_models(args)
-    paths = [perf.Path("float32", 32), perf.Path("16-bit", 16)] + [
-        perf.Path(f"codes {f}", FloatFormat.parse(f).bits, codecs[f], pipelined=not args.horovod,
-                  collective=perf.HOROVOD_COLLECTIVE_S if args.horovod else 0.0) for f in formats]
+    paths = loaded.paths(args.entry_point, formats)
     # on the CPU two levels run inside a host through its memory, at the rate calibrated (or measured now)
     copy = 0.0 if args.accelerator else loaded.copy or calibration.time_copy()
-    clusters = [perf.Cluster(args.hosts, _link(rate, args, loaded), args.ranks_per_host, copy=copy)
-                for rate in args.links.split(",")]
+    sharing = args.sharing or (1 if args.accelerator else args.ranks_per_host)
+    clusters = [perf.Cluster(args.hosts, _link(rate, args, loaded), args.ranks_per_host, copy=copy, sharing=sharing,
+                             **loaded.contentions()) for rate in args.links.split(",")]
     levels = " (two levels)" if clusters[0].two_levels and not args.fsdp else ""
     print(f"{work.parameters:,} parameters, {work.compute * 1e3:g} ms compute a step, {args.hosts} hosts x "
           f"{args.ranks_per_host} ranks{levels}, " + (
               f"{'HSDP' if args.hsdp else 'FSDP2'} in {args.fsdp} units ({'no ' if args.no_reshard else ''}resharding "
               f"after forward): the framework's {_fsdp_peer(args)}" if args.fsdp else "the framework's allreduce") +
-          " against codes" + (" through Horovod's collectives" if args.horovod else "") +
-          "; predicted step (x float32's), what its exchanges spend, and the averaged gradient's relative error "
-          f"as measured at {fidelity.nearest_world(args.hosts * args.ranks_per_host)} workers (docs/accuracy.md)")
+          " against codes" +
+          f" through {args.entry_point.value}'s entry point; predicted step (x float32's), what its exchanges spend, "
+          f"and the averaged gradient's relative error as measured at "
+          f"{fidelity.nearest_world(args.hosts * args.ranks_per_host)} workers (docs/accuracy.md)")
+    if not args.fsdp:
+        _say_costs(loaded, args.entry_point, clusters[0].sharing)
     if args.device == "cuda":
         print(f"(on a GPU: {loaded.describe()})")
     for rate, cluster in zip(args.links.split(","), clusters):
@@ -157,6 +177,24 @@ def plan_command(args):
         _plot(args.plot, work, paths, clusters[0], step)
 
 
+def _say_costs(loaded: calibration.Calibration, entry: perf.EntryPoint, sharing: float) -> None:
+    """What the plan takes from the job's calibration, or a note where it has nothing for `entry`."""
+    native = perf.EntryPoint.HOROVOD if entry is perf.EntryPoint.CODES else entry
+    if not {entry, native} <= loaded.entry_points.keys():
+        launcher = "torchrun" if entry is perf.EntryPoint.DDP else "horovodrun"
+        print(f"note: no cost a gradient measured for {entry.value}'s paths in the calibration (the codec's alone): "
+              f"{launcher} ... -m hvd_aps calibrate --links --entry-points measures them", file=sys.stderr)
+        return
+    costs = {**loaded.entry_points[native], **loaded.entry_points[entry]}
+    print("measured in a job: " + ", ".join(f"{path} {cost.per_gradient * 1e6:.0f} us a gradient"
+                                            for path, cost in costs.items())
+          + f"; the exchange takes {loaded.contention:.0%} of the cores beside compute while its codec runs, "
+            f"{loaded.wire_contention:.0%} while its bytes travel")
+    if loaded.sharing is not None and loaded.sharing != sharing:
+        print(f"note: those costs were measured with {loaded.sharing:g} ranks sharing a machine's cores, planned "
+              f"with {sharing:g} (--sharing)", file=sys.stderr)
+
+
 def _error(path: str, world: int) -> str:
     measured = fidelity.error(path, world)
     return "-" if measured is None else f"{100 * measured:.1f} %"
@@ -167,8 +205,8 @@ def _workload(args) -> perf.Workload:
     from --params and --compute-ms; in --fsdp units where FSDP2 is planned."""
     profile = step_profile.load(args.profile) if args.profile else None
     parameters = profile.parameters if profile else args.params
-    options = {"buckets": perf.fsdp_units(parameters, args.fsdp) if args.fsdp else None,
-               "shared_processor": not args.accelerator}
+    buckets = perf.fsdp_units(parameters, args.fsdp) if args.fsdp else perf.entry_buckets(parameters, args.entry_point)
+    options = {"buckets": buckets, "shared_processor": not args.accelerator}
     if profile:
         return profile.workload(**options)
     return perf.Workload(parameters, args.compute_ms / 1e3, optimizer=args.optimizer_ms / 1e3, tensors=args.tensors,
@@ -278,6 +316,11 @@ def main(argv=None):
     cal.add_argument("--links", action="store_true", help="inside a horovodrun or torchrun job: measure the link the "
                                                           "framework's allreduce gets and add it to --out (plan --links "
                                                           "measured, HVD_APS_LINK)")
+    cal.add_argument("--entry-points", action="store_true",
+                     help="with --links: also each path's costs in the job (a gradient, an element) and how much "
+                          "the codec slows compute (a few minutes; --out must hold the codec's calibration)")
+    cal.add_argument("--sharing", type=float, help="with --links: ranks sharing one machine's cores (default: the "
+                                                   "ranks a host)")
     cal.set_defaults(run=calibrate_command)
     plan = sub.add_parser("plan", help="predicted step time of each path and format, and where codes pay")
     plan.add_argument("--params", type=_count_arg, help="gradient elements, e.g. 25M")
@@ -293,8 +336,13 @@ def main(argv=None):
     plan.add_argument("--latency-us", type=float, default=perf.DEFAULT_LATENCY * 1e6, help="between hosts, us")
     plan.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3, e3m0")
     plan.add_argument("--calibration", help="a file from python -m hvd_aps calibrate (default: calibrate now)")
-    plan.add_argument("--horovod", action="store_true", help="codes through Horovod's collectives (APSCompressor in "
-                      "hvd.DistributedOptimizer), whose chunks do not overlap codec and wire; default: the DDP hook's")
+    plan.add_argument("--entry-point", choices=[e.value for e in perf.EntryPoint], default=perf.EntryPoint.DDP.value,
+                      help="where gradients are handed over: horovod (hvd.DistributedOptimizer: Horovod's fused "
+                           "allreduce, the one line's codes one collective at a time), codes "
+                           "(hvd_aps.torch.DistributedOptimizer), ddp (DDP and its hooks; default); with its costs "
+                           "a gradient where --calibration measured them (calibrate --links --entry-points)")
+    plan.add_argument("--sharing", type=float, help="ranks sharing one machine's cores (default: the ranks a host; "
+                                                    "1 with --accelerator)")
     plan.add_argument("--accelerator", action="store_true", help="compute runs on an accelerator, not the codec's CPU")
     plan.add_argument("--device", choices=calibration.DEVICES, default="cpu",
                       help="where the codec runs: cuda plans it on a GPU (compute there too) with the GPU "
@@ -321,8 +369,11 @@ def main(argv=None):
         parser.error("--hsdp plans FSDP2's units: give --fsdp UNITS too")
     if args.command == "plan" and args.device == "cuda":
         args.accelerator = True
-    if args.command == "plan" and args.horovod and args.fsdp:
-        parser.error("--horovod plans Horovod's optimizer; FSDP2 (--fsdp) runs on torch.distributed")
+    if args.command == "plan":
+        args.entry_point = perf.EntryPoint(args.entry_point)
+    if args.command == "plan" and args.entry_point is not perf.EntryPoint.DDP and args.fsdp:
+        parser.error(f"--entry-point {args.entry_point.value} plans a Horovod job; FSDP2 (--fsdp) runs on "
+                     f"torch.distributed")
     try:
         args.run(args)
     except (ValueError, OSError) as bad:  # a link rate, a cluster shape or a calibration file

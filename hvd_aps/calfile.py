@@ -11,6 +11,7 @@ import pathlib
 from typing import Optional, Sequence
 
 from . import perf
+from .formats import FloatFormat
 from .perf import Codec
 
 FORMAT = "calibration/1"
@@ -31,8 +32,11 @@ LINK_ENV = "HVD_APS_LINK"  # the link the run-time schedule predicts the framewo
 class Calibration:
     """A calibration file's contents for the model: a Codec per format name, the host's copy rate,
     the link measured inside a job and the (hosts, ranks a host) it was measured on (None where the
-    file has none); whether its codecs were measured or projected, on which device, when, and the
-    command that made them."""
+    file has none), and from the same job each entry point's costs ({perf.EntryPoint: {path name:
+    perf.EntryCost}}), the contention of codec and compute and of the framework's allreduce and
+    compute (perf.Cluster.contention, wire_contention) and the ranks that shared a machine's
+    cores there; whether its codecs were measured or projected, on which
+    device, when, and the command that made them."""
     codecs: dict
     copy: Optional[float] = None
     link: Optional[perf.Link] = None
@@ -41,6 +45,28 @@ class Calibration:
     device: Optional[str] = None
     date: Optional[str] = None
     command: Optional[str] = None
+    entry_points: dict = dataclasses.field(default_factory=dict)
+    contention: Optional[float] = None
+    wire_contention: Optional[float] = None
+    sharing: Optional[float] = None
+
+    def entry_cost(self, entry: Optional[perf.EntryPoint], path: str) -> perf.EntryCost:
+        """What `path` costs through `entry` in the job measured (nothing where it was not)."""
+        return self.entry_points.get(entry, {}).get(path, perf.EntryCost())
+
+    def contentions(self) -> dict:
+        """perf.Cluster's contention keywords as measured (its defaults where they were not)."""
+        measured = {"contention": self.contention, "wire_contention": self.wire_contention}
+        return {key: value for key, value in measured.items() if value is not None}
+
+    def paths(self, entry: perf.EntryPoint, formats: Sequence[str]) -> list:
+        """The framework's float32 and 16-bit allreduce, then each format's codes, through `entry`
+        with the costs measured there (the codes optimizer's peers: Horovod's own optimizer)."""
+        native = perf.EntryPoint.HOROVOD if entry is perf.EntryPoint.CODES else entry
+        return [perf.entry_path(name, bits, entry=native, cost=self.entry_cost(native, name))
+                for name, bits in ((perf.FLOAT32_PATH, 32), (perf.HALF_PATH, 16))] + [
+            perf.entry_path(perf.codes_path(f), FloatFormat.parse(f).bits, self.codecs[f], entry,
+                            self.entry_cost(entry, perf.codes_path(f))) for f in formats]
 
     def describe(self) -> str:
         """Where its codec figures come from, in a line."""
@@ -73,10 +99,19 @@ def _read(path) -> dict:
     return data
 
 
-def links_entry(link: perf.Link, cluster: perf.Cluster, rows: Sequence) -> dict:
-    """A calibration file's "links" entry: the fitted link, the shape it was measured on, the times."""
-    return {"bandwidth": link.bandwidth, "latency": link.latency, "hosts": cluster.hosts,
-            "ranks_per_host": cluster.ranks_per_host, "measured": [{"elements": n, "seconds": s} for n, s in rows]}
+def links_entry(link: perf.Link, cluster: perf.Cluster, rows: Sequence, costs: Optional[dict] = None) -> dict:
+    """A calibration file's "links" entry: the fitted link, the shape it was measured on, the times,
+    and where measured in the same job (hvd_aps.entry_costs.measure) the entry points' costs and
+    the steps they were found from, the contentions, and the ranks that shared a machine's cores."""
+    entry = {"bandwidth": link.bandwidth, "latency": link.latency, "hosts": cluster.hosts,
+             "ranks_per_host": cluster.ranks_per_host, "measured": [{"elements": n, "seconds": s} for n, s in rows]}
+    if costs:
+        entry |= {"entry_points": {e.value: {path: dataclasses.asdict(cost) for path, cost in paths.items()}
+                                   for e, paths in costs["entry_points"].items()},
+                  "entry_steps": {e.value: paths for e, paths in costs["steps"].items()},
+                  "contention": costs["contention"], "wire_contention": costs["wire_contention"],
+                  "sharing": cluster.sharing}
+    return entry
 
 
 def job_link() -> Optional[perf.Link]:
@@ -104,8 +139,11 @@ def load(path) -> Calibration:
     data = _read(path)
     if not data:
         raise ValueError(f"no calibration file {path}: run python -m hvd_aps calibrate --out {path}")
-    links = data.get("links")
+    links = data.get("links") or {}
+    entry_points = {perf.EntryPoint(e): {path: perf.EntryCost(**cost) for path, cost in paths.items()}
+                    for e, paths in links.get("entry_points", {}).items()}
     return Calibration({fmt: Codec(**fitted) for fmt, fitted in data.get("codecs", {}).items()}, data.get("copy"),
                        perf.Link(links["bandwidth"], links["latency"]) if links else None,
                        (links["hosts"], links["ranks_per_host"]) if links else None,
-                       Kind(data.get("kind", Kind.MEASURED)), data.get("device"), data.get("date"), data.get("command"))
+                       Kind(data.get("kind", Kind.MEASURED)), data.get("device"), data.get("date"), data.get("command"),
+                       entry_points, links.get("contention"), links.get("wire_contention"), links.get("sharing"))

@@ -12,6 +12,7 @@ for a wire. On a GPU (`device="cuda"`) the gradients are CuPy arrays, so the CuP
 run, and each exchange is timed to the device's synchronisation.
 """
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -34,7 +35,7 @@ from .perf import Codec
 # the calibration files' API (hvd_aps.calfile) is this module's too
 __all__ = ["FORMAT", "GPU_PROJECTION", "LINK_ENV", "Calibration", "Kind", "add_links", "job_link", "links_entry",
            "load", "save", "BUCKETS", "DEVICE_BUCKETS", "DEVICES", "REPEATS", "LINK_ELEMENTS", "Mirror",
-           "engine_name", "device_name", "time_exchange", "fit_codec", "fit_rows", "time_copy", "fit_link",
+           "engine_name", "device_name", "exchange_runner", "time_exchange", "fit_codec", "fit_rows", "time_copy", "fit_link",
            "time_links", "calibrate"]
 
 BUCKETS = ((1 << 14, 1), (1 << 18, 1), (1 << 22, 1), (1 << 14, 16), (1 << 18, 16), (1 << 22, 16), (1 << 18, 256),
@@ -100,10 +101,11 @@ def device_name(device: str) -> str:
     return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
 
 
-def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: int = REPEATS,
-                  device: str = "cpu") -> float:
-    """Median seconds of one codes exchange of a bucket of `elements` float32 in `tensors` equal
-    tensors, as rank 0 of `world` ranks runs it, unchunked, on `device` ("cpu" or "cuda")."""
+@contextlib.contextmanager
+def exchange_runner(fmt: str, world: int, elements: int, tensors: int, device: str = "cpu"):
+    """A function that runs one codes exchange of a bucket of `elements` float32 in `tensors`
+    equal tensors, as rank 0 of `world` ranks runs it, unchunked, on `device` ("cpu" or
+    "cuda"), to its end; its compressor's threads stop on leaving the context."""
     xp, wait = _device(device)
     comp = APSCompressor(fmt, chunk_bytes=0)
     stages = comp.exchanger.stages(world, 0)
@@ -114,13 +116,24 @@ def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: in
     keys = [f"t{i}" for i in range(tensors)]
     bucket = Bucket.whole("calibration", keys, keys, sizes)
     levels = exchange.Levels.flat(Mirror(world))
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
+
+    def run():
         exchange.run(stages, bucket, flat, levels, out=out, average=True)
         comp.state.commit()
         wait()
-        times.append(time.perf_counter() - started)
+    with comp:
+        yield run
+
+
+def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: int = REPEATS,
+                  device: str = "cpu") -> float:
+    """Median seconds of one exchange_runner() exchange, after one untimed."""
+    times = []
+    with exchange_runner(fmt, world, elements, tensors, device) as run:
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
     return statistics.median(times[1:])
 
 
@@ -161,20 +174,26 @@ def time_copy(elements: int = COPY_ELEMENTS, repeats: int = REPEATS) -> float:
 
 
 def fit_link(rows: Sequence, cluster: perf.Cluster) -> perf.Link:
-    """The Link (bandwidth, latency) with which hvd_aps.perf.allreduce best predicts the measured
-    (float32 elements, seconds) of the framework's allreduce on `cluster`'s shape: least squares
-    relative to each time (they span orders of magnitude), on the ring's latency steps and bytes."""
+    """The Link (bandwidth, latency) with which hvd_aps.perf.allreduce predicts the measured
+    (float32 elements, seconds) of the framework's allreduce on `cluster`'s shape: the cost a byte
+    from least squares on the times themselves (the large messages, which gradients are, decide
+    it), then the latency a message step as the median of what the messages the latency
+    dominates leave beyond their bytes (small messages' times are noisy: fitted together, two
+    of them off by half moved a 1 Gbit/s link's bandwidth by a third)."""
     # allreduce() over links of one byte a second and no latency counts the bytes through a link;
     # of nothing over links of one second a message step, the message steps
     unit = perf.Cluster(cluster.hosts, perf.Link(1.0, 0.0), cluster.ranks_per_host, perf.Link(1.0, 0.0),
                         tree=cluster.tree)
     steps = perf.allreduce(0, dataclasses.replace(unit, between=perf.Link(1.0, 1.0), inside=perf.Link(1.0, 1.0)))
     seconds = np.array([s for _, s in rows])
-    a = np.array([[steps, perf.allreduce(n * perf.FLOAT32_BYTES, unit)] for n, _ in rows]) / seconds[:, None]
-    (latency, per_byte), *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
+    units = np.array([perf.allreduce(n * perf.FLOAT32_BYTES, unit) for n, _ in rows])
+    (_, per_byte), *_ = np.linalg.lstsq(np.stack([np.full(len(rows), steps), units], 1), seconds, rcond=None)
     if per_byte <= 0:
         raise ValueError(f"the allreduce's times do not grow with its size ({rows}): time larger messages")
-    return perf.Link(1.0 / float(per_byte), max(float(latency), 0.0))
+    left = seconds - units * per_byte
+    latency_bound = left > units * per_byte  # the latency more than half the time
+    latency = float(np.median(left[latency_bound] if latency_bound.any() else left[:1])) / steps
+    return perf.Link(1.0 / float(per_byte), max(latency, 0.0))
 
 
 def time_links(allreduce: Callable[[np.ndarray], object], cluster: perf.Cluster,

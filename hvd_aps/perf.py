@@ -24,19 +24,23 @@ them; `python -m hvd_aps calibrate` measures the codes exchange's own time, `Cod
   sums hide behind a slower wire (`_ring_with_sums`).
 - The step is a timeline: the forward, then the backward during which the gradients become ready
   (DDP's order: the last layers first; at the times a profile measured, `Workload.timeline`, else
-  in proportion to their elements), each exchange starting when its bucket is ready and the one
-  before it has ended; the optimizer after both. Where compute
-  and the codec share one processor (training on the CPU), the codec's time and the passes of
-  processor_time are added to the backward's.
+  in proportion to their elements) and are handed over past the entry point's cost a gradient,
+  each exchange starting when its bucket is handed over (Horovod's own allreduce: whatever is,
+  fused) and the one before it has ended; the optimizer after both. Where compute and the
+  exchange share one processor (training on the CPU), an exchange running beside the backward
+  takes a measured share of the processor from it (`_Timeline`).
 
-What the model leaves out (a reason for a measured step to differ): the framework's own
-processor time per float32 collective, stragglers, and congestion beyond the link's rate.
+What the model leaves out (a reason for a measured step to differ): two exchanges in flight at
+once, Horovod's cycle time, stragglers, and congestion beyond the link's rate.
 """
 import dataclasses
+import enum
 import itertools
 import math
 import re
 from typing import Callable, Optional, Sequence
+
+from .config import DEFAULT_BUCKET_BYTES
 
 FLOAT32_BYTES = 4
 BITS_PER_BYTE = 8
@@ -61,6 +65,7 @@ DEFAULT_LATENCY = 50e-6               # between hosts, where nothing was measure
 # timeline showed at 3-5 ms an alltoall or allgather on the netns cluster; 2 ms fitted on that
 # cluster's uncapped Horovod codes rows (examples/perf_model_check.py, 2026-11-26)
 HOROVOD_COLLECTIVE_S = 2e-3
+HOROVOD_FUSION_BYTES = 128 << 20  # Horovod's tensor fusion threshold (HOROVOD_FUSION_THRESHOLD's default)
 # bits a second as tc names them (1gbit, 10Gbit/s), or bytes (12.5GB, 12.5GB/s); "bps" is left
 # out: tc reads it as bytes, a NIC's data sheet as bits
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kKmMgGtT]?)(bit|Bit|B)(?:/s)?\s*$")
@@ -100,7 +105,13 @@ class Cluster:
     once, so scaled by `sharing` as the codec is): where > 0, two levels run their host level
     through that memory on the processor (hvd_aps on the CPU), where 0 over the `inside` link;
     `host_copies`: the float32 passes that host level makes per element of a rank's bucket
-    (HOST_COPIES: hvd_aps's now; earlier trees made more, and the model's check counts theirs)."""
+    (HOST_COPIES: hvd_aps's now; earlier trees made more, and the model's check counts theirs);
+    `contention`: where compute and the exchange share the processor (Workload.shared_processor),
+    the share of the processor compute loses while the exchange's codec and passes run beside it
+    (1: all of it, the cores being all compute's; less where the exchange's threads find idle
+    cores), per second of their processor time; `wire_contention`: the same per second on the
+    links (0 where a NIC moves the bytes; over TCP the kernel copies them on the cores compute
+    runs on). `python -m hvd_aps calibrate --links --entry-points` measures both in a job."""
     hosts: int
     between: Link
     ranks_per_host: int = 1
@@ -110,11 +121,14 @@ class Cluster:
     tree: bool = False
     copy: float = 0.0
     host_copies: float = HOST_COPIES
+    contention: float = 1.0
+    wire_contention: float = 0.0
 
     def __post_init__(self):
-        if self.hosts < 1 or self.ranks_per_host < 1 or self.sharing < 1 or self.copy < 0 or self.host_copies < 0:
-            raise ValueError(f"a cluster needs hosts and ranks_per_host >= 1, sharing >= 1, copy >= 0 and "
-                             f"host_copies >= 0, got {self}")
+        if (self.hosts < 1 or self.ranks_per_host < 1 or self.sharing < 1
+                or min(self.copy, self.host_copies, self.contention, self.wire_contention) < 0):
+            raise ValueError(f"a cluster needs hosts and ranks_per_host >= 1, sharing >= 1, copy, host_copies and "
+                             f"contentions >= 0, got {self}")
 
     @property
     def world(self) -> int:
@@ -166,8 +180,10 @@ class Workload:
     shared_processor: bool = True
 
     def __post_init__(self):
-        if self.parameters < 1 or self.compute < 0 or not 0 <= self.backward <= 1 or self.optimizer < 0:
-            raise ValueError(f"a workload needs parameters >= 1, compute and optimizer >= 0, 0 <= backward <= 1: {self}")
+        if (self.parameters < 1 or self.compute < 0 or not 0 <= self.backward <= 1 or self.optimizer < 0
+                or self.tensors is not None and self.tensors < 1):
+            raise ValueError(f"a workload needs parameters >= 1, compute and optimizer >= 0, 0 <= backward <= 1 "
+                             f"and tensors (where given) >= 1: {self}")
         if self.buckets is not None and sum(self.buckets) != self.parameters:
             raise ValueError(f"buckets hold {sum(self.buckets)} elements, not the {self.parameters} parameters")
         if self.timeline is not None and (sum(n for n, _ in self.timeline) != self.parameters or any(
@@ -194,6 +210,43 @@ class Workload:
     def tensors_in(self, elements: int) -> float:
         """Gradient tensors in a bucket of `elements` (at least one)."""
         return 1.0 if self.tensors is None else max(1.0, self.tensors * elements / self.parameters)
+
+    def tensors_before(self, elements: int) -> float:
+        """Gradient tensors that start within the first `elements` backward produces (the
+        timeline's; else `tensors` equal ones; else one a bucket)."""
+        if self.timeline is not None:
+            starts = itertools.accumulate((n for n, _ in self.timeline), initial=0)
+        elif self.tensors is not None:
+            return math.ceil(self.tensors * elements / self.parameters - 1e-9)
+        else:
+            starts = itertools.accumulate(self.bucket_sizes(), initial=0)
+        return sum(1 for start in starts if start < elements)
+
+    @property
+    def tensor_count(self) -> int:
+        """Gradient tensors of the step: the timeline's, else `tensors`, else one a bucket."""
+        if self.timeline is not None:
+            return len(self.timeline)
+        return self.tensors if self.tensors is not None else len(self.bucket_sizes())
+
+    def gradients(self) -> list:
+        """Each gradient tensor's (elements, fraction of the backward after which it is ready), in
+        the order backward produces them: the timeline, else tensor_count equal tensors ready in
+        proportion to their elements."""
+        if self.timeline is not None:
+            return list(self.timeline)
+        count = self.tensor_count
+        sizes = [self.parameters // count + (k < self.parameters % count) for k in range(count)]
+        return [(n, done / self.parameters) for n, done in zip(sizes, itertools.accumulate(sizes))]
+
+
+def entry_buckets(parameters: int, entry: "EntryPoint") -> list:
+    """The buckets of an entry point's codes exchange: DDP's, or APSCompressor's (bucket_bytes)
+    through Horovod's optimizer or hvd_aps.torch's."""
+    if entry is EntryPoint.DDP:
+        return ddp_buckets(parameters)
+    cap = DEFAULT_BUCKET_BYTES // FLOAT32_BYTES
+    return [min(cap, parameters - start) for start in range(0, parameters, cap)]
 
 
 def ddp_buckets(parameters: int, first_bytes: int = DDP_FIRST_BUCKET_BYTES, bytes_: int = DDP_BUCKET_BYTES) -> list:
@@ -222,17 +275,60 @@ class Path:
     collective at a time while the codec stages between them leave the wire idle (the timeline
     in docs/benchmarks.md; the model's check: docs/performance-model.md). `collective`: seconds
     each of a codes exchange's collectives costs beyond its link's latency (Horovod's:
-    HOROVOD_COLLECTIVE_S, the negotiation its background thread runs for each)."""
+    HOROVOD_COLLECTIVE_S, the negotiation its background thread runs for each). `per_gradient`:
+    seconds of the processor computing the step that each gradient tensor costs its entry point
+    (a hook, an enqueue, Horovod's negotiation of its name, the compressor's own work a tensor),
+    as `python -m hvd_aps calibrate --links --entry-points` measures it inside a job. `fusion_bytes`: the
+    framework's allreduce fuses gradients as Horovod does (tensor fusion): whenever its
+    background thread is free it takes every gradient ready by then, up to this many bytes,
+    instead of buckets fixed in advance (0: Workload's buckets)."""
     name: str
     bits: int
     codec: Optional[Codec] = None
     processor: float = 0.0
     pipelined: bool = True
     collective: float = 0.0
+    per_gradient: float = 0.0
+    fusion_bytes: int = 0
 
     @property
     def codes(self) -> bool:
         return self.codec is not None
+
+
+FLOAT32_PATH, HALF_PATH = "float32", "16-bit"  # the framework's allreduce, as plan and the calibration name it
+
+
+def codes_path(fmt: str) -> str:
+    """The codes path of a format, as plan and the calibration name it."""
+    return f"codes {fmt}"
+
+
+class EntryPoint(str, enum.Enum):
+    """Where a training script hands its gradients over, each with its own costs in a job."""
+    HOROVOD = "horovod"  # horovod.torch.DistributedOptimizer: Horovod's allreduce (fused), its fp16, the one line
+    CODES = "codes"      # hvd_aps.torch.DistributedOptimizer
+    DDP = "ddp"          # torch DDP: its allreduce, fp16_compress_hook, hvd_aps.ddp.aps_hook
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryCost:
+    """What a path through an entry point costs in a job beyond what the model computes from the
+    link and the codec (`python -m hvd_aps calibrate --links --entry-points`): seconds a gradient tensor
+    (Path.per_gradient) and a cost per element (Path.processor)."""
+    per_gradient: float = 0.0
+    processor: float = 0.0
+
+
+def entry_path(name: str, bits: int, codec: Optional[Codec] = None, entry: Optional[EntryPoint] = None,
+               cost: EntryCost = EntryCost()) -> Path:
+    """A path as `entry` runs it (None: no entry point's own costs, torch.distributed's
+    collectives): through Horovod (its optimizer or hvd_aps.torch's) codes run one collective at
+    a time at Horovod's cost a collective, and Horovod's own allreduce fuses gradients."""
+    horovod = entry in (EntryPoint.HOROVOD, EntryPoint.CODES)
+    return Path(name, bits, codec, cost.processor, pipelined=not horovod,
+                collective=HOROVOD_COLLECTIVE_S if horovod and codec else 0.0, per_gradient=cost.per_gradient,
+                fusion_bytes=HOROVOD_FUSION_BYTES if entry is EntryPoint.HOROVOD and codec is None else 0)
 
 
 # collectives ------------------------------------------------------------------------------------
@@ -372,17 +468,89 @@ StepModel = Callable[[Workload, Path, Cluster], float]  # step_time, or fsdp_ste
 
 
 def step_time(w: Workload, path: Path, c: Cluster) -> float:
-    """Seconds of one training step: forward, backward with the exchanges as their buckets become
-    ready, then the optimizer."""
+    """Seconds of one training step: forward, backward with the exchanges as their buckets are
+    handed over, then the optimizer (_Timeline)."""
+    timeline = _run(w, path, c)
+    return w.compute - w.compute * w.backward + max(timeline.end, timeline.free) + w.optimizer
+
+
+@dataclasses.dataclass
+class _Timeline:
+    """A step's exchanges in a backward that would end at `end` alone: each starts when its
+    gradients are handed over (ready, and past the entry point's cost a gradient of every one
+    before them) and the one before it has ended (`free`). Where compute shares the processor
+    (`shared`) the costs a gradient lengthen the backward, and an exchange that starts before
+    the backward has ended takes a share of its processor for as long as it runs (its processor
+    time times the cluster's `contention`, its time on the links times `wire_contention`): the
+    backward, and every gradient it makes after, come `delay` later."""
+    path: Path
+    c: Cluster
+    shared: bool
+    end: float
+    free: float = 0.0
+    delay: float = 0.0
+    exchanges: list = dataclasses.field(default_factory=list)  # (start, elements, tensors) of each
+
+    def handed(self, ready: float, before: float) -> float:
+        """When a gradient ready `ready` seconds into the backward alone, with `before` gradients
+        up to it, is handed over."""
+        return ready + self.path.per_gradient * before + self.delay
+
+    def run(self, handed: float, elements: float, tensors: float) -> None:
+        start = max(handed, self.free)
+        took = exchange_time(elements, self.path, self.c, tensors)
+        if self.shared and start < self.end:
+            lost = (self.c.contention * _busy(elements, tensors, self.path, self.c)
+                    + self.c.wire_contention * wire_time(elements, self.path, self.c))
+            end = start + _slowed(self.end - start, took, lost)
+            self.delay, self.end = self.delay + end - self.end, end
+        self.free = start + took
+        self.exchanges.append((start, elements, tensors))
+
+
+def _run(w: Workload, path: Path, c: Cluster) -> _Timeline:
+    """The step's exchanges run on its timeline: in the workload's buckets, or fused as
+    Horovod's own allreduce fuses (`path.fusion_bytes`)."""
     backward = w.compute * w.backward
-    free, busy = 0.0, 0.0
+    timeline = _Timeline(path, c, w.shared_processor,
+                         backward + (path.per_gradient * w.tensor_count if w.shared_processor else 0.0))
+    if path.fusion_bytes and not path.codes:
+        _fuse(w, timeline, backward)
+        return timeline
     for n, done in zip(w.bucket_sizes(), itertools.accumulate(w.bucket_sizes())):
-        free = max(backward * w.ready(done), free) + exchange_time(n, path, c, w.tensors_in(n))
-        if w.shared_processor:
-            busy += processor_time(n, path, c)
-            if path.codes:
-                busy += _shared(path.codec, c).busy(_codes_elements(n, c), w.tensors_in(n))
-    return w.compute - backward + max(backward + busy, free) + w.optimizer
+        timeline.run(timeline.handed(backward * w.ready(done), w.tensors_before(done)), n, w.tensors_in(n))
+    return timeline
+
+
+def _fuse(w: Workload, timeline: _Timeline, backward: float) -> None:
+    """Horovod's tensor fusion: once the allreduce before has ended, the next takes every
+    gradient handed over by then (at least one, at most `path.fusion_bytes`)."""
+    grads, k = w.gradients(), 0
+    cap = timeline.path.fusion_bytes * BITS_PER_BYTE / timeline.path.bits  # elements
+    while k < len(grads):
+        first, n = k, 0
+        start = max(timeline.free, timeline.handed(backward * grads[k][1], k + 1))
+        while k < len(grads) and (k == first or timeline.handed(backward * grads[k][1], k + 1) <= start
+                                  and n + grads[k][0] <= cap):
+            n, k = n + grads[k][0], k + 1
+        timeline.run(start, n, k - first)
+
+
+def _slowed(left: float, took: float, lost: float) -> float:
+    """How long `left` seconds of compute take beside an exchange that runs `took` seconds and
+    costs compute `lost` seconds of them, spread evenly (its share of the processor at most all
+    of it): slowed while they overlap, then at full speed."""
+    share = min(lost / took, 1.0) if took > 0 else 0.0
+    if share < 1 and left <= took * (1 - share):
+        return left / (1 - share)
+    return left + share * took
+
+
+def _busy(elements: float, tensors: float, path: Path, c: Cluster) -> float:
+    """Seconds of the processor computing the step an exchange takes: its passes outside the
+    codec and the codec's own (on a device, the codec's host part only)."""
+    codec = _shared(path.codec, c).busy(_codes_elements(elements, c), tensors) if path.codes else 0.0
+    return processor_time(elements, path, c) + codec
 
 
 # FSDP2's reduce-scatter on the codes: encode every row, sum this rank's row from N copies; about
@@ -487,11 +655,12 @@ def break_even(w: Workload, path: Path, peer: Path, c: Cluster, low: float = 1e6
 
 
 def breakdown(w: Workload, path: Path, c: Cluster) -> tuple:
-    """(seconds on the links, seconds of processor: codec and passes) a step's exchanges add up
-    to, overlaps ignored."""
-    sizes = w.bucket_sizes()
-    codec = sum(_shared(path.codec, c).time(_codes_elements(n, c), w.tensors_in(n)) for n in sizes) if path.codes else 0.0
-    return sum(wire_time(n, path, c) for n in sizes), codec + sum(processor_time(n, path, c) for n in sizes)
+    """(seconds on the links, seconds of processor: codec, passes and the entry point's per
+    gradient) a step's exchanges add up to, overlaps ignored."""
+    exchanges = _run(w, path, c).exchanges
+    codec = sum(_shared(path.codec, c).time(_codes_elements(n, c), t) for _, n, t in exchanges) if path.codes else 0.0
+    processor = sum(processor_time(n, path, c) for _, n, _ in exchanges) + path.per_gradient * w.tensor_count
+    return sum(wire_time(n, path, c) for _, n, _ in exchanges), codec + processor
 
 
 def table(w: Workload, paths: Sequence[Path], c: Cluster, step: StepModel = step_time) -> list:

@@ -23,6 +23,7 @@ ALPHA, BW = 1e-4, 1e8
 SLOW = perf.Link(BW, ALPHA)
 FREE = perf.Codec(0.0, 0.0)
 CLI_S = 120  # a plan or calibrate run of the CLI
+JOB_S = 600  # a calibrate --links --entry-points job of 2 ranks
 
 
 def test_link_rates_parse_as_tc_and_nics_name_them():
@@ -65,8 +66,8 @@ def test_codes_exchange_is_metadata_alltoall_and_allgather():
 def test_chunks_overlap_codec_and_wire_only_where_pipelined(tmp_path, capsys):
     """A bucket of 64 MiB float32 on 1 Gbit/s: pipelined (torch.distributed's collectives) the
     best chunking hides most of the shorter of codec and wire; not pipelined (Horovod's) they
-    add up, whatever the chunking, with each collective's own cost; plan --horovod prints the
-    steps of the latter."""
+    add up, whatever the chunking, with each collective's own cost; plan --entry-point horovod
+    prints the steps of the latter."""
     n, c, codec = 1 << 24, perf.Cluster(2, perf.Link.parse("1gbit")), perf.Codec(1e-4, 5e-9)
     wire = perf.wire_time(n, perf.Path("e4m3", 8, codec), c)
     serial = perf.exchange_time(n, perf.Path("e4m3", 8, codec, pipelined=False), c)
@@ -84,10 +85,13 @@ def test_chunks_overlap_codec_and_wire_only_where_pipelined(tmp_path, capsys):
     cal = tmp_path / "cal.json"
     calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(codec)}}, cal)
     from hvd_aps.__main__ import main
-    work = perf.Workload(n, 0.05, tensors=1, shared_processor=True)
-    for extra, pipelined, collective in (([], True, 0.0), (["--horovod"], False, perf.HOROVOD_COLLECTIVE_S)):
+    for entry, pipelined, collective in ((perf.EntryPoint.DDP, True, 0.0),
+                                         (perf.EntryPoint.HOROVOD, False, perf.HOROVOD_COLLECTIVE_S)):
+        extra = ["--entry-point", entry.value]
         main(["plan", "--params", str(n), "--tensors", "1", "--compute-ms", "50", "--links", "1gbit",
               "--format", "e4m3", "--calibration", str(cal)] + extra)
+        # in the entry point's buckets: DDP's, or APSCompressor's 16 MiB through Horovod
+        work = perf.Workload(n, 0.05, buckets=perf.entry_buckets(n, entry), tensors=1, shared_processor=True)
         step = perf.step_time(work, perf.Path("codes e4m3", 8, codec, pipelined=pipelined, collective=collective), c)
         assert capsys.readouterr().out.split("\ncodes e4m3 ")[1].split()[0] == f"{step * 1e3:.1f}", extra
 
@@ -134,10 +138,9 @@ def test_host_level_through_memory_and_a_16_bit_sum_take_the_processor():
     in_job = perf.Path("e4m3", 8, FREE, processor=2e-9)
     assert perf.processor_time(n, in_job, memory) == pytest.approx(passes + 2e-9 * n / 2 * 4)
     assert perf.processor_time(n, in_job, four) == pytest.approx(2e-9 * n * 2)
-    with pytest.raises(ValueError, match="copy >= 0"):
-        perf.Cluster(2, SLOW, copy=-1.0)
-    with pytest.raises(ValueError, match="host_copies >= 0"):
-        perf.Cluster(2, SLOW, 2, host_copies=-1)
+    for bad in ({"copy": -1.0}, {"host_copies": -1}, {"contention": -0.5}, {"wire_contention": -0.1}):
+        with pytest.raises(ValueError, match="copy, host_copies and contentions >= 0"):
+            perf.Cluster(2, SLOW, 2, **bad)
 
 
 def test_link_fit_recovers_the_alpha_and_beta_the_allreduce_times_came_from():
@@ -167,10 +170,12 @@ def test_step_overlaps_exchanges_with_backward_and_adds_a_shared_codec():
     apart = dataclasses.replace(shared, shared_processor=False)
     assert perf.step_time(shared, codes, fast) == pytest.approx(1.02)
     assert perf.step_time(apart, codes, fast) == pytest.approx(1.01)
-    # a GPU's codec: its passes take the device from backward, its driver's cost per exchange does not
+    # a GPU's codec: its passes take the device from backward (the gradients after them come that much
+    # later), its driver's cost per exchange does not
     gpu = perf.Path("e4m3", 8, perf.Codec(0.01, 1e-9, device=True))
-    assert perf.step_time(shared, gpu, fast) == pytest.approx(max(1.0 + 2 * n * 1e-9, 1.0 + 0.01 + n * 1e-9))
-    assert perf.step_time(shared, gpu, fast) < perf.step_time(shared, dataclasses.replace(gpu, codec=perf.Codec(0.01, 1e-9)), fast) - 0.01
+    assert perf.step_time(shared, gpu, fast) == pytest.approx(1.0 + n * 1e-9 + 0.01 + n * 1e-9)
+    host = dataclasses.replace(gpu, codec=perf.Codec(0.01, 1e-9))
+    assert perf.step_time(shared, host, fast) - perf.step_time(shared, gpu, fast) == pytest.approx(0.01)
 
 
 def test_a_measured_timeline_decides_when_each_bucket_can_start():
@@ -188,6 +193,109 @@ def test_a_measured_timeline_decides_when_each_bucket_can_start():
     for wrong in ([(n, 0.5), (n, 0.2)], [(n, 0.5), (n - 1, 1.0)], [(n, 0.5), (n, 1.5)]):
         with pytest.raises(ValueError, match="timeline"):
             perf.Workload(2 * n, 0.1, timeline=wrong)
+
+
+def test_horovod_fuses_the_gradients_ready_when_its_allreduce_before_ends():
+    """Horovod's own allreduce (tensor fusion): each allreduce takes every gradient ready when
+    the one before ended, up to the fusion threshold, so it runs during the backward; DDP's
+    buckets, fixed in advance, wait for their last gradient."""
+    n, second = 1 << 20, perf.Link(4 * (1 << 20) / 0.3, 0.01)  # 0.3 s a gradient's bytes, 10 ms a message step
+    one = perf.allreduce(4 * n, perf.Cluster(2, second))
+    assert one == pytest.approx(0.32)
+    c = perf.Cluster(2, second)
+    w = perf.Workload(4 * n, compute=1.0, backward=1.0, buckets=[4 * n], timeline=[(n, 0.1), (n, 0.2), (n, 0.3),
+                                                                                   (n, 1.0)], shared_processor=False)
+    fused = perf.entry_path(perf.FLOAT32_PATH, 32, entry=perf.EntryPoint.HOROVOD)
+    assert fused.fusion_bytes == perf.HOROVOD_FUSION_BYTES and fused.collective == 0.0
+    # the first alone (0.1-0.42), the next two fused (to 1.04), the last once it is ready and the wire free
+    assert perf.step_time(w, fused, c) == pytest.approx(0.42 + 0.62 + 0.32)
+    assert perf.breakdown(w, fused, c)[0] == pytest.approx(3 * 0.02 + 4 * 0.3)  # three allreduces' latencies
+    one_each = dataclasses.replace(fused, fusion_bytes=4 * n)  # a threshold of one gradient: four allreduces
+    assert perf.step_time(w, one_each, c) == pytest.approx(1.06 + 0.32)
+    bucketed = perf.entry_path(perf.FLOAT32_PATH, 32, entry=perf.EntryPoint.DDP)
+    assert perf.step_time(w, bucketed, c) == pytest.approx(1.0 + perf.allreduce(16 * n, c))
+    # without a measured timeline, `tensors` equal gradients ready in proportion to their elements
+    even = perf.Workload(10, 1.0, tensors=4)
+    assert even.gradients() == [(3, 0.3), (3, 0.6), (2, 0.8), (2, 1.0)] and even.tensor_count == 4
+
+
+def test_an_entry_points_costs_a_gradient_and_the_contention_slow_the_step():
+    """What `calibrate --links --entry-points` measures in a job: a cost a gradient, which delays
+    each hand-over and (sharing the processor) the backward; a cost per element beyond the
+    codec; and the contentions, the share of the processor an exchange running beside the
+    backward takes from it (its codec's work, its time on the links)."""
+    n, fast = 1 << 20, perf.Cluster(2, perf.Link(1e30, 0.0), sharing=2)
+    codec = perf.Codec(0.01, 0.0)
+    w = perf.Workload(n, compute=1.0, backward=1.0, buckets=[n], tensors=100)
+    plain = perf.entry_path("codes e4m3", 8, codec, perf.EntryPoint.DDP)
+    costly = perf.entry_path("codes e4m3", 8, codec, perf.EntryPoint.DDP, perf.EntryCost(1e-4, 1e-9))
+    assert costly.per_gradient == 1e-4 and costly.processor == 1e-9 and costly.pipelined
+    per_element = n * 1e-9 * 2  # every element, at the cluster's sharing of 2
+    assert perf.exchange_time(n, costly, fast, 100) == pytest.approx(perf.exchange_time(n, plain, fast, 100)
+                                                                      + per_element)
+    # the bucket is handed over after its 100 gradients' costs (1.01 s), then its exchange runs
+    assert perf.step_time(w, plain, fast) == pytest.approx(1.0 + 0.02)
+    assert perf.step_time(w, costly, fast) == pytest.approx(1.01 + 0.02 + per_element)
+    # compute on an accelerator: the costs a gradient still delay the hand-over, not the backward
+    apart = dataclasses.replace(w, shared_processor=False)
+    assert perf.step_time(apart, costly, fast) == pytest.approx(1.01 + 0.02 + per_element)
+    assert perf.step_time(apart, plain, fast) == pytest.approx(1.02)
+    assert perf.breakdown(w, costly, fast)[1] == pytest.approx(0.02 + per_element + 100 * 1e-4)
+    # an allreduce of 0.1 s on the links from halfway through a 1 s backward, then one element at its
+    # end: where the bytes cost the cores 40 % of their time while they travel, the backward ends
+    # 40 ms later
+    link = perf.Link(4 * (n - 1) / 0.1, 0.0)
+    half = perf.Workload(n, compute=1.0, backward=1.0, buckets=[n - 1, 1], timeline=[(n - 1, 0.5), (1, 1.0)])
+    fp32 = perf.entry_path(perf.FLOAT32_PATH, 32, entry=perf.EntryPoint.DDP)
+    assert perf.step_time(half, fp32, perf.Cluster(2, link)) == pytest.approx(1.0 + 4 / link.bandwidth)
+    assert perf.step_time(half, fp32, perf.Cluster(2, link, wire_contention=0.4)) == pytest.approx(1.04)
+    # _slowed: compute left beside an exchange: slowed while they overlap, then at full speed
+    assert perf._slowed(1.0, 0.1, 0.04) == pytest.approx(1.04)
+    assert perf._slowed(0.03, 0.1, 0.04) == pytest.approx(0.05)  # done during it, at 60 % speed
+    assert perf._slowed(1.0, 0.1, 0.5) == pytest.approx(1.1)  # at most all of the processor while it runs
+    # through Horovod: codes one collective at a time at its negotiation's cost, its own allreduce fused
+    codes = perf.entry_path("codes e4m3", 8, codec, perf.EntryPoint.CODES)
+    assert not codes.pipelined and codes.collective == perf.HOROVOD_COLLECTIVE_S and codes.fusion_bytes == 0
+    assert perf.entry_buckets(10 << 20, perf.EntryPoint.HOROVOD) == [4 << 20, 4 << 20, 2 << 20]
+    assert perf.entry_buckets(10 << 20, perf.EntryPoint.DDP) == perf.ddp_buckets(10 << 20)
+
+
+def test_entry_costs_solve_the_cost_per_element_the_job_measured():
+    from hvd_aps import entry_costs
+    assert entry_costs.solve_processor(lambda cost: 0.2 + 1e6 * cost, 0.25) == pytest.approx(5e-8, rel=1e-6)
+    assert entry_costs.solve_processor(lambda cost: 0.2 + 1e6 * cost, 0.19) == pytest.approx(-1e-8, rel=1e-6)
+    assert entry_costs.entry_paths(perf.EntryPoint.CODES, ["e4m3"]) == [("codes e4m3", "e4m3")]
+    assert entry_costs.entry_paths(perf.EntryPoint.DDP, ["e4m3", "e3m0"]) == [
+        ("float32", None), ("16-bit", None), ("codes e4m3", "e4m3"), ("codes e3m0", "e3m0")]
+    model = entry_costs.Vectors(3, 10)
+    assert [p.numel() for p in model.parameters()] == [4, 3, 3]
+    model().backward()
+    assert all(p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_a_calibration_file_keeps_the_costs_measured_in_a_job(tmp_path):
+    """links_entry with the entry points' costs and the contention, read back by load, and the
+    paths plan builds from them."""
+    out = tmp_path / "cal.json"
+    calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(perf.Codec(1e-4, 2e-9))}},
+                     out)
+    costs = {"entry_points": {perf.EntryPoint.HOROVOD: {"float32": perf.EntryCost(6.7e-5, 0.0),
+                                                        "codes e4m3": perf.EntryCost(8e-5, 1e-9)}},
+             "steps": {perf.EntryPoint.HOROVOD: {"float32": {4: 0.1, 512: 0.13}}}, "contention": 0.6,
+             "wire_contention": 0.3}
+    cluster = perf.Cluster(2, perf.Link(1e8, 1e-4), sharing=2)
+    calibration.add_links(out, calibration.links_entry(perf.Link(1e8, 1e-4), cluster, [(64, 1e-3)], costs))
+    loaded = calibration.load(out)
+    assert loaded.contentions() == {"contention": 0.6, "wire_contention": 0.3} and loaded.sharing == 2
+    assert loaded.link == perf.Link(1e8, 1e-4)
+    assert json.loads(out.read_text())["links"]["entry_steps"] == {"horovod": {"float32": {"4": 0.1, "512": 0.13}}}
+    assert loaded.entry_cost(perf.EntryPoint.HOROVOD, "codes e4m3") == perf.EntryCost(8e-5, 1e-9)
+    assert loaded.entry_cost(perf.EntryPoint.DDP, "codes e4m3") == perf.EntryCost()  # not measured: none
+    fp32, half, codes = loaded.paths(perf.EntryPoint.CODES, ["e4m3"])  # the codes optimizer against Horovod's own
+    assert fp32.per_gradient == 6.7e-5 and fp32.fusion_bytes and half.per_gradient == 0.0
+    assert codes.codec == loaded.codecs["e4m3"] and codes.per_gradient == 0.0 and not codes.pipelined
+    horovod = loaded.paths(perf.EntryPoint.HOROVOD, ["e4m3"])[2]
+    assert (horovod.per_gradient, horovod.processor) == (8e-5, 1e-9)
 
 
 def test_break_even_solves_where_the_saved_bytes_pay_for_the_extra_latencies():
@@ -247,18 +355,23 @@ def test_calibrate_and_plan_from_the_command_line(tmp_path):
 
 
 def test_links_measured_inside_a_torchrun_job_feed_the_plan(tmp_path):
-    """calibrate --links under torchrun (2 ranks, Gloo on loopback) adds the link its allreduce
-    got to a calibration file, keeping the codec's; plan --links measured plans on it."""
+    """calibrate --links --entry-points under torchrun (2 ranks, Gloo on loopback) adds the link
+    its allreduce got, DDP's paths' costs and the contention to a calibration file, keeping the
+    codec's; plan --links measured plans on them."""
     out = tmp_path / "cal.json"
     calibration.save(calibration.calibrate(["e4m3"], 2, ((1 << 10, 1), (1 << 14, 1), (1 << 14, 4)), repeats=1), out)
     refused = bounded([sys.executable, "-m", "hvd_aps", "calibrate", "--links", "--out", out], CLI_S,
                       dict(os.environ), check=False)
     assert refused.returncode != 0 and "horovodrun" in refused.stderr and "torchrun" in refused.stderr
-    bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-             "--master-port", free_port(), "-m", "hvd_aps", "calibrate", "--links", "--out", out], 240,
-            dict(os.environ, OMP_NUM_THREADS="1"))
+    job = bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                   "127.0.0.1", "--master-port", free_port(), "-m", "hvd_aps", "calibrate", "--links", "--entry-points",
+                   "--format", "e4m3", "--out", out], JOB_S, dict(os.environ, OMP_NUM_THREADS="1"))
+    assert "contention" in job.stdout and "us a gradient" in job.stdout
     saved = json.loads(out.read_text())
-    assert saved["links"]["hosts"] == 1 and saved["links"]["ranks_per_host"] == 2
+    assert saved["links"]["hosts"] == 1 and saved["links"]["ranks_per_host"] == 2 and saved["links"]["sharing"] == 2
+    assert set(saved["links"]["entry_points"]) == {"ddp"}
+    assert set(saved["links"]["entry_points"]["ddp"]) == {"float32", "16-bit", "codes e4m3"}
+    assert saved["links"]["contention"] >= 0
     assert [r["elements"] for r in saved["links"]["measured"]] == list(calibration.LINK_ELEMENTS)
     loaded = calibration.load(out)
     assert "e4m3" in loaded.codecs and loaded.link.bandwidth > 0 and loaded.link_shape == (1, 2)
@@ -266,20 +379,31 @@ def test_links_measured_inside_a_torchrun_job_feed_the_plan(tmp_path):
                    "--hosts", "1", "--ranks-per-host", "2", "--links", "measured", "--format", "e4m3",
                    "--calibration", out], CLI_S, dict(os.environ))
     assert "measured between hosts" in run.stdout and "codes e4m3" in run.stdout
+    assert "no cost a gradient measured" not in run.stderr and "measured in a job: float32" in run.stdout
     bad = bounded([sys.executable, "-m", "hvd_aps", "plan", "--params", "4.3M", "--compute-ms", "40",
                    "--format", "e3m0", "--calibration", out], CLI_S, dict(os.environ), check=False)
     assert bad.returncode != 0 and "no calibration for e3m0" in bad.stderr
 
 
 def test_links_measured_inside_a_horovodrun_job(tmp_path):
-    """calibrate --links under horovodrun (2 ranks, Gloo on loopback) times Horovod's own float32
-    allreduce at every size and writes the link it gets, with the job's shape."""
+    """calibrate --links --entry-points under horovodrun (2 ranks, Gloo on loopback) times
+    Horovod's own float32 allreduce at every size and writes the link it gets, with the job's
+    shape, and the costs of Horovod's optimizer's paths and hvd_aps.torch's; without the
+    codec's calibration it says what to run first."""
     horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable))
     out = tmp_path / "cal.json"
-    job = bounded([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvd_aps", "calibrate",
-                   "--links", "--out", out], 240, dict(os.environ, OMP_NUM_THREADS="1"))
+    command = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvd_aps", "calibrate",
+               "--links", "--entry-points", "--format", "e4m3", "--out", out]
+    refused = bounded(command, JOB_S, dict(os.environ, OMP_NUM_THREADS="1"), check=False)
+    assert refused.returncode != 0 and "needs the codec's calibration" in refused.stdout + refused.stderr
+    calibration.save(calibration.calibrate(["e4m3"], 2, ((1 << 10, 1), (1 << 14, 1), (1 << 14, 4)), repeats=1), out)
+    job = bounded(command, JOB_S, dict(os.environ, OMP_NUM_THREADS="1"))
     assert "Horovod's float32 allreduce gets" in job.stdout
     links = json.loads(out.read_text())["links"]
+    assert links["entry_points"].keys() == {"horovod", "codes"}
+    assert set(links["entry_points"]["horovod"]) == {"float32", "16-bit", "codes e4m3"}
+    assert set(links["entry_points"]["codes"]) == {"codes e4m3"}
+    assert all(cost["per_gradient"] >= 0 for paths in links["entry_points"].values() for cost in paths.values())
     assert links["hosts"] == 1 and links["ranks_per_host"] == 2
     measured = links["measured"]
     assert [r["elements"] for r in measured] == list(calibration.LINK_ELEMENTS)
@@ -463,7 +587,8 @@ def test_plan_hsdp_prints_the_hsdp_step_model(tmp_path, capsys):
     main(base + ["--ranks-per-host", "4", "--fsdp", "6", "--hsdp"])
     printed = capsys.readouterr().out
     work = perf.Workload(20_000_000, 0.1, buckets=perf.fsdp_units(20_000_000, 6))
-    cluster = perf.Cluster(2, perf.Link.parse("1gbit"), 4, copy=1e-10)
+    # the host's 4 ranks share its cores: the codec takes 4 times its calibrated time (plan's --sharing default)
+    cluster = perf.Cluster(2, perf.Link.parse("1gbit"), 4, copy=1e-10, sharing=4)
     for path in (perf.Path("float32", 32), perf.Path("codes e4m3", 8, codec)):
         hsdp = perf.fsdp_step_time(work, path, cluster, gloo=True, hsdp=True)
         assert f"{hsdp * 1e3:.1f}" == printed.split(f"\n{path.name} ")[1].split()[0], path.name

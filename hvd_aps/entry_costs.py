@@ -1,0 +1,318 @@
+"""What each entry point costs inside a running job beyond what the performance model
+(hvd_aps.perf) computes from the link and the codec, and how much the exchange slows compute
+where they share the cores: `python -m hvd_aps calibrate --links --entry-points` measures them
+on every rank of a horovodrun or torchrun job, for the paths its launcher offers (horovodrun:
+Horovod's optimizer with its float32 and 16-bit allreduce and the one line, and hvd_aps.torch's
+optimizer; torchrun: DDP's allreduce, its fp16_compress_hook and hvd_aps.ddp.aps_hook), each
+format's codes.
+
+How: a model of vectors holding ELEMENTS float32 between them (a gradient each, next to no
+compute) steps through the path, at FEW and at MANY tensors; the growth of its step past the
+model's, divided by the tensors added, is the path's cost a gradient (perf.EntryCost.per_gradient:
+a hook, an enqueue, Horovod's negotiation of a name, the compressor's work a tensor); then its
+step at FEW tensors is solved for the cost per element that makes the model's step, with the
+link measured in the same job and the codec's calibration, the one measured
+(perf.EntryCost.processor: the 16-bit casts and sums, the codec in a job against alone; none
+for the float32 allreduce, on which the link itself is fitted). The contentions
+(perf.Cluster.contention, wire_contention): every rank computes matrix products alone, then
+beside a thread running codes exchanges (or the framework's float32 allreduce) all along: the
+share of the processor the compute lost to them.
+"""
+import dataclasses
+import math
+import statistics
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import calibration, perf
+from .formats import FloatFormat
+from .perf import FLOAT32_PATH as FLOAT32, HALF_PATH as HALF, EntryCost, EntryPoint, codes_path
+
+ELEMENTS = 1 << 22     # float32 of the timed model: 16 MiB, as a DDP bucket or a Horovod fusion buffer
+FEW, MANY = 4, 512     # its tensors: the cost a gradient is the step's growth from FEW to MANY
+NATIVE_BITS = {FLOAT32: 32, HALF: 16}
+WARMUP = 5             # untimed steps once the run-time schedule has settled
+ROUNDS, BLOCK = 6, 5   # timed steps: ROUNDS blocks of BLOCK a model, alternated; the median is kept
+REPEATS = 15           # steps of compute alone, and exchanges alone, timed for the medians
+SETTLE_STEPS = 200     # at most, for the run-time schedule to decide every bucket
+SOLVE_ROUNDS = 60      # bisections of the cost per element
+MAX_PROCESSOR = 1e-6   # s per element: the bounds it is solved between (below zero: faster in the job)
+MATRIX = 512           # the contention's compute: products of MATRIX x MATRIX float32
+CONTENTION_PRODUCTS = 200
+OUTLAST = 2            # the work beside it runs about this many times as long as the compute alone
+JOIN_S = 60            # beyond its calls' time, what the work's thread gets to end
+
+
+class Vectors(torch.nn.Module):
+    """`tensors` parameter vectors holding `elements` between them; the loss is their dot product
+    with fixed vectors, so each gradient is dense and the compute next to nothing."""
+
+    def __init__(self, tensors: int, elements: int = ELEMENTS, device: str = "cpu"):
+        super().__init__()
+        sizes = [elements // tensors + (k < elements % tensors) for k in range(tensors)]
+        generator = torch.Generator().manual_seed(0)
+        self.vectors = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n, device=device)) for n in sizes)
+        self.fixed = [(torch.randn(n, generator=generator) * 1e-3).to(device) for n in sizes]
+
+    def forward(self):
+        return sum((p * c).sum() for p, c in zip(self.vectors, self.fixed))
+
+
+@dataclasses.dataclass
+class Trainer:
+    """A model stepping through one path: `forward()` gives the loss; `compressor`: the path's
+    APSCompressor (its run-time schedule is waited for), `close`: what ends the path's threads."""
+    forward: Callable[[], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    compressor: object = None
+    close: Callable[[], None] = lambda: None
+
+    def step(self) -> None:
+        self.optimizer.zero_grad()
+        self.forward().backward()
+        self.optimizer.step()
+
+
+class Job:
+    """The running job the measurements run in: who it is (`name` of its framework, `rank`,
+    `hosts`, `world`), its float32 `allreduce` (the link's measurement), the entry points its
+    launcher offers and the optimizer of each path, and the collectives that keep the ranks
+    together. One subclass a launcher."""
+    name: str
+    rank: int
+    hosts: int
+    world: int
+    entries: tuple = ()
+    device: str = "cpu"  # where the timed models live
+
+    def allreduce(self, values: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def prepare(self, entry: EntryPoint, path: str, fmt: str, model: Vectors, label: str) -> Trainer:
+        """`model` stepping through `path` of `entry` (its parameters' names prefixed with `label`)."""
+        raise NotImplementedError
+
+    def allgather_object(self, obj) -> list:
+        raise NotImplementedError
+
+    def finish(self, clean: bool = True) -> None:
+        """Leave the job; `clean`: every rank got here alike (else skip what waits for the others)."""
+        raise NotImplementedError
+
+
+class HorovodJob(Job):
+    """A horovodrun job, through Horovod's torch binding (a host is a group of local ranks)."""
+    entries = (EntryPoint.HOROVOD, EntryPoint.CODES)
+
+    def __init__(self):
+        import horovod.torch as hvd
+        hvd.init()
+        self.hvd, self.name = hvd, "Horovod"
+        self.rank, self.hosts, self.world = hvd.rank(), hvd.cross_size(), hvd.size()
+
+    def allreduce(self, values):
+        self.hvd.allreduce(torch.from_numpy(values), op=self.hvd.Sum, name=f"calibrate.{values.size}")
+
+    def prepare(self, entry, path, fmt, model, label):
+        from . import APSCompressor
+        from .torch import DistributedOptimizer
+        named = [(f"{label}.{k}", p) for k, p in enumerate(model.parameters())]
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        if path in (FLOAT32, HALF):
+            compression = self.hvd.Compression.none if path == FLOAT32 else self.hvd.Compression.fp16
+            return Trainer(model, self.hvd.DistributedOptimizer(opt, named_parameters=named, compression=compression))
+        compressor = APSCompressor(fmt)
+        wrap = DistributedOptimizer if entry is EntryPoint.CODES else self.hvd.DistributedOptimizer
+        return Trainer(model, wrap(opt, named_parameters=named, compression=compressor), compressor, compressor.close)
+
+    def allgather_object(self, obj):
+        return self.hvd.allgather_object(obj)
+
+    def finish(self, clean=True):
+        self.hvd.shutdown()
+
+
+class TorchJob(Job):
+    """A torchrun job: torch.distributed over Gloo (NCCL where CUDA is there); a host is a
+    distinct launcher place."""
+    entries = (EntryPoint.DDP,)
+
+    def __init__(self):
+        import os
+        import torch.distributed as dist
+        from ._topology import launcher_place
+        from .ddp import TorchDistributedCollectives
+        self.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+        dist.init_process_group("nccl" if self.device != "cpu" else "gloo")
+        self.dist, self.name = dist, "torch.distributed"
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.hosts = len(set(self.allgather_object(launcher_place()[0])))
+        self.collectives = TorchDistributedCollectives(None, self.device)
+
+    def allreduce(self, values):
+        self.collectives.allreduce(values, "calibrate")
+
+    def prepare(self, entry, path, fmt, model, label):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
+        from . import APSCompressor, ddp
+        wrapped = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        if path == HALF:
+            wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        if path != codes_path(fmt):
+            return Trainer(wrapped, opt)
+        compressor = APSCompressor(fmt)
+        state = ddp.APSState(compressor)
+        wrapped.register_comm_hook(state, ddp.aps_hook)
+        return Trainer(wrapped, opt, compressor, state.close)
+
+    def allgather_object(self, obj):
+        gathered = [None] * self.world
+        self.dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def finish(self, clean=True):
+        if clean:
+            self.dist.barrier()  # a rank tearing Gloo down while another still talks can abort
+        self.dist.destroy_process_group()
+
+
+def settle(trainer: Trainer, job: Job) -> None:
+    """Step until the trainer's run-time schedule (if it has one) has decided every bucket on
+    every rank, then WARMUP steps more."""
+    compressor = trainer.compressor
+    for _ in range(SETTLE_STEPS):
+        if all(job.allgather_object(compressor is None or all(row["chosen"] for row in compressor.schedule_report()))):
+            break
+        trainer.step()
+    for _ in range(WARMUP):
+        trainer.step()
+
+
+def time_pair(job: Job, entry: EntryPoint, path: str, fmt: str) -> dict:
+    """{tensors: median step} of Vectors models of FEW and MANY tensors through `path` of
+    `entry`, both built and settled first, then timed in ROUNDS alternating blocks (the machine's
+    drifts fall on both alike); every rank the same figures."""
+    trainers = {n: job.prepare(entry, path, fmt, Vectors(n, device=job.device), f"calibrate.{n}") for n in (FEW, MANY)}
+    try:
+        for trainer in trainers.values():
+            settle(trainer, job)
+        times = {n: [] for n in trainers}
+        for _ in range(ROUNDS):
+            for n, trainer in trainers.items():
+                for _ in range(BLOCK):
+                    started = time.perf_counter()
+                    trainer.step()
+                    times[n].append(time.perf_counter() - started)
+        return {n: statistics.median(job.allgather_object(statistics.median(t))) for n, t in times.items()}
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+
+
+def compute_profile(tensors: int, entry: EntryPoint) -> perf.Workload:
+    """The Vectors model's own compute, no exchange (hvd_aps.step_profile), in `entry`'s buckets."""
+    from . import step_profile
+    model = Vectors(tensors)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    profile = step_profile.measure(model, model, opt, repeats=REPEATS)
+    return profile.workload(buckets=perf.entry_buckets(profile.parameters, entry))
+
+
+def solve_processor(predicted: Callable[[float], float], measured: float) -> float:
+    """The cost per element (perf.Path.processor) at which `predicted(cost)`, rising with it,
+    meets the `measured` step, within +-MAX_PROCESSOR."""
+    low, high = -MAX_PROCESSOR, MAX_PROCESSOR
+    for _ in range(SOLVE_ROUNDS):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predicted(mid) < measured else (low, mid)
+    return (low + high) / 2
+
+
+def entry_cost(job: Job, entry: EntryPoint, path: str, fmt: str, codec: Optional[perf.Codec],
+               cluster: perf.Cluster, bits: int) -> tuple:
+    """(the path's EntryCost on this job's `cluster`, its link measured in the same job; the
+    measured {tensors: median step})."""
+    steps = time_pair(job, entry, path, fmt)
+    work = {n: compute_profile(n, entry) for n in (FEW, MANY)}
+    model = {n: perf.step_time(work[n], perf.entry_path(path, bits, codec, entry), cluster) for n in (FEW, MANY)}
+    per_gradient = max(0.0, (steps[MANY] - model[MANY] - steps[FEW] + model[FEW]) / (MANY - FEW))
+    if path == FLOAT32:  # the link is fitted on the float32 allreduce: nothing per element beyond it
+        return EntryCost(per_gradient), steps
+
+    def predicted(cost):
+        return perf.step_time(work[FEW], perf.entry_path(path, bits, codec, entry, EntryCost(per_gradient, cost)),
+                              cluster)
+    return EntryCost(per_gradient, solve_processor(predicted, steps[FEW])), steps
+
+
+def time_contention(work: Callable[[], None], job: Job, products: int = CONTENTION_PRODUCTS) -> float:
+    """The share of the processor compute loses while `work` (a codes exchange, or the
+    framework's allreduce) runs beside it over and over: every rank times `products` matrix
+    products at torch's threads alone, then with a thread making enough calls of `work` to
+    outlast them (as many on every rank: a collective must be called alike everywhere)."""
+    a = torch.randn(MATRIX, MATRIX)
+
+    def compute():
+        started = time.perf_counter()
+        for _ in range(products):
+            a @ a
+        return time.perf_counter() - started
+    compute()
+    alone = max(job.allgather_object(compute()))
+    one = min(job.allgather_object(statistics.median(_timed(work) for _ in range(REPEATS))))
+    calls = math.ceil(OUTLAST * alone / one) + 1
+
+    def run():
+        for _ in range(calls):
+            work()
+    thread = threading.Thread(target=run, daemon=True)
+    job.allgather_object(None)  # every rank starts together
+    thread.start()
+    shared = compute()
+    bound = JOIN_S + OUTLAST * calls * one
+    thread.join(timeout=bound)  # bounded: its calls, with room
+    if thread.is_alive():
+        raise RuntimeError(f"the exchanges run beside the compute did not end within {bound:.0f} s: a rank may "
+                           f"have left the job")
+    return max(0.0, 1 - alone / max(job.allgather_object(shared)))
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def measure(job: Job, cluster: perf.Cluster, formats: Sequence[str], codecs: dict,
+            progress: Callable[[str], None] = lambda _: None) -> dict:
+    """{"contention": the codec's (perf.Cluster.contention), "wire_contention": the framework's
+    float32 allreduce's (perf.Cluster.wire_contention), "entry_points": {entry: {path:
+    EntryCost}}, "steps": {entry: {path: {tensors: seconds}}}} of this job, each format's codes
+    paths with its codec (`codecs`); the costs are solved with the contentions measured first."""
+    progress("contention")
+    with calibration.exchange_runner(formats[0], job.world, ELEMENTS, 1) as exchange:
+        contention = time_contention(exchange, job)
+    values = np.ones(ELEMENTS, np.float32)
+    contentions = {"contention": contention, "wire_contention": time_contention(lambda: job.allreduce(values), job)}
+    cluster = dataclasses.replace(cluster, **contentions)
+    entries, steps = {}, {}
+    for entry in job.entries:
+        for path, fmt in entry_paths(entry, formats):
+            progress(f"{entry.value} {path}")
+            codec, bits = (codecs[fmt], FloatFormat.parse(fmt).bits) if fmt else (None, NATIVE_BITS[path])
+            entries.setdefault(entry, {})[path], steps.setdefault(entry, {})[path] = entry_cost(
+                job, entry, path, fmt or formats[0], codec, cluster, bits)
+    return contentions | {"entry_points": entries, "steps": steps}
+
+
+def entry_paths(entry: EntryPoint, formats: Sequence[str]) -> list:
+    """(path name, format or None) of every path `entry` offers: its framework's float32 and
+    16-bit allreduce, then each format's codes."""
+    natives = () if entry is EntryPoint.CODES else ((FLOAT32, None), (HALF, None))
+    return [*natives, *((codes_path(fmt), fmt) for fmt in formats)]
