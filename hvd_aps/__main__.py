@@ -179,7 +179,7 @@ def plan_command(args):
 
 def _say_costs(loaded: calibration.Calibration, entry: perf.EntryPoint, sharing: float) -> None:
     """What the plan takes from the job's calibration, or a note where it has nothing for `entry`."""
-    native = perf.EntryPoint.HOROVOD if entry is perf.EntryPoint.CODES else entry
+    native = entry.native
     if not {entry, native} <= loaded.entry_points.keys():
         launcher = "torchrun" if entry is perf.EntryPoint.DDP else "horovodrun"
         print(f"note: no cost a gradient measured for {entry.value}'s paths in the calibration (the codec's alone): "

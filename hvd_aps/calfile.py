@@ -62,7 +62,7 @@ class Calibration:
     def paths(self, entry: perf.EntryPoint, formats: Sequence[str]) -> list:
         """The framework's float32 and 16-bit allreduce, then each format's codes, through `entry`
         with the costs measured there (the codes optimizer's peers: Horovod's own optimizer)."""
-        native = perf.EntryPoint.HOROVOD if entry is perf.EntryPoint.CODES else entry
+        native = entry.native
         return [perf.entry_path(name, bits, entry=native, cost=self.entry_cost(native, name))
                 for name, bits in ((perf.FLOAT32_PATH, 32), (perf.HALF_PATH, 16))] + [
             perf.entry_path(perf.codes_path(f), FloatFormat.parse(f).bits, self.codecs[f], entry,

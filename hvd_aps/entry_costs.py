@@ -235,11 +235,10 @@ def solve_processor(predicted: Callable[[float], float], measured: float) -> flo
 
 
 def entry_cost(job: Job, entry: EntryPoint, path: str, fmt: str, codec: Optional[perf.Codec],
-               cluster: perf.Cluster, bits: int) -> tuple:
-    """(the path's EntryCost on this job's `cluster`, its link measured in the same job; the
-    measured {tensors: median step})."""
+               cluster: perf.Cluster, bits: int, work: dict) -> tuple:
+    """(the path's EntryCost on this job's `cluster`, its link measured in the same job, the
+    models' compute `work` ({tensors: compute_profile}); the measured {tensors: median step})."""
     steps = time_pair(job, entry, path, fmt)
-    work = {n: compute_profile(n, entry) for n in (FEW, MANY)}
     model = {n: perf.step_time(work[n], perf.entry_path(path, bits, codec, entry), cluster) for n in (FEW, MANY)}
     per_gradient = max(0.0, (steps[MANY] - model[MANY] - steps[FEW] + model[FEW]) / (MANY - FEW))
     if path == FLOAT32:  # the link is fitted on the float32 allreduce: nothing per element beyond it
@@ -303,11 +302,12 @@ def measure(job: Job, cluster: perf.Cluster, formats: Sequence[str], codecs: dic
     cluster = dataclasses.replace(cluster, **contentions)
     entries, steps = {}, {}
     for entry in job.entries:
+        work = {n: compute_profile(n, entry) for n in (FEW, MANY)}  # once an entry point: its paths alike
         for path, fmt in entry_paths(entry, formats):
             progress(f"{entry.value} {path}")
             codec, bits = (codecs[fmt], FloatFormat.parse(fmt).bits) if fmt else (None, NATIVE_BITS[path])
             entries.setdefault(entry, {})[path], steps.setdefault(entry, {})[path] = entry_cost(
-                job, entry, path, fmt or formats[0], codec, cluster, bits)
+                job, entry, path, fmt or formats[0], codec, cluster, bits, work)
     return contentions | {"entry_points": entries, "steps": steps}
 
 

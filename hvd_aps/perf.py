@@ -310,6 +310,12 @@ class EntryPoint(str, enum.Enum):
     CODES = "codes"      # hvd_aps.torch.DistributedOptimizer
     DDP = "ddp"          # torch DDP: its allreduce, fp16_compress_hook, hvd_aps.ddp.aps_hook
 
+    @property
+    def native(self) -> "EntryPoint":
+        """Where the framework's own allreduce it is weighed against runs (the codes optimizer's:
+        Horovod's optimizer)."""
+        return EntryPoint.HOROVOD if self is EntryPoint.CODES else self
+
 
 @dataclasses.dataclass(frozen=True)
 class EntryCost:
