@@ -67,12 +67,28 @@ def sh(*cmd, ns=None, check=True):
     return done
 
 
+def _link(host):
+    """Host `host`'s veth: its end in the host namespace is renamed hvd0, its switch end adds "s"."""
+    return f"hvd{os.getpid()}h{host}"
+
+
+def cap(host, rate, queue="100ms", change=False):
+    """Both directions of host `host`'s link capped at `rate` (None: uncapped); change: a cap set
+    before is replaced (a running job sees its link change)."""
+    for dev, where in (("hvd0", f"{RUN}-h{host}"), (f"{_link(host)}s", SWITCH)):
+        if change:
+            sh("tc", "qdisc", "del", "dev", dev, "root", ns=where, check=False)  # none set: nothing to remove
+        if rate:
+            sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "1mb", "latency", queue,
+               ns=where)
+
+
 @contextlib.contextmanager
 def cluster(hosts, rate, queue="100ms"):
     """Namespaces <RUN>-h0.. with address 10.77.0.(i+1) on iface hvd0, bridged in the switch
     namespace; both directions of every link capped at `rate` (None: uncapped)."""
     names = [f"{RUN}-h{i}" for i in range(hosts)]
-    links = [f"hvd{os.getpid()}h{i}" for i in range(hosts)]  # host end; the switch end adds "s"
+    links = [_link(i) for i in range(hosts)]
     try:
         sh("ip", "netns", "add", SWITCH)
         sh("ip", "link", "add", "br0", "type", "bridge", ns=SWITCH)
@@ -88,10 +104,7 @@ def cluster(hosts, rate, queue="100ms"):
             sh("ip", "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "hvd0", ns=ns)
             sh("ip", "link", "set", "hvd0", "up", ns=ns)
             sh("ip", "link", "set", "lo", "up", ns=ns)
-            if rate:
-                for dev, where in (("hvd0", ns), (f"{links[i]}s", SWITCH)):
-                    sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "1mb",
-                       "latency", queue, ns=where)
+            cap(i, rate, queue)
             # Gloo contexts (Horovod's process sets, torch.distributed) resolve the machine's
             # hostname: map it to this host's address
             etc = pathlib.Path("/etc/netns") / ns

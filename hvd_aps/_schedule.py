@@ -26,7 +26,14 @@ agreed medians lie within CLEAR_MARGIN of each other another round runs (up to R
 steps pooled with the earlier ones; then a path is kept over a more exact one (float32 before
 16-bit, 16-bit before codes) only where it is CODES_MARGIN faster. The decisions are in the
 compressor's state_dict, so a resumed run keeps them. RECHECK_STEPS steps after a decision the
-trials run again, from a round of every path (a decision pin() gave stays).
+trials run again, from a round of every path (a decision pin() gave stays); sooner where codes
+were kept and their steps drift: the median of each DRIFT_WINDOW codes steps is weighed against
+the first window's after the decision, and where one rank's lies DRIFT_MARGIN away (the link or
+the machine changed, and the framework's allreduce may now be the faster) the share rides on
+the next step's metadata like the trials' medians, so every rank starts the trials at the same
+commit. What codes steps do not feel waits for RECHECK_STEPS: a faster link under codes bound
+by the processor, and anything under a native decision (the framework's own steps, with no
+metadata to agree on).
 
 With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calfile.job_link), policy="auto"
 starts from the performance model (hvd_aps.perf): after the first block of trial steps (codes,
@@ -83,6 +90,12 @@ UNMEASURED = -1.0  # a timing entry with no measurement behind it
 # link or a machine that changed since is noticed. Every rank counts the same commits, so every rank
 # starts alike; a round where one path loses by a third costs about 0.3 % of the steps between.
 RECHECK_STEPS = 1000
+# codes kept: the median of each DRIFT_WINDOW codes steps against the first window's after the
+# decision; a share of it this far away on any rank times every path again (medians of fifty
+# steps move by a few percent where single steps move by a quarter; the first weighing comes a
+# hundred steps after the decision, a tenth of RECHECK_STEPS)
+DRIFT_WINDOW = 50
+DRIFT_MARGIN = 0.25
 log = logging.getLogger("hvd_aps")
 
 
@@ -149,6 +162,31 @@ class _Watch:
 
 
 @dataclasses.dataclass
+class _Drift:
+    """Codes kept by policy="auto": this rank's settled median step (the first DRIFT_WINDOW codes
+    steps after the decision), the window filling now, and its last median's share away from the
+    settled one (sent on the metadata: the agreed share, the slowest rank's, re-checks)."""
+    settled: "float | None" = None
+    window: list = dataclasses.field(default_factory=list)
+    latest: "float | None" = None
+    share: "float | None" = None
+    agreed: "float | None" = None  # the Max over ranks of `share`, agreed this step, applied at commit
+
+    def add(self, took: float) -> None:
+        self.window.append(took)
+        if len(self.window) < DRIFT_WINDOW:
+            return
+        median, self.window = statistics.median(self.window), []
+        if self.settled is None:
+            self.settled = median
+        else:
+            self.latest, self.share = median, abs(median / self.settled - 1)
+
+    def state(self) -> dict:
+        return {"settled": self.settled, "window": list(self.window), "latest": self.latest, "share": self.share}
+
+
+@dataclasses.dataclass
 class _Bucket:
     times: dict = dataclasses.field(default_factory=dict)  # candidate -> agreed seconds of its trial steps
     chosen: int = None            # the decision, once made
@@ -183,6 +221,7 @@ class _Policy:
         self.prediction = None  # the agreed {path: step} of the prediction
         self.since = 0  # steps since the decision
         self.pinned = False  # decided by pin(): never timed again
+        self.drift = _Drift()  # codes kept: their steps since the decision
 
     @property
     def trying(self) -> "str | None":
@@ -215,13 +254,14 @@ class _Policy:
         self.order = tuple(path(k) for k in saved.get("order", self.order))
         self.predicting, self.prediction = paths(saved.get("predicting")), paths(saved.get("prediction"))
         self.since, self.pinned = saved.get("since", 0), saved.get("pinned", False)
+        self.drift = _Drift(**saved.get("drift", {}))
         self.steps = {**{k: [] for k in self.paths}, **{path(k): list(v) for k, v in saved["steps"].items()}}
 
     def state(self) -> dict:
         return {"phase": self.phase.value, "chosen": self.chosen, "block": self.block, "timed": self.timed,
                 "rounds": self.rounds, "order": list(self.order), "steps": {k: list(v) for k, v in self.steps.items()},
                 "predicting": self.predicting, "prediction": self.prediction, "since": self.since,
-                "pinned": self.pinned}
+                "pinned": self.pinned, "drift": self.drift.state()}
 
 
     # decisions ------------------------------------------------------------------------------------
@@ -234,6 +274,8 @@ class _Policy:
             return
         if self.phase is Phase.DECIDED:
             self.since += 1
+            if self.watching_drift and took is not None:
+                self.drift.add(took)
             return
         if self.phase is Phase.CHUNKING and chunking_fixed:
             self.phase = Phase.TRIALS  # the first trial step starts here
@@ -258,10 +300,17 @@ class _Policy:
                     self.phase = Phase.DECIDING
 
     @property
+    def watching_drift(self) -> bool:
+        """Codes kept by trials or a prediction (not by pin()): their steps are watched for drift."""
+        return self.phase is Phase.DECIDED and self.chosen == CODES and not self.pinned
+
+    @property
     def recheck_due(self) -> bool:
-        """RECHECK_STEPS steps since a decision pin() did not give: every path is to be weighed
-        again as at the start."""
-        return self.phase is Phase.DECIDED and not self.pinned and self.since >= RECHECK_STEPS
+        """RECHECK_STEPS steps since a decision pin() did not give, or codes kept whose steps
+        drifted DRIFT_MARGIN on some rank: every path is to be weighed again as at the start."""
+        if self.phase is not Phase.DECIDED or self.pinned:
+            return False
+        return self.since >= RECHECK_STEPS or (self.drift.agreed or 0.0) > DRIFT_MARGIN
 
     def decide(self, medians: dict) -> None:
         """Every rank's slowest median step on each path weighed -> another round of trials where
@@ -420,6 +469,8 @@ class Schedule:
             steps = {}
             if p is not None and p.phase is Phase.DECIDING:
                 steps = p.predicting or {k: statistics.median(p.steps[k]) for k in p.weighing()}
+            elif p is not None and p.watching_drift and p.drift.share is not None:
+                steps = {CODES: p.drift.share}  # codes kept: how far their steps drifted
         return exchange + [steps.get(path, UNMEASURED) for path in PATHS]
 
     @property
@@ -460,8 +511,11 @@ class Schedule:
             if self.tuning and seconds != UNMEASURED:
                 self._bucket(name).pending = (int(candidate), seconds)
             medians = {path: v for path, v in zip(PATHS, steps) if v != UNMEASURED}
-            if self._policy is not None and self._policy.phase is Phase.DECIDING and medians:
-                self._policy.medians = medians  # decided at commit: a step's exchanges all run alike
+            p = self._policy
+            if p is not None and p.phase is Phase.DECIDING and medians:
+                p.medians = medians  # decided at commit: a step's exchanges all run alike
+            elif p is not None and p.watching_drift and CODES in medians:
+                p.drift.agreed = medians[CODES]  # applied at commit, alike on every rank
 
     # steps ------------------------------------------------------------------------------------------
     def commit(self) -> None:
@@ -489,8 +543,14 @@ class Schedule:
         """A fresh policy, as at the start: codes steps first (a bucket first met on a native path
         has its chunking tried there, and the deciding step's exchanges must carry metadata), then
         a round of trials (or, with a link, the model's prediction from the first block)."""
-        log.info("hvd_aps schedule: %d steps since %s was chosen: timing every path again", self._policy.since,
-                 _path_text(self._policy.chosen))
+        p = self._policy
+        if p.since >= RECHECK_STEPS:
+            log.info("hvd_aps schedule: %d steps since %s was chosen: timing every path again", p.since,
+                     _path_text(p.chosen))
+        else:
+            log.info("hvd_aps schedule: codes steps moved %.0f %% on some rank since they settled (here %.1f ms, "
+                     "then %.1f ms): timing every path again", 100 * p.drift.agreed, 1e3 * (p.drift.latest or 0.0),
+                     1e3 * p.drift.settled)
         self._policy = _Policy(self.natives)
 
     def rollback(self) -> None:
@@ -499,8 +559,10 @@ class Schedule:
             for b in self._buckets.values():
                 b.pending, b.ran, b.before = None, None, None
             self._model.timeline.rolled_back()
-            if self._policy is not None and self._policy.phase is Phase.DECIDING:
-                self._policy.medians = None
+            if self._policy is not None:
+                if self._policy.phase is Phase.DECIDING:
+                    self._policy.medians = None
+                self._policy.drift.agreed = None
 
     def _prediction(self) -> "dict | None":
         """policy="auto" with a link, its first block of codes steps timed: the native steps the
@@ -534,6 +596,8 @@ class Schedule:
                 seconds = {f"{_path_text(k)} step": statistics.median(v) for k, v in p.steps.items() if v}
                 seconds.update({f"{_path_text(k)} step (predicted)": v for k, v in (p.prediction or {}).items()
                                 if k != CODES})
+                seconds.update({f"codes step ({when})": v for when, v in (("settled", p.drift.settled),
+                                                                         ("latest", p.drift.latest)) if v is not None})
                 chosen = None if p.chosen is None else _path_text(p.chosen)
                 rows.append({"bucket": "(policy: every bucket)", "chosen": chosen, "seconds": seconds})
             return rows

@@ -399,6 +399,66 @@ def test_policy_auto_times_every_path_again_recheck_steps_after_deciding_and_res
     assert set(_commits(pinned, RECHECK_STEPS + 1)) == {"float32"}
 
 
+def test_policy_auto_times_every_path_again_when_kept_codes_drift(monkeypatch):
+    """Codes kept: each DRIFT_WINDOW codes steps' median is weighed against the first window's
+    after the decision, its share away rides on the metadata (the Max over ranks), and the commit
+    of the step that agreed one past DRIFT_MARGIN starts the trials again, on every rank alike
+    (also where this rank's own steps held); a failed step's agreement is dropped, the settled
+    median survives a checkpoint, and codes pinned are never re-checked."""
+    import types
+    from hvd_aps import _schedule
+    from hvd_aps._schedule import DRIFT_MARGIN, DRIFT_WINDOW, UNMEASURED, Schedule, trial_order, trial_steps
+    paths = ("codes", "float32")
+    now = [0.0]
+    monkeypatch.setattr(_schedule, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    codes_faster = [UNMEASURED, UNMEASURED, 0.5, 1.0, UNMEASURED, UNMEASURED]
+
+    def steps(schedule, n, seconds):
+        for _ in range(n):
+            now[0] += seconds
+            schedule.commit()
+
+    def drift(share):
+        return [UNMEASURED, UNMEASURED, share, UNMEASURED, UNMEASURED, UNMEASURED]
+
+    schedule = Schedule((0,), auto=True)
+    schedule.candidate("b")
+    steps(schedule, trial_steps(paths), 0.1)
+    schedule.agreed("b", codes_faster)
+    steps(schedule, 1, 0.1)
+    assert schedule.native_dtype() is None and schedule.report()[-1]["chosen"] == "codes"
+    assert schedule.entries("b")[2] == UNMEASURED  # nothing to weigh before the first window settles
+    steps(schedule, DRIFT_WINDOW, 0.1)  # settled: 100 ms
+    steps(schedule, DRIFT_WINDOW, 0.11)  # 10 % slower: within the margin
+    assert schedule.entries("b")[2] == pytest.approx(0.1)
+    schedule.agreed("b", drift(0.1))
+    steps(schedule, 1, 0.11)
+    assert schedule.report()[-1]["chosen"] == "codes"
+    assert schedule.report()[-1]["seconds"]["codes step (settled)"] == pytest.approx(0.1)
+    resumed = Schedule((0,), auto=True)
+    resumed.load_state_dict(schedule.state_dict())
+    assert resumed.entries("b")[2] == pytest.approx(0.1)
+    steps(schedule, DRIFT_WINDOW, 0.12)  # weighed against the settled window, not the one before
+    assert schedule.entries("b")[2] == pytest.approx(0.2)
+    schedule.agreed("b", drift(DRIFT_MARGIN + 0.05))  # another rank's steps moved
+    schedule.rollback()  # that step failed: its agreement does not count
+    steps(schedule, 1, 0.11)
+    assert schedule.report()[-1]["chosen"] == "codes"
+    for run in (schedule, resumed):
+        run.agreed("b", drift(DRIFT_MARGIN + 0.05))
+        steps(run, 1, 0.11)
+        assert run.report()[-1]["chosen"] is None  # every path timed again, as at the start
+        assert _commits(run, 1) == [None]
+        assert _commits(run, trial_steps(paths) - 1) == _blocks(trial_order(paths))[:-1]
+    pinned = Schedule((0,), auto=True)
+    pinned.pin({"policy": "codes"})
+    steps(pinned, 3 * DRIFT_WINDOW, 0.1)
+    assert pinned.entries("b")[2] == UNMEASURED
+    pinned.agreed("b", drift(1.0))
+    steps(pinned, 1, 0.3)
+    assert pinned.report()[-1]["chosen"] == "codes"
+
+
 def test_fallback_auto_times_float32_and_float16_and_keeps_the_faster():
     """fallback="auto": the trial blocks alternate codes, float32 and float16 steps, the three
     medians ride on the metadata, and the fastest path is kept."""

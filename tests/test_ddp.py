@@ -100,3 +100,19 @@ def test_a_slow_rank_neither_hangs_nor_splits_or_flaps_the_schedules_decisions(t
     rank holds the same decisions after every step, and once policy="auto" has decided, no
     decision changes in a later step."""
     check_slow_rank_runs(launch_ddp_checks(tmp_path, 2, script="slow_rank_checks.py", prefix="slow"))
+
+
+def test_policy_auto_times_every_path_again_on_every_rank_when_kept_codes_drift(tmp_path):
+    """Codes kept, then their steps slow down on one rank (workers/drift_checks.py): every rank
+    starts the trials again at the same step, a window after the settled one, and keeps codes
+    again (the framework's allreduce stays the slower), on the same parameters."""
+    import json
+    from hvd_aps._schedule import DRIFT_WINDOW
+    ranks = launch_ddp_checks(tmp_path, 2, script="drift_checks.py", prefix="drift")
+    steps = [list(r["decisions"]) for r in ranks]
+    assert steps[0] == steps[1]
+    policies = [json.loads(d)["policy"] for d in steps[0]]
+    decided = policies.index("codes")
+    again = policies.index(None, decided)  # ValueError: never timed again
+    assert decided + 2 * DRIFT_WINDOW <= again <= decided + 3 * DRIFT_WINDOW and policies[-1] == "codes"
+    np.testing.assert_array_equal(ranks[0]["params"], ranks[1]["params"])
