@@ -29,6 +29,7 @@ from hvd_aps._schedule import DRIFT_WINDOW
 SETTLED, CHANGED = "settled", "changed"  # in the run's folder: codes kept and settled (rank 0); the link changed
 MARK_AFTER = 5  # steps past the settled window (the first DRIFT_WINDOW codes steps) before the change
 CHANGE_S = 600  # the most the driver waits for the mark before it gives up on the change
+JOIN_S = 4 * 30  # the change's own bound: four tc commands of netns_cluster.COMMAND_S each
 HOG = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass"  # a busy core
 
 
@@ -73,25 +74,36 @@ def worker(args):
     hvd.shutdown()
 
 
+def _end(process) -> None:
+    process.kill()
+    process.wait()
+
+
+def _boundaries(policies, kept):
+    """(the step whose commit started the trials again after codes were kept at step `kept`, the
+    step whose commit decided again): policies[k] is what step k's commit left, so the steps
+    after each of them run the new way (len(policies) where it has not come)."""
+    end = len(policies)
+    again = next((k for k in range(kept, end) if policies[k] is None), end) if kept is not None else end
+    return again, next((k for k in range(again, end) if policies[k] is not None), end)
+
+
 def _decided_again(policies, kept, after):
-    """Whether the trials ran again after codes were kept and their new decision has held `after` steps."""
-    if kept is None or None not in policies[kept:]:
-        return False
-    again = policies.index(None, kept)
-    decided = next((i for i in range(again, len(policies)) if policies[i] is not None), None)
-    return decided is not None and len(policies) - decided >= after
+    """Whether the trials ran again after codes were kept and `after` steps have run since the new decision."""
+    _, decided = _boundaries(policies, kept)
+    return len(policies) - 1 - decided >= after
 
 
 def stretches(run):
     """(name, first step, steps, median seconds) of the run's stretches around the change."""
     policies, steps, kept, changed = run["policies"], run["steps"], run["kept"], run["changed"]
-    again = policies.index(None, kept) if kept is not None and None in policies[kept:] else len(policies)
-    decided = next((i for i in range(again, len(policies)) if policies[i] is not None), len(policies))
-    parts = [("codes kept, before the change", kept, changed),
-             ("codes kept, after the change", changed, again),
-             ("timing every path again", again, decided),
-             (f"decided again: {policies[decided] if decided < len(policies) else None}", decided, len(policies))]
-    return [(name, a, b - a, statistics.median(steps[a:b]) if b > a else None) for name, a, b in parts]
+    again, decided = _boundaries(policies, kept)
+    end = len(policies)
+    parts = [("codes kept, before the change", kept + 1, changed),
+             ("codes kept, after the change", changed, again + 1),
+             ("timing every path again", again + 1, decided + 1),
+             (f"decided again: {policies[decided] if decided < end else None}", decided + 1, end)]
+    return [(name, a, max(0, b - a), statistics.median(steps[a:b]) if b > a else None) for name, a, b in parts]
 
 
 def main():
@@ -114,15 +126,15 @@ def main():
     import netns_cluster
     with tempfile.TemporaryDirectory() as out, netns_cluster.cluster(2, args.start_rate) as names, \
             contextlib.ExitStack() as hogs:
-        changed, started = threading.Event(), time.monotonic()
+        changed, stop, failed, started = threading.Event(), threading.Event(), [], time.monotonic()
         print(f"2 hosts at {args.start_rate}: training until policy='auto' keeps codes", flush=True)
 
         def change():
             mark = pathlib.Path(out) / SETTLED
             deadline = time.monotonic() + CHANGE_S
-            while not mark.exists() and time.monotonic() < deadline:
+            while not mark.exists() and not stop.is_set() and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if not mark.exists():
+            if not mark.exists() or stop.is_set():
                 return
             if args.change == "link":
                 for host in range(len(names)):
@@ -130,17 +142,30 @@ def main():
             for _ in range(args.hogs if args.change == "load" else 0):  # each killed with the job, or ends at its bound
                 hog = subprocess.Popen([sys.executable, "-c", HOG.format(seconds=args.timeout)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                hogs.callback(hog.kill)
+                hogs.callback(_end, hog)
             (pathlib.Path(out) / CHANGED).write_text(str(time.time()))
             changed.set()
             print(f"[{time.monotonic() - started:.0f} s] codes kept and settled: "
                   + (f"links now {args.then_rate}" if args.change == "link" else f"{args.hogs} busy processes started"),
                   flush=True)
-        threading.Thread(target=change, daemon=True).start()
+
+        def changing():
+            try:
+                change()
+            except Exception as error:  # surfaced once the job has ended
+                failed.append(error)
+        thread = threading.Thread(target=changing, daemon=True)
+        thread.start()
         argv = [str(pathlib.Path(__file__).resolve()), "--worker", out, "--tensors", str(args.tensors),
                 "--tensor-elements", str(args.tensor_elements), "--after", str(args.after),
                 "--max-steps", str(args.max_steps)]
-        run = netns_cluster.launch(names, 1, argv, args.timeout, label="auto_drift")[0]
+        try:
+            run = netns_cluster.launch(names, 1, argv, args.timeout, label="auto_drift")[0]
+        finally:
+            stop.set()
+            thread.join(JOIN_S)  # before the busy processes are killed and the namespaces removed
+    if failed:
+        raise RuntimeError(f"changing the {args.change} failed") from failed[0]
     if not changed.is_set() or run["changed"] is None:
         sys.exit(f"codes were never kept at {args.start_rate} (decisions: {sorted(set(map(str, run['policies'])))}): "
                  "nothing to change under them")

@@ -67,6 +67,11 @@ def sh(*cmd, ns=None, check=True):
     return done
 
 
+def _host(host):
+    """Host `host`'s namespace."""
+    return f"{RUN}-h{host}"
+
+
 def _link(host):
     """Host `host`'s veth: its end in the host namespace is renamed hvd0, its switch end adds "s"."""
     return f"hvd{os.getpid()}h{host}"
@@ -75,7 +80,7 @@ def _link(host):
 def cap(host, rate, queue="100ms", change=False):
     """Both directions of host `host`'s link capped at `rate` (None: uncapped); change: a cap set
     before is replaced (a running job sees its link change)."""
-    for dev, where in (("hvd0", f"{RUN}-h{host}"), (f"{_link(host)}s", SWITCH)):
+    for dev, where in (("hvd0", _host(host)), (f"{_link(host)}s", SWITCH)):
         if change:
             sh("tc", "qdisc", "del", "dev", dev, "root", ns=where, check=False)  # none set: nothing to remove
         if rate:
@@ -87,7 +92,7 @@ def cap(host, rate, queue="100ms", change=False):
 def cluster(hosts, rate, queue="100ms"):
     """Namespaces <RUN>-h0.. with address 10.77.0.(i+1) on iface hvd0, bridged in the switch
     namespace; both directions of every link capped at `rate` (None: uncapped)."""
-    names = [f"{RUN}-h{i}" for i in range(hosts)]
+    names = [_host(i) for i in range(hosts)]
     links = [_link(i) for i in range(hosts)]
     try:
         sh("ip", "netns", "add", SWITCH)

@@ -5,8 +5,8 @@
 amax: each tensor's max |g|; size (and minus it): the Max of x and of -x tells whether every rank
 had the same x, so a rank with another model or another order is caught naming the tensor;
 error (hybrid precision only): each tensor's sampled narrow-format error, whose Max picks its
-format; timing: the last exchange's seconds and candidate, and policy="auto"'s median steps
-(hvd_aps._schedule.Schedule.entries; unmeasured: -1); the
+format; timing: the last exchange's seconds and candidate, and policy="auto"'s median steps (with
+codes kept, how far their steps drifted; hvd_aps._schedule.Schedule.entries; unmeasured: -1); the
 signature of the configuration (and minus it), so ranks configured differently fail alike (where
 they can, after gathering each other's settings to name the fields that differ);
 resumed (and minus it): the ranks of the exchanges a loaded state_dict came from (0: none

@@ -31,8 +31,10 @@ were kept and their steps drift: the median of each DRIFT_WINDOW codes steps is 
 the first window's after the decision, and where one rank's lies DRIFT_MARGIN away (the link or
 the machine changed, and the framework's allreduce may now be the faster) the share rides on
 the next step's metadata like the trials' medians, so every rank starts the trials at the same
-commit. What codes steps do not feel waits for RECHECK_STEPS: a faster link under codes bound
-by the processor, and anything under a native decision (the framework's own steps, with no
+commit. Each re-check the drift starts doubles the next window (a workload whose steps keep
+moving, a growing sequence length, re-checks ever more rarely); the thousand-step one sets it
+back. What codes steps do not feel waits for RECHECK_STEPS: a faster link under codes bound by
+the processor, and anything under a native decision (the framework's own steps, with no
 metadata to agree on).
 
 With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calfile.job_link), policy="auto"
@@ -93,9 +95,11 @@ RECHECK_STEPS = 1000
 # codes kept: the median of each DRIFT_WINDOW codes steps against the first window's after the
 # decision; a share of it this far away on any rank times every path again (medians of fifty
 # steps move by a few percent where single steps move by a quarter; the first weighing comes a
-# hundred steps after the decision, a tenth of RECHECK_STEPS)
+# hundred steps after the decision, a tenth of RECHECK_STEPS). A re-check the drift started
+# doubles the next window, up to MAX_DRIFT_WINDOW.
 DRIFT_WINDOW = 50
 DRIFT_MARGIN = 0.25
+MAX_DRIFT_WINDOW = RECHECK_STEPS // 2
 log = logging.getLogger("hvd_aps")
 
 
@@ -163,9 +167,11 @@ class _Watch:
 
 @dataclasses.dataclass
 class _Drift:
-    """Codes kept by policy="auto": this rank's settled median step (the first DRIFT_WINDOW codes
+    """Codes kept by policy="auto": this rank's settled median step (the first `steps` codes
     steps after the decision), the window filling now, and its last median's share away from the
-    settled one (sent on the metadata: the agreed share, the slowest rank's, re-checks)."""
+    settled one, either way (sent on the metadata; the agreed share, the most drifted rank's,
+    re-checks)."""
+    steps: int = DRIFT_WINDOW
     settled: "float | None" = None
     window: list = dataclasses.field(default_factory=list)
     latest: "float | None" = None
@@ -174,7 +180,7 @@ class _Drift:
 
     def add(self, took: float) -> None:
         self.window.append(took)
-        if len(self.window) < DRIFT_WINDOW:
+        if len(self.window) < self.steps:
             return
         median, self.window = statistics.median(self.window), []
         if self.settled is None:
@@ -183,7 +189,12 @@ class _Drift:
             self.latest, self.share = median, abs(median / self.settled - 1)
 
     def state(self) -> dict:
-        return {"settled": self.settled, "window": list(self.window), "latest": self.latest, "share": self.share}
+        """What a checkpoint keeps (not `agreed`: a step's agreement ends with its commit)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "agreed"}
+
+    @classmethod
+    def load(cls, saved: dict) -> "_Drift":
+        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
 
 
 @dataclasses.dataclass
@@ -201,14 +212,14 @@ class Phase(str, enum.Enum):
     CHUNKING = "chunking"  # the buckets' chunkings still tried: no policy trial yet
     TRIALS = "trials"      # blocks of trial steps on each path
     DECIDING = "deciding"  # the medians (or the model's prediction) ride on the next step's metadata
-    DECIDED = "decided"    # every rank chose alike; no more trials for RECHECK_STEPS steps
+    DECIDED = "decided"    # every rank chose alike; no more trials for RECHECK_STEPS steps (or kept codes drift)
 
 
 class _Policy:
     """policy="auto"'s step trials: blocks of steps on each path (codes, then the native dtypes
     in the order given: the more exact first), then the agreed decision."""
 
-    def __init__(self, natives: tuple):
+    def __init__(self, natives: tuple, drift_window: int = DRIFT_WINDOW):
         self.paths = (CODES,) + tuple(natives)
         self.phase, self.chosen = Phase.CHUNKING, None  # chosen: a path
         self.steps = {path: [] for path in self.paths}  # this rank's timed steps on each path
@@ -221,7 +232,7 @@ class _Policy:
         self.prediction = None  # the agreed {path: step} of the prediction
         self.since = 0  # steps since the decision
         self.pinned = False  # decided by pin(): never timed again
-        self.drift = _Drift()  # codes kept: their steps since the decision
+        self.drift = _Drift(drift_window)  # codes kept: their steps since the decision
 
     @property
     def trying(self) -> "str | None":
@@ -254,7 +265,7 @@ class _Policy:
         self.order = tuple(path(k) for k in saved.get("order", self.order))
         self.predicting, self.prediction = paths(saved.get("predicting")), paths(saved.get("prediction"))
         self.since, self.pinned = saved.get("since", 0), saved.get("pinned", False)
-        self.drift = _Drift(**saved.get("drift", {}))
+        self.drift = _Drift.load(saved.get("drift", {}))
         self.steps = {**{k: [] for k in self.paths}, **{path(k): list(v) for k, v in saved["steps"].items()}}
 
     def state(self) -> dict:
@@ -461,7 +472,8 @@ class Schedule:
         there is nothing to say: the vector has one length for every configuration, so a rank
         configured otherwise meets the signature check, not a shape error): the seconds and
         candidate of the last step timed for this bucket, and while policy="auto" decides, its
-        median step (or its prediction) on each path weighed, in PATHS' order."""
+        median step (or its prediction) on each path weighed, in PATHS' order; once it has kept
+        codes, in the codes entry the share their steps drifted (a fraction, not seconds)."""
         with self._lock:
             last = self._bucket(name).last
             exchange = [UNMEASURED, UNMEASURED] if last is None else [last[1], float(last[0])]
@@ -505,7 +517,8 @@ class Schedule:
         """The Max over ranks of the timing entries: the slowest rank's time of the last timed step,
         recorded at commit (a failed step records nothing); while policy="auto" decides, the
         slowest rank's median steps, which decide it (every exchange of that step carries the
-        same, so whichever agrees first decides alike)."""
+        same, so whichever agrees first decides alike); with codes kept, the most drifted rank's
+        share, which re-checks at commit past DRIFT_MARGIN."""
         seconds, candidate, *steps = (float(v) for v in np.asarray(entries, np.float64))
         with self._lock:
             if self.tuning and seconds != UNMEASURED:
@@ -547,11 +560,12 @@ class Schedule:
         if p.since >= RECHECK_STEPS:
             log.info("hvd_aps schedule: %d steps since %s was chosen: timing every path again", p.since,
                      _path_text(p.chosen))
+            window = DRIFT_WINDOW
         else:
-            log.info("hvd_aps schedule: codes steps moved %.0f %% on some rank since they settled (here %.1f ms, "
-                     "then %.1f ms): timing every path again", 100 * p.drift.agreed, 1e3 * (p.drift.latest or 0.0),
-                     1e3 * p.drift.settled)
-        self._policy = _Policy(self.natives)
+            log.info("hvd_aps schedule: codes steps moved %.0f %% on some rank since they settled: timing every "
+                     "path again", 100 * p.drift.agreed)
+            window = min(2 * p.drift.steps, MAX_DRIFT_WINDOW)
+        self._policy = _Policy(self.natives, window)
 
     def rollback(self) -> None:
         with self._lock:
@@ -586,7 +600,8 @@ class Schedule:
     def report(self) -> list:
         """Per bucket: its name, the decision (None while trying) and the median seconds of every
         chunking tried, as dicts; with policy="auto" the policy's decision ("codes", "native
-        float32", ...) and its step medians on each path (and the model's, where it predicted)."""
+        float32", ...) and its step medians on each path (and the model's, where it predicted),
+        agreed on every rank, and with codes kept this rank's own settled and latest medians."""
         with self._lock:
             rows = [{"bucket": name, "chosen": self._chosen_text(b),
                      "seconds": {describe(c): statistics.median(t) for c, t in b.times.items()}}

@@ -227,14 +227,19 @@ class APSCompressor:
 
     def schedule_report(self) -> list:
         """Per bucket: the schedule chosen (None while still trying) and the median seconds of
-        every candidate tried."""
+        every candidate tried; once the step handed over has committed (every rank reads a step's
+        decisions alike)."""
+        self.exchanger.settle()
         return self.state.schedule.report()
 
     def decisions(self) -> dict:
         """The run-time schedule's decisions so far, to pin in a later run: {"chunk_bytes":
         {bucket name: float32 bytes a chunk (0: unchunked)}, "policy": "codes" or "native"
         (policy="auto" only; None while its trials run), and for "native" its "native_dtype"}.
-        Bucket names are those of schedule_report()."""
+        Bucket names are those of schedule_report(). Read once the step handed over has
+        committed: its commit can trail the framework's step by a callback, and a rank that read
+        the step before's would branch apart from the others."""
+        self.exchanger.settle()
         return self.state.schedule.decisions()
 
     def pin(self, decisions: dict) -> None:

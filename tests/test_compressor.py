@@ -403,8 +403,9 @@ def test_policy_auto_times_every_path_again_when_kept_codes_drift(monkeypatch):
     """Codes kept: each DRIFT_WINDOW codes steps' median is weighed against the first window's
     after the decision, its share away rides on the metadata (the Max over ranks), and the commit
     of the step that agreed one past DRIFT_MARGIN starts the trials again, on every rank alike
-    (also where this rank's own steps held); a failed step's agreement is dropped, the settled
-    median survives a checkpoint, and codes pinned are never re-checked."""
+    (also where this rank's own steps held), and the next window is twice as long; a failed
+    step's agreement is dropped, the settled median survives a checkpoint, and codes pinned are
+    never re-checked."""
     import types
     from hvd_aps import _schedule
     from hvd_aps._schedule import DRIFT_MARGIN, DRIFT_WINDOW, UNMEASURED, Schedule, trial_order, trial_steps
@@ -450,6 +451,14 @@ def test_policy_auto_times_every_path_again_when_kept_codes_drift(monkeypatch):
         assert run.report()[-1]["chosen"] is None  # every path timed again, as at the start
         assert _commits(run, 1) == [None]
         assert _commits(run, trial_steps(paths) - 1) == _blocks(trial_order(paths))[:-1]
+        run.agreed("b", codes_faster)
+        run.commit()
+        assert run.state_dict()["(policy)"]["drift"]["steps"] == 2 * DRIFT_WINDOW  # re-checked by drift: rarer
+    earlier = schedule.state_dict()  # an earlier release's state, without the drift: watched afresh
+    del earlier["(policy)"]["drift"]
+    older = Schedule((0,), auto=True)
+    older.load_state_dict(earlier)
+    assert older.entries("b")[2] == UNMEASURED and older.report()[-1]["chosen"] == "codes"
     pinned = Schedule((0,), auto=True)
     pinned.pin({"policy": "codes"})
     steps(pinned, 3 * DRIFT_WINDOW, 0.1)
