@@ -29,6 +29,7 @@ from hvd_aps._schedule import DRIFT_WINDOW
 SETTLED, CHANGED = "settled", "changed"  # in the run's folder: codes kept and settled (rank 0); the link changed
 MARK_AFTER = 5  # steps past the settled window (the first DRIFT_WINDOW codes steps) before the change
 CHANGE_S = 600  # the most the driver waits for the mark before it gives up on the change
+KILL_S = 10  # a killed busy process's exit
 JOIN_S = 4 * 30  # the change's own bound: four tc commands of netns_cluster.COMMAND_S each
 HOG = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass"  # a busy core
 
@@ -76,7 +77,7 @@ def worker(args):
 
 def _end(process) -> None:
     process.kill()
-    process.wait()
+    process.wait(timeout=KILL_S)
 
 
 def _boundaries(policies, kept):
