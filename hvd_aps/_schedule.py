@@ -319,9 +319,12 @@ class _Policy:
     def recheck_due(self) -> bool:
         """RECHECK_STEPS steps since a decision pin() did not give, or codes kept whose steps
         drifted DRIFT_MARGIN on some rank: every path is to be weighed again as at the start."""
-        if self.phase is not Phase.DECIDED or self.pinned:
-            return False
-        return self.since >= RECHECK_STEPS or (self.drift.agreed or 0.0) > DRIFT_MARGIN
+        return self.phase is Phase.DECIDED and not self.pinned and (self.since >= RECHECK_STEPS or self.drifted)
+
+    @property
+    def drifted(self) -> bool:
+        """Some rank's kept codes steps moved DRIFT_MARGIN, agreed this step."""
+        return (self.drift.agreed or 0.0) > DRIFT_MARGIN
 
     def decide(self, medians: dict) -> None:
         """Every rank's slowest median step on each path weighed -> another round of trials where
@@ -557,14 +560,14 @@ class Schedule:
         has its chunking tried there, and the deciding step's exchanges must carry metadata), then
         a round of trials (or, with a link, the model's prediction from the first block)."""
         p = self._policy
-        if p.since >= RECHECK_STEPS:
-            log.info("hvd_aps schedule: %d steps since %s was chosen: timing every path again", p.since,
-                     _path_text(p.chosen))
-            window = DRIFT_WINDOW
-        else:
+        if p.drifted and p.since < RECHECK_STEPS:
             log.info("hvd_aps schedule: codes steps moved %.0f %% on some rank since they settled: timing every "
                      "path again", 100 * p.drift.agreed)
             window = min(2 * p.drift.steps, MAX_DRIFT_WINDOW)
+        else:
+            log.info("hvd_aps schedule: %d steps since %s was chosen: timing every path again", p.since,
+                     _path_text(p.chosen))
+            window = DRIFT_WINDOW
         self._policy = _Policy(self.natives, window)
 
     def rollback(self) -> None:
