@@ -2,7 +2,8 @@
 at --start-rate (codes win there), and once the run has kept codes and their steps have settled,
 --change load starts --hogs processes that keep a core busy each (another job landing on the
 machine), or --change link changes the links to --then-rate (uncapped by default: there the
-framework's float32 allreduce is the faster). The job: hvd_aps.torch.DistributedOptimizer with
+framework's float32 allreduce is the faster), or --change none marks the same step and changes
+nothing (how often the watch re-checks a job that did not change). The job: hvd_aps.torch.DistributedOptimizer with
 APSCompressor(policy="auto") on --tensors vectors of --tensor-elements (examples/synthetic_models.py's
 `tensors` profile), under Horovod's rendezvous as horovodrun starts it (examples/netns_cluster.py).
 Prints the median step in each stretch: codes before the change, codes after it until every path
@@ -51,7 +52,7 @@ def worker(args):
     opt = hvd_aps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                              named_parameters=model.named_parameters(), compression=compressor)
     x = torch.ones(1, 1)
-    steps, began, policies, kept = [], [], [], None
+    steps, began, policies, kept, watched = [], [], [], None, []
     folder = pathlib.Path(args.out)
     for step in range(args.max_steps):  # the decisions, alike on every rank, end it at the same step
         began.append(time.time())
@@ -62,6 +63,8 @@ def worker(args):
         steps.append(time.perf_counter() - started)
         policies.append(compressor.decisions()["policy"])
         kept = step if kept is None and policies[-1] == "codes" else kept
+        if kept is not None and policies[-1] == "codes" and (step - kept) % DRIFT_WINDOW == 0:
+            watched.append([step, compressor.schedule_report()[-1]["seconds"]])
         if hvd.rank() == 0 and kept is not None and step == kept + DRIFT_WINDOW + MARK_AFTER:
             (folder / SETTLED).touch()
         if _decided_again(policies, kept, args.after):
@@ -70,7 +73,7 @@ def worker(args):
         changed = float((folder / CHANGED).read_text()) if (folder / CHANGED).exists() else None
         print(json.dumps({"steps": steps, "policies": policies, "kept": kept,
                           "changed": next((k for k, t in enumerate(began) if changed and t >= changed), None),
-                          "report": compressor.schedule_report()}), flush=True)
+                          "report": compressor.schedule_report(), "watched": watched}), flush=True)
     compressor.close()
     hvd.shutdown()
 
@@ -109,7 +112,8 @@ def stretches(run):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--change", choices=["load", "link"], default="load", help="what changes once codes settled")
+    parser.add_argument("--change", choices=["load", "link", "none"], default="load",
+                        help="what changes once codes settled")
     parser.add_argument("--start-rate", default="500mbit", help="the links' tc rate at the start")
     parser.add_argument("--then-rate", default="none", help="--change link: the links' rate then (none: uncapped)")
     parser.add_argument("--hogs", type=int, default=2, help="--change load: processes keeping a core busy each")
@@ -147,7 +151,8 @@ def main():
             (pathlib.Path(out) / CHANGED).write_text(str(time.time()))
             changed.set()
             print(f"[{time.monotonic() - started:.0f} s] codes kept and settled: "
-                  + (f"links now {args.then_rate}" if args.change == "link" else f"{args.hogs} busy processes started"),
+                  + {"link": f"links now {args.then_rate}", "load": f"{args.hogs} busy processes started",
+                     "none": "nothing changed"}[args.change],
                   flush=True)
 
         def changing():
@@ -170,7 +175,8 @@ def main():
     if not changed.is_set() or run["changed"] is None:
         sys.exit(f"codes were never kept at {args.start_rate} (decisions: {sorted(set(map(str, run['policies'])))}): "
                  "nothing to change under them")
-    then = f"{args.then_rate}" if args.change == "link" else f"{args.hogs} processes busy beside the ranks"
+    then = {"link": args.then_rate, "load": f"{args.hogs} processes busy beside the ranks",
+            "none": "nothing changed"}[args.change]
     print(f"{args.tensors} tensors of {args.tensor_elements}, 2 hosts at {args.start_rate}; then {then}")
     for name, first, count, median in stretches(run):
         print(f"  {name:40s} from step {first:5d}: {count:4d} steps, median "
