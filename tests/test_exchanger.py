@@ -46,6 +46,7 @@ def test_a_step_commits_once_every_exchange_in_flight_has_ended():
     assert ex.state.events == []
     release.set()
     concurrent.futures.wait(futures)
+    ex.settle()  # the commit comes with the last future's done callback, after its waiters wake
     assert ex.state.events == ["commit"]
     ex.end_step()  # a step with nothing in flight ends at once
     assert ex.state.events == ["commit", "commit"]
@@ -64,9 +65,11 @@ def test_a_step_with_a_failed_exchange_rolls_back_after_the_others_end():
     assert ex.state.events == []  # the slow exchange may still write
     release.set()
     slow.result(10)
+    ex.settle()
     assert ex.state.events == ["rollback"]
     ex.submit(lambda: None).result(10)  # the next step starts clean
     ex.end_step()
+    ex.settle()
     assert ex.state.events == ["rollback", "commit"]
 
 
