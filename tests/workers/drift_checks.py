@@ -50,8 +50,9 @@ for step in range(STEPS):
     opt.zero_grad()
     net(torch.randn(16, 64, generator=gen)).pow(2).mean().backward()
     opt.step()
-    policy = compressor.decisions()["policy"]
-    decisions.append(json.dumps(compressor.decisions(), sort_keys=True))
+    now = compressor.decisions()
+    policy = now["policy"]
+    decisions.append(json.dumps(now, sort_keys=True))
     decided = step if decided is None and policy == "codes" else decided
     drifting = decided is not None and step >= decided + DRIFT_WINDOW
 np.savez(f"{sys.argv[-1]}/drift_rank{rank}.npz", decisions=np.array(decisions),
