@@ -96,10 +96,12 @@ RECHECK_STEPS = 1000
 # decision; a share of it this far away on any rank times every path again (medians of fifty
 # steps move by a few percent where single steps move by a quarter; the first weighing comes a
 # hundred steps after the decision, a tenth of RECHECK_STEPS). A re-check the drift started
-# doubles the next window, up to MAX_DRIFT_WINDOW.
+# doubles the next window, up to MAX_DRIFT_WINDOW: the first window after a decision settles and
+# the second is the first weighed, so a window of a quarter of RECHECK_STEPS still weighs twice
+# before the re-check (one of half would close with it, and never weigh).
 DRIFT_WINDOW = 50
 DRIFT_MARGIN = 0.25
-MAX_DRIFT_WINDOW = RECHECK_STEPS // 2
+MAX_DRIFT_WINDOW = RECHECK_STEPS // 4
 log = logging.getLogger("hvd_aps")
 
 
@@ -114,8 +116,10 @@ def trial_steps(paths: tuple) -> int:
 
 
 def max_trial_steps(natives: tuple = ("float32",)) -> int:
-    """The steps policy="auto" may take to decide: every round of trials and its deciding step."""
-    return ROUNDS * trial_steps((CODES,) + tuple(natives))
+    """The steps policy="auto" may take to decide: every round of trials and its deciding step,
+    and one more where a link's prediction could not settle it (its agreement takes a step of
+    its own before the trials go on)."""
+    return ROUNDS * trial_steps((CODES,) + tuple(natives)) + 1
 
 
 class _Timeline:
@@ -262,15 +266,25 @@ class _Policy:
 
         self.phase, self.chosen = Phase(saved["phase"]), path(saved["chosen"])
         self.block, self.timed, self.rounds = saved.get("block", 0), saved.get("timed", 0), saved.get("rounds", 1)
+        self.warming = saved.get("warming", WARMUP_STEPS)
+        self.medians = paths(saved.get("medians")) if self.phase is Phase.DECIDED else None
         self.order = tuple(path(k) for k in saved.get("order", self.order))
         self.predicting, self.prediction = paths(saved.get("predicting")), paths(saved.get("prediction"))
         self.since, self.pinned = saved.get("since", 0), saved.get("pinned", False)
         self.drift = _Drift.load(saved.get("drift", {}))
         self.steps = {**{k: [] for k in self.paths}, **{path(k): list(v) for k, v in saved["steps"].items()}}
 
+    def offers(self, saved: dict) -> bool:
+        """Whether a state_dict()'s policy names only paths this one weighs (a decision for a
+        dtype this compressor's fallback does not send is not taken)."""
+        named = {saved["chosen"], *saved.get("order", ()), *saved["steps"]} - {None, "native"}
+        return named <= set(self.paths)
+
     def state(self) -> dict:
         return {"phase": self.phase.value, "chosen": self.chosen, "block": self.block, "timed": self.timed,
-                "rounds": self.rounds, "order": list(self.order), "steps": {k: list(v) for k, v in self.steps.items()},
+                "warming": self.warming, "rounds": self.rounds, "order": list(self.order),
+                "medians": self.medians if self.phase is Phase.DECIDED else None,
+                "steps": {k: list(v) for k, v in self.steps.items()},
                 "predicting": self.predicting, "prediction": self.prediction, "since": self.since,
                 "pinned": self.pinned, "drift": self.drift.state()}
 
@@ -426,6 +440,7 @@ class Schedule:
         self.candidates, self.auto, self.link, self.natives = tuple(candidates), bool(auto), link, tuple(natives)
         self._buckets, self._lock = {}, threading.Lock()
         self._began = None  # when this step began: the last commit (None: not a clean measurement)
+        self._pins = []  # what pin() was given, checked: kept through reset()
         self._start()
 
     def _start(self) -> None:
@@ -593,25 +608,32 @@ class Schedule:
             log.info("hvd_aps schedule: bucket %s runs %s (%s)", name, describe(b.chosen), _times_text(b.times))
 
     def reset(self) -> None:
-        """Start over (the world changed: what was measured no longer holds)."""
+        """Start over (the world changed: what was measured no longer holds; what pin() gave,
+        measured nowhere, stays, as on a rank joining with the same pins)."""
         with self._lock:
             self._buckets.clear()
             self._began = None
             self._start()
+            for pins in self._pins:
+                self._apply_pins(*pins)
 
     # reports and checkpoints -------------------------------------------------------------------------
     def report(self) -> list:
         """Per bucket: its name, the decision (None while trying) and the median seconds of every
-        chunking tried, as dicts; with policy="auto" the policy's decision ("codes", "native
-        float32", ...) and its step medians on each path (and the model's, where it predicted),
-        agreed on every rank, and with codes kept this rank's own settled and latest medians."""
+        chunking tried (agreed on every rank), as dicts; with policy="auto" the policy's decision
+        ("codes", "native float32", ...) and its step medians on each path: the agreed ones (the
+        slowest rank's, alike on every rank) behind a decision the trials made, this rank's own
+        while they run; the model's, where it predicted; with codes kept this rank's own settled
+        and latest medians."""
         with self._lock:
             rows = [{"bucket": name, "chosen": self._chosen_text(b),
                      "seconds": {describe(c): statistics.median(t) for c, t in b.times.items()}}
                     for name, b in self._buckets.items()]
             if self._policy is not None:
                 p = self._policy
-                seconds = {f"{_path_text(k)} step": statistics.median(v) for k, v in p.steps.items() if v}
+                medians = p.medians if p.phase is Phase.DECIDED and p.medians else {
+                    k: statistics.median(v) for k, v in p.steps.items() if v}
+                seconds = {f"{_path_text(k)} step": v for k, v in medians.items()}
                 seconds.update({f"{_path_text(k)} step (predicted)": v for k, v in (p.prediction or {}).items()
                                 if k != CODES})
                 seconds.update({f"codes step ({when})": v for when, v in (("settled", p.drift.settled),
@@ -638,13 +660,17 @@ class Schedule:
         named run their chunking from the first exchange, and a policy pinned skips the trial
         steps (a "native" one in "native_dtype", else the first of the natives). Every rank must
         pin the same, before the first step."""
-        chunks, policy, dtype = _pinned(decisions, self.natives, self._policy is not None)
+        pins = _pinned(decisions, self.natives, self._policy is not None)
         with self._lock:
-            for name, value in chunks.items():
-                self._bucket(name).chosen = value
-            if policy is not None:
-                self._policy.chosen = dtype if policy == "native" else policy
-                self._policy.phase, self._policy.pinned = Phase.DECIDED, True
+            self._pins.append(pins)
+            self._apply_pins(*pins)
+
+    def _apply_pins(self, chunks: dict, policy: "str | None", dtype: str) -> None:
+        for name, value in chunks.items():
+            self._bucket(name).chosen = value
+        if policy is not None:
+            self._policy.chosen = dtype if policy == "native" else policy
+            self._policy.phase, self._policy.pinned = Phase.DECIDED, True
 
     def _chosen_text(self, b: _Bucket):
         if self._policy_native():
@@ -668,8 +694,15 @@ class Schedule:
             policy = state.pop("(policy)", None)
             self._buckets = {name: _Bucket({int(c): list(t) for c, t in s["times"].items()}, s["chosen"])
                              for name, s in state.items()}
-            if self._policy is not None and policy is not None:
+            self._start()  # loaded into a schedule as a fresh process builds it
+            if self._policy is not None and policy is not None and self._policy.offers(policy):
                 self._policy.load(policy)
+                return
+            if self._policy is not None and policy is not None:
+                log.warning("hvd_aps: the checkpoint's policy decision names a path this compressor does not send "
+                            "(its fallback differs): every path is timed afresh")
+            for _, pinned, dtype in self._pins:
+                self._apply_pins({}, pinned, dtype)
 
 
 def _pinned(decisions: dict, natives: tuple, auto: bool) -> tuple:

@@ -468,6 +468,102 @@ def test_policy_auto_times_every_path_again_when_kept_codes_drift(monkeypatch):
     assert pinned.report()[-1]["chosen"] == "codes"
 
 
+def test_the_longest_drift_window_still_weighs_before_the_thousand_step_recheck(monkeypatch):
+    """A drift window backed off to MAX_DRIFT_WINDOW settles, then weighs the next one against
+    it well before RECHECK_STEPS: a watch whose second window closed with the re-check would
+    never fire."""
+    import types
+    from hvd_aps import _schedule
+    from hvd_aps._schedule import MAX_DRIFT_WINDOW, RECHECK_STEPS, UNMEASURED, Schedule, trial_steps
+    now = [0.0]
+    monkeypatch.setattr(_schedule, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    schedule = Schedule((0,), auto=True)
+    schedule.candidate("b")
+    _commits(schedule, trial_steps(("codes", "float32")))
+    schedule.agreed("b", [UNMEASURED, UNMEASURED, 0.5, 1.0, UNMEASURED, UNMEASURED])  # codes faster
+    schedule.commit()
+    state = schedule.state_dict()
+    state["(policy)"]["drift"]["steps"] = MAX_DRIFT_WINDOW  # as after re-checks the drift started
+    schedule.load_state_dict(state)
+    schedule.commit()  # the step begun before the load is not timed
+    for seconds in (0.1, 0.3):  # settled, then three times as slow
+        for _ in range(MAX_DRIFT_WINDOW):
+            now[0] += seconds
+            schedule.commit()
+    assert schedule.state_dict()["(policy)"]["since"] < RECHECK_STEPS
+    assert schedule.entries("b")[2] == pytest.approx(2.0)
+    schedule.agreed("b", schedule.entries("b"))
+    schedule.commit()
+    assert schedule.report()[-1]["chosen"] is None  # timed again, by the drift
+
+
+def test_the_report_gives_the_agreed_medians_behind_a_decision():
+    """After the trials decide, the report shows the medians every rank decided from (the
+    slowest rank's), alike on every rank and after a resume, not this rank's own."""
+    from hvd_aps._schedule import UNMEASURED, Schedule, trial_steps
+    schedule = Schedule((0,), auto=True)
+    schedule.candidate("b")
+    _commits(schedule, trial_steps(("codes", "float32")))
+    schedule.agreed("b", [UNMEASURED, UNMEASURED, 0.5, 1.0, UNMEASURED, UNMEASURED])
+    schedule.commit()
+    resumed = Schedule((0,), auto=True)
+    resumed.load_state_dict(schedule.state_dict())
+    for run in (schedule, resumed):
+        assert run.report()[-1]["chosen"] == "codes"
+        assert run.report()[-1]["seconds"] == {"codes step": 0.5, "native float32 step": 1.0}
+
+
+def test_pinned_decisions_survive_a_change_of_world():
+    """reset() (Horovod elastic's world change) drops what was measured, not what pin() gave: a
+    rank joining with the same pins must meet the survivors on the same path."""
+    from hvd_aps._schedule import NATIVE, Schedule
+    pinned = Schedule((0, 1 << 20), auto=True)
+    pinned.pin({"chunk_bytes": {"b": 1 << 20}, "policy": "native"})
+    measured = Schedule((0, 1 << 20), auto=True)
+    measured.pin({"chunk_bytes": {"b": 1 << 20}})
+    for run in (pinned, measured):
+        run.reset()
+    assert pinned.native_dtype() == "float32" and pinned.candidate("b") == NATIVE
+    assert measured.native_dtype() is None and measured.candidate("b") == 1 << 20
+    assert measured.decisions() == {"chunk_bytes": {"b": 1 << 20}, "policy": None}  # the policy timed afresh
+
+
+def test_a_checkpoint_deciding_a_dtype_this_compressor_does_not_send_is_timed_afresh(caplog):
+    """A decision for float16 loaded where the fallback is float32 alone is not sent: every path
+    is timed again, with a warning; a pin() survives the load."""
+    from hvd_aps._schedule import UNMEASURED, Schedule, trial_steps
+    either = Schedule((0,), auto=True, natives=("float32", "float16"))
+    either.candidate("b")
+    _commits(either, trial_steps(("codes", "float32", "float16")))
+    either.agreed("b", [UNMEASURED, UNMEASURED, 2.0, 1.0, 0.5, UNMEASURED])
+    either.commit()
+    assert either.native_dtype() == "float16"
+    float32_only = Schedule((0,), auto=True)
+    with caplog.at_level("WARNING", logger="hvd_aps"):
+        float32_only.load_state_dict(either.state_dict())
+    assert float32_only.native_dtype() is None and float32_only.decisions()["policy"] is None
+    assert "does not send" in caplog.text
+    pinned = Schedule((0,), auto=True)
+    pinned.pin({"policy": "native"})
+    pinned.load_state_dict(either.state_dict())
+    assert pinned.native_dtype() == "float32"
+
+
+def test_max_trial_steps_bounds_a_prediction_that_could_not_settle():
+    """With a link, a prediction within PRIOR_MARGIN agrees on a step of its own, then the trials
+    go on; with every round close, the decision still comes within max_trial_steps()."""
+    from hvd_aps._schedule import Phase, _Policy, max_trial_steps
+    policy = _Policy(("float32",))
+    policy.step_ended(0.1, True, lambda: None)  # the chunking fixed: the trials begin
+    steps = 0
+    while policy.phase is not Phase.DECIDED:
+        if policy.phase is Phase.DECIDING:  # the step's metadata agrees every rank's figures
+            policy.medians = {"codes": 0.1, "float32": 0.1}
+        policy.step_ended(0.1, True, lambda: {"float32": 0.1})
+        steps += 1
+    assert policy.rounds == 3 and steps <= max_trial_steps()
+
+
 def test_fallback_auto_times_float32_and_float16_and_keeps_the_faster():
     """fallback="auto": the trial blocks alternate codes, float32 and float16 steps, the three
     medians ride on the metadata, and the fastest path is kept."""
