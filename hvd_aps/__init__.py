@@ -16,8 +16,9 @@ from .formats import (PRESETS, FloatFormat, bf16, e2m1fn, e2m3fn, e3m0, e3m2fn, 
 
 __version__ = "0.2.0"
 
-# the framework adapters, imported on first use: `import hvd_aps` then `hvd_aps.ddp.aps_hook`
-_ADAPTERS = ("torch", "tensorflow", "keras", "ddp", "fsdp")
+# the framework adapters and torch's step profile, imported on first use: `import hvd_aps` then
+# `hvd_aps.ddp.aps_hook`, `hvd_aps.lightning.FidelityLogger`, `hvd_aps.step_profile.measure`
+_ADAPTERS = ("torch", "tensorflow", "keras", "ddp", "fsdp", "lightning", "step_profile")
 
 
 def __getattr__(name: str):

@@ -16,9 +16,10 @@ cd "$(dirname "$0")/.."
 
 ROUNDS=${1:-20}
 shift $(( $# > 0 ? 1 : 0 ))
-# the files whose tests start real ranks: horovodrun, torchrun, or the hosts' launcher
+# the files whose tests start real ranks: horovodrun, torchrun (tests/support's launch_ddp_checks,
+# test_fsdp's torchrun), the hosts' launcher, or processes of their own (multiprocessing)
 FILES=("$@")
-LAUNCHERS="horovodrun|torch\.distributed\.run|hosts_run"
+LAUNCHERS="horovodrun|torch\.distributed\.run|torchrun\(|launch_ddp_checks|hosts_run|multiprocessing"
 [ ${#FILES[@]} -gt 0 ] || mapfile -t FILES < <(grep -l -E "$LAUNCHERS" tests/test_*.py)
 LIMIT=${SOAK_ROUND_S:-1800}
 OUT=${SOAK_OUT:-results/soak}

@@ -76,6 +76,31 @@ def cited_tests(text):
                 yield file, token
 
 
+CALL = re.compile(r"\bhvd_aps\.(\w+)\.(\w+)\(")  # a call of hvd_aps.<module or class>.<name>(...)
+
+
+def code_lines(text: str) -> str:
+    """The lines of a page's code blocks, fenced or indented."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            out.append(line)
+    return "\n".join(out)
+
+
+def test_every_call_a_pages_code_makes_resolves_after_a_plain_import():
+    """A snippet written as `hvd_aps.step_profile.measure(...)` must run after `import hvd_aps`
+    alone, in a fresh interpreter (a module another test imported would hide a missing one)."""
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    calls = sorted({m.groups() for page in pages for m in CALL.finditer(code_lines(page.read_text()))})
+    assert ("step_profile", "measure") in calls  # the scan reads indented blocks too
+    check = "import hvd_aps\nfor owner, name in %r:\n    getattr(getattr(hvd_aps, owner), name)" % calls
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
 def test_every_test_a_page_cites_exists():
     names = defined_tests()
     every = set().union(*names.values())
