@@ -228,9 +228,9 @@ HIERARCHICAL = {"auto": None, "on": True, "off": False}
 
 def compressor_options(args):
     """APSCompressor keywords from the command line: stats (off unless --stats: a sampled pass),
-    chunk_bytes, bucket_bytes, hierarchical."""
+    chunk_bytes, bucket_bytes, min_elements, hierarchical."""
     options = {"stats": args.stats, "hierarchical": HIERARCHICAL[args.hierarchical]}
-    given = {"chunk_bytes": args.chunk_bytes, "bucket_bytes": args.bucket_bytes}
+    given = {"chunk_bytes": args.chunk_bytes, "bucket_bytes": args.bucket_bytes, "min_elements": args.min_elements}
     return {**options, **{k: v for k, v in given.items() if v is not None}}
 
 
@@ -257,6 +257,9 @@ def add_arguments(parser):
                         help="APSCompressor's chunk_bytes (0: no pipelining; default auto: tuned at run time)")
     parser.add_argument("--bucket-bytes", type=int,
                         help="APSCompressor's bucket_bytes (default: its own, 16 MiB of float32 a bucket)")
+    parser.add_argument("--min-elements", type=int,
+                        help="APSCompressor's min_elements: smaller tensors go through the framework's own allreduce "
+                             "(default: its own, 4096)")
     parser.add_argument("--hierarchical", choices=sorted(HIERARCHICAL), default="auto",
                         help="APSCompressor's hierarchical: auto (two levels where hosts hold several ranks), on, off")
     parser.add_argument("--stats", action="store_true",
