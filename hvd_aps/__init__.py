@@ -2,7 +2,8 @@
 Horovod (PyTorch, TensorFlow, Keras 3), PyTorch DDP and FSDP2.
 
 Importing hvd_aps imports neither torch nor TensorFlow; the framework adapters load on first use
-(hvd_aps.torch, hvd_aps.tensorflow, hvd_aps.keras, hvd_aps.ddp, hvd_aps.fsdp).
+(hvd_aps.torch, hvd_aps.tensorflow, hvd_aps.keras, hvd_aps.ddp, hvd_aps.fsdp, hvd_aps.lightning),
+and so does torch's step profile (hvd_aps.step_profile).
 """
 import importlib
 

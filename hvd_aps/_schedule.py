@@ -25,7 +25,8 @@ way). Steps vary by a quarter from one to the next on shared cores, so where the
 agreed medians lie within CLEAR_MARGIN of each other another round runs (up to ROUNDS), its
 steps pooled with the earlier ones; then a path is kept over a more exact one (float32 before
 16-bit, 16-bit before codes) only where it is CODES_MARGIN faster. The decisions are in the
-compressor's state_dict, so a resumed run keeps them. RECHECK_STEPS steps after a decision the
+compressor's state_dict, so a resumed run keeps them (a decision for a dtype the resumed
+compressor does not send excepted: it times every path afresh). RECHECK_STEPS steps after a decision the
 trials run again, from a round of every path (a decision pin() gave stays); sooner where codes
 were kept and their steps drift: the median of each DRIFT_WINDOW codes steps is weighed against
 the first window's after the decision, and where one rank's lies DRIFT_MARGIN away (the link or
@@ -53,6 +54,7 @@ same prediction once, and logs a warning naming policy="auto" where the framewor
 predicted PRIOR_MARGIN shorter.
 """
 import collections
+import copy
 import dataclasses
 import enum
 import logging
@@ -198,7 +200,10 @@ class _Drift:
 
     @classmethod
     def load(cls, saved: dict) -> "_Drift":
-        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+        """A checkpoint's watch (its window at most MAX_DRIFT_WINDOW, as an earlier release's may not be)."""
+        drift = cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+        drift.steps = min(drift.steps, MAX_DRIFT_WINDOW)
+        return drift
 
 
 @dataclasses.dataclass
@@ -275,10 +280,18 @@ class _Policy:
         self.steps = {**{k: [] for k in self.paths}, **{path(k): list(v) for k, v in saved["steps"].items()}}
 
     def offers(self, saved: dict) -> bool:
-        """Whether a state_dict()'s policy names only paths this one weighs (a decision for a
-        dtype this compressor's fallback does not send is not taken)."""
-        named = {saved["chosen"], *saved.get("order", ()), *saved["steps"]} - {None, "native"}
-        return named <= set(self.paths)
+        """Whether a state_dict()'s policy goes on sending only paths this one offers: its decision,
+        or the trial blocks and prediction under way (a dtype this compressor's fallback does not
+        send is not taken; steps timed on it before a decision are only reported)."""
+        phase = Phase(saved["phase"])
+        if phase is Phase.DECIDED:
+            named = {saved["chosen"]}
+        elif phase is Phase.CHUNKING:
+            named = set()
+        else:
+            predicting = saved.get("predicting")
+            named = {*saved.get("order", ()), *(predicting if isinstance(predicting, dict) else ())}
+        return named - {None, "native"} <= set(self.paths)
 
     def state(self) -> dict:
         return {"phase": self.phase.value, "chosen": self.chosen, "block": self.block, "timed": self.timed,
@@ -440,7 +453,7 @@ class Schedule:
         self.candidates, self.auto, self.link, self.natives = tuple(candidates), bool(auto), link, tuple(natives)
         self._buckets, self._lock = {}, threading.Lock()
         self._began = None  # when this step began: the last commit (None: not a clean measurement)
-        self._pins = []  # what pin() was given, checked: kept through reset()
+        self._pins = []  # the decisions pin() was given: kept through reset() and under a load
         self._start()
 
     def _start(self) -> None:
@@ -614,8 +627,8 @@ class Schedule:
             self._buckets.clear()
             self._began = None
             self._start()
-            for pins in self._pins:
-                self._apply_pins(*pins)
+            for decisions in self._pins:
+                self._apply_pins(decisions)
 
     # reports and checkpoints -------------------------------------------------------------------------
     def report(self) -> list:
@@ -660,15 +673,24 @@ class Schedule:
         named run their chunking from the first exchange, and a policy pinned skips the trial
         steps (a "native" one in "native_dtype", else the first of the natives). Every rank must
         pin the same, before the first step."""
-        pins = _pinned(decisions, self.natives, self._policy is not None)
+        _pinned(decisions, self.natives, self._policy is not None)
         with self._lock:
-            self._pins.append(pins)
-            self._apply_pins(*pins)
+            self._pins.append(copy.deepcopy(decisions))
+            self._apply_pins(decisions)
 
-    def _apply_pins(self, chunks: dict, policy: "str | None", dtype: str) -> None:
+    @property
+    def pins(self) -> list:
+        """The decisions pin() was given, in order (they travel where the schedule is pickled)."""
+        return list(self._pins)
+
+    def _apply_pins(self, decisions: dict, undecided_only: bool = False) -> None:
+        """Take pinned `decisions` (checked by pin()); `undecided_only`: only where nothing is
+        decided (a checkpoint loaded over the pins: what it decided stands)."""
+        chunks, policy, dtype = _pinned(decisions, self.natives, self._policy is not None)
         for name, value in chunks.items():
-            self._bucket(name).chosen = value
-        if policy is not None:
+            if not undecided_only or self._bucket(name).chosen is None:
+                self._bucket(name).chosen = value
+        if policy is not None and not (undecided_only and self._policy.phase is Phase.DECIDED):
             self._policy.chosen = dtype if policy == "native" else policy
             self._policy.phase, self._policy.pinned = Phase.DECIDED, True
 
@@ -687,22 +709,25 @@ class Schedule:
                 state["(policy)"] = self._policy.state()
             return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, warn: bool = True) -> None:
+        """A state_dict()'s measurements and decisions, loaded as a fresh process builds them; a
+        policy sending a path this compressor does not offer is timed afresh (`warn`: say so);
+        pin()'s decisions stand where the state decided nothing."""
         with self._lock:
             self._began = None  # timing a step begun before the checkpoint
             state = dict(state)
-            policy = state.pop("(policy)", None)
+            saved = state.pop("(policy)", None)
             self._buckets = {name: _Bucket({int(c): list(t) for c, t in s["times"].items()}, s["chosen"])
                              for name, s in state.items()}
-            self._start()  # loaded into a schedule as a fresh process builds it
-            if self._policy is not None and policy is not None and self._policy.offers(policy):
-                self._policy.load(policy)
-                return
-            if self._policy is not None and policy is not None:
-                log.warning("hvd_aps: the checkpoint's policy decision names a path this compressor does not send "
-                            "(its fallback differs): every path is timed afresh")
-            for _, pinned, dtype in self._pins:
-                self._apply_pins({}, pinned, dtype)
+            self._start()
+            if self._policy is not None and saved is not None:
+                if self._policy.offers(saved):
+                    self._policy.load(saved)
+                elif warn:
+                    log.warning("hvd_aps: the checkpoint's policy sends a path this compressor does not (its "
+                                "fallback differs): every path is timed afresh")
+            for decisions in self._pins:
+                self._apply_pins(decisions, undecided_only=True)
 
 
 def _pinned(decisions: dict, natives: tuple, auto: bool) -> tuple:

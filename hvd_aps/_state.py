@@ -152,7 +152,7 @@ class ExchangeState:
             world, seed = int(state.get("world", 0)), int(state["seed"])
             schedule = Schedule(self.schedule.candidates, self.schedule.auto, self.schedule.link,
                                 self.schedule.natives)
-            schedule.load_state_dict(state["schedule"])
+            schedule.load_state_dict(state["schedule"], warn=False)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"not a state_dict this APSCompressor can load ({type(err).__name__}: {err}): pass "
                              "what APSCompressor.state_dict() returned, saved whole") from err
@@ -165,11 +165,13 @@ class ExchangeState:
 
     def __getstate__(self) -> dict:
         return {"state": self.state_dict(), "candidates": self.schedule.candidates, "auto": self.schedule.auto,
-                "link": self.schedule.link, "natives": self.schedule.natives}
+                "link": self.schedule.link, "natives": self.schedule.natives, "pins": self.schedule.pins}
 
     def __setstate__(self, saved: dict) -> None:
-        self.__init__(saved["state"]["seed"], Schedule(saved["candidates"], saved["auto"], saved.get("link"),
-                                                       saved.get("natives", ("float32",))))
+        schedule = Schedule(saved["candidates"], saved["auto"], saved.get("link"), saved.get("natives", ("float32",)))
+        for decisions in saved.get("pins", ()):
+            schedule.pin(decisions)
+        self.__init__(saved["state"]["seed"], schedule)
         self.load_state_dict(saved["state"])
 
     # threads --------------------------------------------------------------------------------------

@@ -215,7 +215,7 @@ class APSCompressor:
     def on_world_change(self) -> None:
         """Horovod elastic's reset callback: the step in flight is forgotten, and what belongs to
         the old world (shard owners' residuals, the tuned schedule, process sets) with it; this
-        rank's own residuals and step counts stay its own."""
+        rank's own residuals and step counts stay its own, and pin()'s decisions stay."""
         self._batches.forget_layouts()
         self.reset()
         self.state.forget_shards()
@@ -248,7 +248,8 @@ class APSCompressor:
         policy="auto"'s trial steps. Call on every rank alike, before the first step. Pinning
         changes when things are sent, never a bit of the result, except that a policy of
         "native" sends the framework's own allreduce in "native_dtype" (default: the first of
-        `fallback`'s dtypes, float32 for "auto")."""
+        `fallback`'s dtypes, float32 for "auto"). The pins stay through on_world_change() and
+        stand where a state_dict loaded later decided nothing; what it decided stands."""
         self.state.schedule.pin(decisions)
 
     def close(self) -> None:

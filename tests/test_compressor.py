@@ -530,23 +530,61 @@ def test_pinned_decisions_survive_a_change_of_world():
 
 def test_a_checkpoint_deciding_a_dtype_this_compressor_does_not_send_is_timed_afresh(caplog):
     """A decision for float16 loaded where the fallback is float32 alone is not sent: every path
-    is timed again, with a warning; a pin() survives the load."""
-    from hvd_aps._schedule import UNMEASURED, Schedule, trial_steps
-    either = Schedule((0,), auto=True, natives=("float32", "float16"))
-    either.candidate("b")
-    _commits(either, trial_steps(("codes", "float32", "float16")))
-    either.agreed("b", [UNMEASURED, UNMEASURED, 2.0, 1.0, 0.5, UNMEASURED])
-    either.commit()
-    assert either.native_dtype() == "float16"
-    float32_only = Schedule((0,), auto=True)
+    is timed again, with one warning; a codes decision (or none yet) from that checkpoint loads,
+    its float16 steps only reported."""
+    from hvd_aps._schedule import UNMEASURED, trial_steps
+
+    def compressor(**options):
+        return hvd_aps.APSCompressor("e4m3", policy="auto", chunk_bytes=0, stats=False, **options)
+
+    def decided(medians):
+        either = compressor(fallback="auto")
+        either.state.schedule.candidate("b")
+        _commits(either.state.schedule, trial_steps(("codes", "float32", "float16")))
+        either.state.schedule.agreed("b", [UNMEASURED, UNMEASURED, *medians, UNMEASURED])
+        either.state.schedule.commit()
+        return either.state_dict()
+
+    float32_only = compressor()
     with caplog.at_level("WARNING", logger="hvd_aps"):
-        float32_only.load_state_dict(either.state_dict())
-    assert float32_only.native_dtype() is None and float32_only.decisions()["policy"] is None
-    assert "does not send" in caplog.text
-    pinned = Schedule((0,), auto=True)
-    pinned.pin({"policy": "native"})
-    pinned.load_state_dict(either.state_dict())
-    assert pinned.native_dtype() == "float32"
+        float32_only.load_state_dict(decided([2.0, 1.0, 0.5]))  # float16 kept
+    assert float32_only.state.schedule.native_dtype() is None and float32_only.decisions()["policy"] is None
+    assert caplog.text.count("does not") == 1  # the load checked first, then taken: said once
+    float32_only.load_state_dict(decided([0.5, 1.0, 2.0]))  # codes kept
+    assert float32_only.decisions()["policy"] == "codes"
+    undecided = compressor(fallback="auto")
+    undecided.state.schedule.candidate("b")
+    float32_only.load_state_dict(undecided.state_dict())
+    assert float32_only.state.schedule.state_dict()["(policy)"]["phase"] == "chunking"
+
+
+def test_pins_stand_where_a_loaded_checkpoint_decided_nothing_and_travel_in_a_pickle():
+    """pin() then load_state_dict(): what the checkpoint decided stands, its undecided parts take
+    the pins (a chunking of a bucket it never met, the policy of a run still trying); a pickled
+    state keeps the pins for a later reset()."""
+    import pickle
+    from hvd_aps._schedule import Schedule
+    undecided = Schedule((0, 1 << 20), auto=True)
+    undecided.candidate("b")
+    pinned = Schedule((0, 1 << 20), auto=True)
+    pinned.pin({"chunk_bytes": {"b": 1 << 20}, "policy": "native"})
+    pinned.load_state_dict(undecided.state_dict())
+    assert pinned.decisions() == {"chunk_bytes": {"b": 1 << 20}, "policy": "native", "native_dtype": "float32"}
+    decided = Schedule((0, 1 << 20), auto=True)
+    decided.pin({"chunk_bytes": {"b": 0}, "policy": "codes"})
+    pinned.load_state_dict(decided.state_dict())
+    assert pinned.decisions() == {"chunk_bytes": {"b": 0}, "policy": "codes"}
+    comp = hvd_aps.APSCompressor("e4m3", policy="auto", stats=False)
+    comp.pin({"policy": "native"})
+    state = pickle.loads(pickle.dumps(comp.state))
+    state.schedule.reset()
+    assert state.schedule.native_dtype() == "float32"
+
+
+def test_a_checkpoints_drift_window_is_held_to_the_longest_this_release_weighs():
+    from hvd_aps._schedule import MAX_DRIFT_WINDOW, _Drift
+    assert _Drift.load({"steps": 2 * MAX_DRIFT_WINDOW}).steps == MAX_DRIFT_WINDOW
+    assert _Drift.load({"steps": 100}).steps == 100
 
 
 def test_max_trial_steps_bounds_a_prediction_that_could_not_settle():
