@@ -205,9 +205,19 @@ def step_fn(model, opt, x, y):
     return step
 
 
-def phases(model, opt, x, y, repeats=3):
-    """Median seconds of forward, backward and the optimizer step, without communication."""
+PHASE_WARMUP, PHASE_REPEATS = 2, 9  # untimed steps first (allocations, first calls), then the timed ones
+
+
+def phases(model, opt, x, y, warmup=PHASE_WARMUP, repeats=PHASE_REPEATS):
+    """Median seconds of forward, backward and the optimizer step, without communication, after
+    `warmup` untimed steps: the compute the performance model is given, so the first steps
+    (allocations, first calls) are left out and the median of several kept, which shared cores
+    move far less than a few steps counting the first."""
     times, loss_of = {"forward": [], "backward": [], "optimizer": []}, loss_fn(x)
+    for _ in range(warmup):
+        opt.zero_grad()
+        loss_of(model(x), y).backward()
+        opt.step()
     for _ in range(repeats):
         opt.zero_grad()
         start = time.perf_counter()
