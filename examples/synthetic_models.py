@@ -213,11 +213,9 @@ def phases(model, opt, x, y, warmup=PHASE_WARMUP, repeats=PHASE_REPEATS):
     `warmup` untimed steps: the compute the performance model is given, so the first steps
     (allocations, first calls) are left out and the median of several kept, which shared cores
     move far less than a few steps counting the first."""
-    times, loss_of = {"forward": [], "backward": [], "optimizer": []}, loss_fn(x)
+    times, loss_of, untimed = {"forward": [], "backward": [], "optimizer": []}, loss_fn(x), step_fn(model, opt, x, y)
     for _ in range(warmup):
-        opt.zero_grad()
-        loss_of(model(x), y).backward()
-        opt.step()
+        untimed()
     for _ in range(repeats):
         opt.zero_grad()
         start = time.perf_counter()

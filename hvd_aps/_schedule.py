@@ -272,7 +272,7 @@ class _Policy:
         self.phase, self.chosen = Phase(saved["phase"]), path(saved["chosen"])
         self.block, self.timed, self.rounds = saved.get("block", 0), saved.get("timed", 0), saved.get("rounds", 1)
         self.warming = saved.get("warming", WARMUP_STEPS)
-        self.medians = paths(saved.get("medians")) if self.phase is Phase.DECIDED else None
+        self.medians = paths(saved.get("medians"))  # saved only behind a decision (state())
         self.order = tuple(path(k) for k in saved.get("order", self.order))
         self.predicting, self.prediction = paths(saved.get("predicting")), paths(saved.get("prediction"))
         self.since, self.pinned = saved.get("since", 0), saved.get("pinned", False)
@@ -673,10 +673,9 @@ class Schedule:
         named run their chunking from the first exchange, and a policy pinned skips the trial
         steps (a "native" one in "native_dtype", else the first of the natives). Every rank must
         pin the same, before the first step."""
-        _pinned(decisions, self.natives, self._policy is not None)
         with self._lock:
+            self._apply_pins(decisions)  # checked whole before anything changes
             self._pins.append(copy.deepcopy(decisions))
-            self._apply_pins(decisions)
 
     @property
     def pins(self) -> list:
@@ -684,8 +683,9 @@ class Schedule:
         return list(self._pins)
 
     def _apply_pins(self, decisions: dict, undecided_only: bool = False) -> None:
-        """Take pinned `decisions` (checked by pin()); `undecided_only`: only where nothing is
-        decided (a checkpoint loaded over the pins: what it decided stands)."""
+        """Take pinned `decisions`, checked whole first (a bad one changes nothing);
+        `undecided_only`: only where nothing is decided (a checkpoint loaded over the pins: what
+        it decided stands)."""
         chunks, policy, dtype = _pinned(decisions, self.natives, self._policy is not None)
         for name, value in chunks.items():
             if not undecided_only or self._bucket(name).chosen is None:
