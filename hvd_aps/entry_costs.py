@@ -7,13 +7,15 @@ optimizer; torchrun: DDP's allreduce, its fp16_compress_hook and hvd_aps.ddp.aps
 format's codes.
 
 How: a model of vectors holding ELEMENTS float32 between them (a gradient each, next to no
-compute) steps through the path, at FEW and at MANY tensors; the growth of its step past the
-model's, divided by the tensors added, is the path's cost a gradient (perf.EntryCost.per_gradient:
-a hook, an enqueue, Horovod's negotiation of a name, the compressor's work a tensor); then its
-step at FEW tensors is solved for the cost per element that makes the model's step, with the
-link measured in the same job and the codec's calibration, the one measured
-(perf.EntryCost.processor: the 16-bit casts and sums, the codec in a job against alone; none
-for the float32 allreduce, on which the link itself is fitted). The contentions
+compute) steps through the path, at FEW and at MANY tensors; the two costs are solved so that the
+performance model's step of each, with the link measured in the same job and the codec's
+calibration, is the one measured: the cost a gradient (perf.EntryCost.per_gradient: a hook, an
+enqueue, Horovod's negotiation of a name, the compressor's work a tensor) from the step at MANY
+tensors, the cost per element (perf.EntryCost.processor: the 16-bit casts and sums, the codec in
+a job against alone; none for the float32 allreduce, on which the link itself is fitted) from the
+step at FEW. Solved through the model, not as the steps' difference: where the model runs the
+hand-overs beside the exchanges, a difference would be hidden under them and the model would not
+give back the step it was measured from. The contentions
 (perf.Cluster.contention, wire_contention): every rank computes matrix products alone, then
 beside a thread running codes exchanges (or the framework's float32 allreduce) all along: the
 share of the processor the compute lost to them.
@@ -39,8 +41,11 @@ WARMUP = 5             # untimed steps once the run-time schedule has settled
 ROUNDS, BLOCK = 6, 5   # timed steps: ROUNDS blocks of BLOCK a model, alternated; the median is kept
 REPEATS = 15           # steps of compute alone, and exchanges alone, timed for the medians
 SETTLE_STEPS = 200     # at most, for the run-time schedule to decide every bucket
-SOLVE_ROUNDS = 60      # bisections of the cost per element
+SOLVE_ROUNDS = 60      # bisections of a cost
+JOINT_ROUNDS = 6       # the two costs solved in turn, each with the other held (the step at FEW barely
+                       # moves with the cost a gradient, so they settle within two or three)
 MAX_PROCESSOR = 1e-6   # s per element: the bounds it is solved between (below zero: faster in the job)
+MAX_PER_GRADIENT = 1e-2  # s a gradient: the bound it is solved under
 MATRIX = 512           # the contention's compute: products of MATRIX x MATRIX float32
 CONTENTION_PRODUCTS = 200
 OUTLAST = 2            # the work beside it runs about this many times as long as the compute alone
@@ -224,14 +229,28 @@ def compute_profile(tensors: int, entry: EntryPoint) -> perf.Workload:
     return profile.workload(buckets=perf.entry_buckets(profile.parameters, entry))
 
 
-def solve_processor(predicted: Callable[[float], float], measured: float) -> float:
-    """The cost per element (perf.Path.processor) at which `predicted(cost)`, rising with it,
-    meets the `measured` step, within +-MAX_PROCESSOR."""
-    low, high = -MAX_PROCESSOR, MAX_PROCESSOR
+def solve(predicted: Callable[[float], float], measured: float, low: float, high: float) -> float:
+    """The value between `low` and `high` at which `predicted(value)`, rising with it, meets the
+    `measured` step (bisection; a bound where it is never met)."""
     for _ in range(SOLVE_ROUNDS):
         mid = (low + high) / 2
         low, high = (mid, high) if predicted(mid) < measured else (low, mid)
     return (low + high) / 2
+
+
+def solve_costs(model: Callable[[int, EntryCost], float], steps: dict, per_element: bool = True) -> EntryCost:
+    """The EntryCost at which `model(tensors, cost)` gives the `steps` measured at FEW and at MANY
+    tensors: the cost a gradient from the step at MANY, the cost per element (where `per_element`)
+    from the step at FEW, each solved with the other held, JOINT_ROUNDS times."""
+    cost = EntryCost()
+    for _ in range(JOINT_ROUNDS):
+        if per_element:
+            cost = dataclasses.replace(cost, processor=solve(
+                lambda c: model(FEW, dataclasses.replace(cost, processor=c)), steps[FEW], -MAX_PROCESSOR,
+                MAX_PROCESSOR))
+        cost = dataclasses.replace(cost, per_gradient=solve(
+            lambda g: model(MANY, dataclasses.replace(cost, per_gradient=g)), steps[MANY], 0.0, MAX_PER_GRADIENT))
+    return cost
 
 
 def entry_cost(job: Job, entry: EntryPoint, path: str, fmt: str, codec: Optional[perf.Codec],
@@ -239,15 +258,11 @@ def entry_cost(job: Job, entry: EntryPoint, path: str, fmt: str, codec: Optional
     """(the path's EntryCost on this job's `cluster`, its link measured in the same job, the
     models' compute `work` ({tensors: compute_profile}); the measured {tensors: median step})."""
     steps = time_pair(job, entry, path, fmt)
-    model = {n: perf.step_time(work[n], perf.entry_path(path, bits, codec, entry), cluster) for n in (FEW, MANY)}
-    per_gradient = max(0.0, (steps[MANY] - model[MANY] - steps[FEW] + model[FEW]) / (MANY - FEW))
-    if path == FLOAT32:  # the link is fitted on the float32 allreduce: nothing per element beyond it
-        return EntryCost(per_gradient), steps
 
-    def predicted(cost):
-        return perf.step_time(work[FEW], perf.entry_path(path, bits, codec, entry, EntryCost(per_gradient, cost)),
-                              cluster)
-    return EntryCost(per_gradient, solve_processor(predicted, steps[FEW])), steps
+    def model(tensors, cost):
+        return perf.step_time(work[tensors], perf.entry_path(path, bits, codec, entry, cost), cluster)
+    # the float32 allreduce's link is fitted on it: nothing per element beyond it
+    return solve_costs(model, steps, per_element=path != FLOAT32), steps
 
 
 def time_contention(work: Callable[[], None], job: Job, products: int = CONTENTION_PRODUCTS) -> float:
