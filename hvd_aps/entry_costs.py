@@ -35,7 +35,7 @@ from .formats import FloatFormat
 from .perf import FLOAT32_PATH as FLOAT32, HALF_PATH as HALF, EntryCost, EntryPoint, codes_path
 
 ELEMENTS = 1 << 22     # float32 of the timed model: 16 MiB, as a DDP bucket or a Horovod fusion buffer
-FEW, MANY = 4, 512     # its tensors: the cost a gradient is the step's growth from FEW to MANY
+FEW, MANY = 4, 512     # its tensors: the cost per element solved at FEW, the cost a gradient at MANY
 NATIVE_BITS = {FLOAT32: 32, HALF: 16}
 WARMUP = 5             # untimed steps once the run-time schedule has settled
 ROUNDS, BLOCK = 6, 5   # timed steps: ROUNDS blocks of BLOCK a model, alternated; the median is kept
