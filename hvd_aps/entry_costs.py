@@ -7,15 +7,15 @@ optimizer; torchrun: DDP's allreduce, its fp16_compress_hook and hvd_aps.ddp.aps
 format's codes.
 
 How: a model of vectors holding ELEMENTS float32 between them (a gradient each, next to no
-compute) steps through the path, at FEW and at MANY tensors; the two costs are solved so that the
-performance model's step of each, with the link measured in the same job and the codec's
-calibration, is the one measured: the cost a gradient (perf.EntryCost.per_gradient: a hook, an
-enqueue, Horovod's negotiation of a name, the compressor's work a tensor) from the step at MANY
-tensors, the cost per element (perf.EntryCost.processor: the 16-bit casts and sums, the codec in
-a job against alone; none for the float32 allreduce, on which the link itself is fitted) from the
-step at FEW. Solved through the model, not as the steps' difference: where the model runs the
-hand-overs beside the exchanges, a difference would be hidden under them and the model would not
-give back the step it was measured from. The contentions
+compute) steps through the path, at FEW and at MANY tensors; two costs are solved so that the
+performance model, with the link measured in the same job and the codec's calibration, gives back
+what was measured: the cost per element (perf.EntryCost.processor: the 16-bit casts and sums, the
+codec in a job against alone; none for the float32 allreduce, on which the link itself is fitted)
+the step at FEW tensors, the cost a gradient (perf.EntryCost.per_gradient: a hook, an enqueue,
+Horovod's negotiation of a name, the compressor's work a tensor) the step at MANY. Solved through
+the model, not read off the steps' difference: where the model runs the hand-overs beside the
+exchanges (Horovod's fused allreduce), part of them is hidden under the exchanges, and a
+difference would leave the model short of the steps it came from. The contentions
 (perf.Cluster.contention, wire_contention): every rank computes matrix products alone, then
 beside a thread running codes exchanges (or the framework's float32 allreduce) all along: the
 share of the processor the compute lost to them.
@@ -42,8 +42,8 @@ ROUNDS, BLOCK = 6, 5   # timed steps: ROUNDS blocks of BLOCK a model, alternated
 REPEATS = 15           # steps of compute alone, and exchanges alone, timed for the medians
 SETTLE_STEPS = 200     # at most, for the run-time schedule to decide every bucket
 SOLVE_ROUNDS = 60      # bisections of a cost
-JOINT_ROUNDS = 6       # the two costs solved in turn, each with the other held (the step at FEW barely
-                       # moves with the cost a gradient, so they settle within two or three)
+JOINT_ROUNDS = 6       # the two costs solved in turn, each with the other held (the step at FEW moves
+                       # little with the cost a gradient: the miss shrinks about fourfold a round)
 MAX_PROCESSOR = 1e-6   # s per element: the bounds it is solved between (below zero: faster in the job)
 MAX_PER_GRADIENT = 1e-2  # s a gradient: the bound it is solved under
 MATRIX = 512           # the contention's compute: products of MATRIX x MATRIX float32
@@ -230,8 +230,9 @@ def compute_profile(tensors: int, entry: EntryPoint) -> perf.Workload:
 
 
 def solve(predicted: Callable[[float], float], measured: float, low: float, high: float) -> float:
-    """The value between `low` and `high` at which `predicted(value)`, rising with it, meets the
-    `measured` step (bisection; a bound where it is never met)."""
+    """The value between `low` and `high` at which `predicted(value)`, rising with it, meets
+    `measured` (bisection; the bound where it never does). Where it rises unevenly (Horovod's
+    fusion regroups the gradients as their hand-overs spread) a crossing near the measured one."""
     for _ in range(SOLVE_ROUNDS):
         mid = (low + high) / 2
         low, high = (mid, high) if predicted(mid) < measured else (low, mid)
@@ -239,11 +240,13 @@ def solve(predicted: Callable[[float], float], measured: float, low: float, high
 
 
 def solve_costs(model: Callable[[int, EntryCost], float], steps: dict, per_element: bool = True) -> EntryCost:
-    """The EntryCost at which `model(tensors, cost)` gives the `steps` measured at FEW and at MANY
-    tensors: the cost a gradient from the step at MANY, the cost per element (where `per_element`)
-    from the step at FEW, each solved with the other held, JOINT_ROUNDS times."""
+    """The EntryCost at which `model(tensors, cost)` gives back the `steps` measured at FEW and at
+    MANY tensors: the cost per element (where `per_element`) the step at FEW, the cost a gradient
+    (at least zero) the step at MANY; each solved with the other held, JOINT_ROUNDS times (once
+    without a cost per element: then what the link's fit misses of the step at MANY is counted in
+    the cost a gradient)."""
     cost = EntryCost()
-    for _ in range(JOINT_ROUNDS):
+    for _ in range(JOINT_ROUNDS if per_element else 1):
         if per_element:
             cost = dataclasses.replace(cost, processor=solve(
                 lambda c: model(FEW, dataclasses.replace(cost, processor=c)), steps[FEW], -MAX_PROCESSOR,

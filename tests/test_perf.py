@@ -278,7 +278,8 @@ def test_entry_costs_solve_the_cost_per_element_the_job_measured():
 def test_entry_costs_are_solved_so_the_model_gives_back_the_steps_they_came_from(path, bits):
     """Horovod's fused allreduce runs its hand-overs beside the exchanges, so the steps' growth
     from FEW to MANY tensors is not the cost a gradient times the tensors added: the costs are
-    solved through the model, which then gives back both measured steps (and the costs behind them)."""
+    solved through the model, which then gives back both measured steps (and the costs behind them),
+    and the cost a gradient stays at zero where the model alone already grows past the steps."""
     from hvd_aps import entry_costs
     cluster = perf.Cluster(2, perf.Link(1e8, 1e-3), sharing=2, contention=0.5, wire_contention=0.4)
     work = {n: perf.Workload(1 << 22, 0.004, 0.5, 0.002, perf.entry_buckets(1 << 22, perf.EntryPoint.HOROVOD), n)
@@ -290,11 +291,13 @@ def test_entry_costs_are_solved_so_the_model_gives_back_the_steps_they_came_from
     steps = {n: model(n, truth) for n in work}
     difference = (steps[entry_costs.MANY] - model(entry_costs.MANY, perf.EntryCost())
                   - steps[entry_costs.FEW] + model(entry_costs.FEW, perf.EntryCost())) / (entry_costs.MANY - entry_costs.FEW)
-    assert difference < 0.8 * truth.per_gradient  # the hand-overs partly hidden: a difference undercounts them
+    assert difference < 0.9 * truth.per_gradient  # the hand-overs partly hidden: a difference undercounts them
     solved = entry_costs.solve_costs(model, steps, per_element=path != perf.FLOAT32_PATH)
     assert solved.per_gradient == pytest.approx(truth.per_gradient, rel=1e-3)
     assert solved.processor == pytest.approx(truth.processor, rel=1e-3, abs=1e-13)
     assert all(model(n, solved) == pytest.approx(steps[n], rel=1e-4) for n in work)
+    flat = {entry_costs.FEW: steps[entry_costs.FEW], entry_costs.MANY: steps[entry_costs.FEW]}
+    assert 0 <= entry_costs.solve_costs(model, flat, per_element=path != perf.FLOAT32_PATH).per_gradient < 1e-12
 
 
 def test_a_calibration_file_keeps_the_costs_measured_in_a_job(tmp_path):
