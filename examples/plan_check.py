@@ -8,6 +8,10 @@ benchmark measured without communication).
     sudo .venv/bin/python examples/netns_cluster.py --hosts 2 --rates 1gbit,none --calibrate cal.json
     sudo .venv/bin/python examples/netns_cluster.py --hosts 2 --rates 1gbit,none ... --json rows.json
     .venv/bin/python examples/plan_check.py --calibration cal.json --rows rows.json:400 [--rows ...]
+    .venv/bin/python examples/plan_check.py --calibration cal.json --calibration cal2.json --rates 1gbit ...
+
+--calibration, repeated: the settings predicted with each, side by side (how far the calibration
+moves them from one run of it to the next); --rates: only the settings at those rates.
 
 --rows FILE[:TENSORS]: netns_cluster's rows; TENSORS the gradient tensors of a `tensors` profile
 (its rows name the parameters, not how many tensors hold them); a setting found in several files
@@ -77,34 +81,57 @@ def settings(specs: list) -> list:
     return list(grouped.values())
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calibration", required=True, help="the codec's calibration; its per-cluster copies beside it")
-    parser.add_argument("--rows", action="append", required=True,
-                        help="FILE[:TENSORS] of netns_cluster rows (repeatable; a setting in several: every invocation)")
-    parser.add_argument("--timelines", default=str(DOCS / "perf_model_timelines.json"))
-    parser.add_argument("--json", help="write every setting's prediction here")
-    args = parser.parse_args()
-    profiles = json.loads(pathlib.Path(args.timelines).read_text())
-    timelines = {RESNET18: [(n, at) for n, at in profiles[RESNET18]["timeline"]]}
+def check(rows: list, calibration: pathlib.Path, timelines: dict) -> list:
+    """Every setting of `rows` (settings()) measured and predicted with `calibration`."""
     out = []
-    for row, tensors, runs in settings(args.rows):
+    for row, tensors, runs in rows:
         measured = statistics.median(runs)
-        predicted = predict(row, tensors, pathlib.Path(args.calibration), timelines)
+        predicted = predict(row, tensors, calibration, timelines)
         out.append({k: row[k] for k in ("profile", "params", "hosts", "ranks_per_host", "rate", "compression")}
                    | {"tensors": tensors, "runs": runs, "measured": measured, "predicted": predicted,
                       "error": predicted / measured - 1})
+    return out
+
+
+def report(checks: list) -> None:
+    """The settings' table, an error column a calibration (and their range where several), then
+    each calibration's summary."""
+    several = len(checks) > 1
     print(f"{'profile':>9} {'tensors':>7} {'rate':>8} {'compression':>14} {'runs':>4} {'meas ms':>8} {'spread':>6} "
-          f"{'pred ms':>8} {'error':>6}")
-    for o in out:
+          + ("" if several else f"{'pred ms':>8} ") + " ".join(f"{'error':>6}" for _ in checks)
+          + (f" {'range':>6}" if several else ""))
+    for settings_ in zip(*checks):
+        o, errors = settings_[0], [c["error"] for c in settings_]
         spread = (max(o["runs"]) - min(o["runs"])) / o["measured"]
         print(f"{o['profile']:>9} {o['tensors'] or '':>7} {o['rate']:>8} {o['compression']:>14} {len(o['runs']):>4} "
-              f"{1e3 * o['measured']:8.1f} {spread:6.0%} {1e3 * o['predicted']:8.1f} {o['error']:+6.0%}")
-    errors = sorted(abs(o["error"]) for o in out)
-    print(f"\n{len(errors)} settings: median absolute error {statistics.median(errors):.1%}, worst {errors[-1]:.0%}, "
-          f"within 10 %: {sum(e <= 0.10 for e in errors)}, within 20 %: {sum(e <= 0.20 for e in errors)}")
+              f"{1e3 * o['measured']:8.1f} {spread:6.0%} " + ("" if several else f"{1e3 * o['predicted']:8.1f} ")
+              + " ".join(f"{e:+6.0%}" for e in errors) + (f" {max(errors) - min(errors):6.0%}" if several else ""))
+    print()
+    for out in checks:
+        errors = sorted(abs(o["error"]) for o in out)
+        print(f"{len(errors)} settings: median absolute error {statistics.median(errors):.1%}, worst "
+              f"{errors[-1]:.0%}, within 10 %: {sum(e <= 0.10 for e in errors)}, within 20 %: "
+              f"{sum(e <= 0.20 for e in errors)}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calibration", action="append", required=True,
+                        help="the codec's calibration; its per-cluster copies beside it (repeatable: the settings "
+                             "predicted with each, side by side)")
+    parser.add_argument("--rows", action="append", required=True,
+                        help="FILE[:TENSORS] of netns_cluster rows (repeatable; a setting in several: every invocation)")
+    parser.add_argument("--rates", help="only the settings at these link rates (comma-separated, as the rows name them)")
+    parser.add_argument("--timelines", default=str(DOCS / "perf_model_timelines.json"))
+    parser.add_argument("--json", help="write every setting's prediction here (with the first calibration)")
+    args = parser.parse_args()
+    profiles = json.loads(pathlib.Path(args.timelines).read_text())
+    timelines = {RESNET18: [(n, at) for n, at in profiles[RESNET18]["timeline"]]}
+    rows = [s for s in settings(args.rows) if not args.rates or s[0]["rate"] in args.rates.split(",")]
+    checks = [check(rows, pathlib.Path(c), timelines) for c in args.calibration]
+    report(checks)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        pathlib.Path(args.json).write_text(json.dumps(checks[0], indent=1) + "\n")
 
 
 if __name__ == "__main__":
