@@ -100,8 +100,8 @@ def report(checks: list) -> None:
     print(f"{'profile':>9} {'tensors':>7} {'rate':>8} {'compression':>14} {'runs':>4} {'meas ms':>8} {'spread':>6} "
           + ("" if several else f"{'pred ms':>8} ") + " ".join(f"{'error':>6}" for _ in checks)
           + (f" {'range':>6}" if several else ""))
-    for settings_ in zip(*checks):
-        o, errors = settings_[0], [c["error"] for c in settings_]
+    for predictions in zip(*checks):
+        o, errors = predictions[0], [p["error"] for p in predictions]
         spread = (max(o["runs"]) - min(o["runs"])) / o["measured"]
         print(f"{o['profile']:>9} {o['tensors'] or '':>7} {o['rate']:>8} {o['compression']:>14} {len(o['runs']):>4} "
               f"{1e3 * o['measured']:8.1f} {spread:6.0%} " + ("" if several else f"{1e3 * o['predicted']:8.1f} ")
@@ -121,7 +121,7 @@ def main():
                              "predicted with each, side by side)")
     parser.add_argument("--rows", action="append", required=True,
                         help="FILE[:TENSORS] of netns_cluster rows (repeatable; a setting in several: every invocation)")
-    parser.add_argument("--rates", help="only the settings at these link rates (comma-separated, as the rows name them)")
+    parser.add_argument("--rates", help="only the settings at these link rates (comma-separated, as rows name them)")
     parser.add_argument("--timelines", default=str(DOCS / "perf_model_timelines.json"))
     parser.add_argument("--json", help="write every setting's prediction here (with the first calibration)")
     args = parser.parse_args()
