@@ -121,11 +121,9 @@ def _agreed_codecs(job, out: str, formats: list) -> calibration.Calibration:
 
 
 def _print_costs(costs: dict) -> None:
-    rows = [(entry.value, path, f"{cost.per_gradient * 1e6:.1f}", f"{cost.processor * 1e9:+.2f}",
-             f"{cost.contention:.0%}", f"{cost.slowdown:+.0%}")
+    rows = [(entry.value, path, f"{cost.per_gradient * 1e6:.1f}", f"{cost.processor * 1e9:+.2f}")
             for entry, paths in costs["entry_points"].items() for path, cost in paths.items()]
-    print(_table(["entry point", "path", "us a gradient", "ns an element beyond the model", "compute lost beside it",
-                  "its steps beside compute"], rows))
+    print(_table(["entry point", "path", "us a gradient", "ns an element beyond the model"], rows))
     print(f"contention: {costs['contention']:.2f} s of compute lost a second of codec time, "
           f"{costs['wire_contention']:.2f} a second of the float32 allreduce")
 
@@ -188,20 +186,13 @@ def _say_costs(loaded: calibration.Calibration, entry: perf.EntryPoint, sharing:
               f"{launcher} ... -m hvd_aps calibrate --links --entry-points measures them", file=sys.stderr)
         return
     costs = {**loaded.entry_points[native], **loaded.entry_points[entry]}
-    print("measured in a job: " + ", ".join(f"{path} {cost.per_gradient * 1e6:.0f} us a gradient" + _beside(cost)
+    print("measured in a job: " + ", ".join(f"{path} {cost.per_gradient * 1e6:.0f} us a gradient"
                                             for path, cost in costs.items())
           + f"; the exchange takes {loaded.contention:.0%} of the cores beside compute while its codec runs, "
             f"{loaded.wire_contention:.0%} while its bytes travel")
     if loaded.sharing is not None and loaded.sharing != sharing:
         print(f"note: those costs were measured with {loaded.sharing:g} ranks sharing a machine's cores, planned "
               f"with {sharing:g} (--sharing)", file=sys.stderr)
-
-
-def _beside(cost: perf.EntryCost) -> str:
-    """What a path and compute cost each other, where the job measured it."""
-    if cost.contention is None:
-        return ""
-    return f" (beside compute: it takes {cost.contention:.0%} of it, its exchanges {cost.slowdown:+.0%})"
 
 
 def _error(path: str, world: int) -> str:

@@ -18,9 +18,7 @@ exchanges (Horovod's fused allreduce), part of them is hidden under the exchange
 difference would leave the model short of the steps it came from. The contentions
 (perf.Cluster.contention, wire_contention): every rank computes matrix products alone, then
 beside a thread running codes exchanges (or the framework's float32 allreduce) all along: the
-share of the processor the compute lost to them. Each path's own (EntryCost.contention,
-slowdown): the same products beside the MANY model's steps through it, the share compute lost
-and how much longer its steps took.
+share of the processor the compute lost to them.
 """
 import dataclasses
 import math
@@ -51,7 +49,6 @@ MAX_PER_GRADIENT = 1e-2  # s a gradient: the bound it is solved under
 MATRIX = 512           # the contention's compute: products of MATRIX x MATRIX float32
 CONTENTION_PRODUCTS = 200
 OUTLAST = 2            # the work beside it runs about this many times as long as the compute alone
-BESIDE_CALLS = 10      # the compute lasts at least this many of the work's calls alone
 JOIN_S = 60            # beyond its calls' time, what the work's thread gets to end
 
 
@@ -202,11 +199,10 @@ def settle(trainer: Trainer, job: Job) -> None:
         trainer.step()
 
 
-def time_pair(job: Job, entry: EntryPoint, path: str, fmt: str) -> tuple:
-    """({tensors: median step} of Vectors models of FEW and MANY tensors through `path` of
+def time_pair(job: Job, entry: EntryPoint, path: str, fmt: str) -> dict:
+    """{tensors: median step} of Vectors models of FEW and MANY tensors through `path` of
     `entry`, both built and settled first, then timed in ROUNDS alternating blocks (the machine's
-    drifts fall on both alike); the MANY model's steps and compute beside each other
-    (time_beside)); every rank the same figures."""
+    drifts fall on both alike); every rank the same figures."""
     trainers = {n: job.prepare(entry, path, fmt, Vectors(n, device=job.device), f"calibrate.{n}") for n in (FEW, MANY)}
     try:
         for trainer in trainers.values():
@@ -218,8 +214,7 @@ def time_pair(job: Job, entry: EntryPoint, path: str, fmt: str) -> tuple:
                     started = time.perf_counter()
                     trainer.step()
                     times[n].append(time.perf_counter() - started)
-        steps = {n: statistics.median(job.allgather_object(statistics.median(t))) for n, t in times.items()}
-        return steps, time_beside(trainers[MANY].step, job)
+        return {n: statistics.median(job.allgather_object(statistics.median(t))) for n, t in times.items()}
     finally:
         for trainer in trainers.values():
             trainer.close()
@@ -244,13 +239,13 @@ def solve(predicted: Callable[[float], float], measured: float, low: float, high
     return (low + high) / 2
 
 
-def solve_costs(model: Callable[[int, EntryCost], float], steps: dict, per_element: bool = True,
-                cost: EntryCost = EntryCost()) -> EntryCost:
-    """`cost` with the cost per element and a gradient at which `model(tensors, cost)` gives back
-    the `steps` measured at FEW and at MANY tensors: the cost per element (where `per_element`)
-    the step at FEW, the cost a gradient (at least zero) the step at MANY; each solved with the
-    other held, JOINT_ROUNDS times (once without a cost per element: then what the link's fit
-    misses of the step at MANY is counted in the cost a gradient)."""
+def solve_costs(model: Callable[[int, EntryCost], float], steps: dict, per_element: bool = True) -> EntryCost:
+    """The EntryCost at which `model(tensors, cost)` gives back the `steps` measured at FEW and at
+    MANY tensors: the cost per element (where `per_element`) the step at FEW, the cost a gradient
+    (at least zero) the step at MANY; each solved with the other held, JOINT_ROUNDS times (once
+    without a cost per element: then what the link's fit misses of the step at MANY is counted in
+    the cost a gradient)."""
+    cost = EntryCost()
     for _ in range(JOINT_ROUNDS if per_element else 1):
         if per_element:
             cost = dataclasses.replace(cost, processor=solve(
@@ -264,70 +259,45 @@ def solve_costs(model: Callable[[int, EntryCost], float], steps: dict, per_eleme
 def entry_cost(job: Job, entry: EntryPoint, path: str, fmt: str, codec: Optional[perf.Codec],
                cluster: perf.Cluster, bits: int, work: dict) -> tuple:
     """(the path's EntryCost on this job's `cluster`, its link measured in the same job, the
-    models' compute `work` ({tensors: compute_profile}); the measured {tensors: median step}).
-    Its contention and slowdown beside compute are measured first, its costs solved with them."""
-    steps, beside = time_pair(job, entry, path, fmt)
+    models' compute `work` ({tensors: compute_profile}); the measured {tensors: median step})."""
+    steps = time_pair(job, entry, path, fmt)
 
     def model(tensors, cost):
         return perf.step_time(work[tensors], perf.entry_path(path, bits, codec, entry, cost), cluster)
     # the float32 allreduce's link is fitted on it: nothing per element beyond it
-    return solve_costs(model, steps, path != FLOAT32, EntryCost(contention=beside.contention,
-                                                                slowdown=beside.slowdown)), steps
+    return solve_costs(model, steps, per_element=path != FLOAT32), steps
 
 
-@dataclasses.dataclass(frozen=True)
-class Beside:
-    """What compute and some work cost each other on a shared processor: `contention`, the share
-    of compute's time lost while the work runs beside it; `slowdown`, how much longer a call of
-    the work takes beside compute than alone."""
-    contention: float
-    slowdown: float
-
-
-def time_beside(work: Callable[[], None], job: Job, products: int = CONTENTION_PRODUCTS) -> Beside:
-    """`work` (a codes exchange, the framework's allreduce, a path's step) and compute beside it:
-    every rank times its calls alone, then matrix products at torch's threads alone (at least
-    `products`, and long enough for BESIDE_CALLS calls), then the same products with a thread
-    making enough calls to outlast them (as many on every rank: a collective must be called
-    alike everywhere), timing each; the calls ended while the products ran against the rank's
-    own alone. The slowest rank's figures."""
+def time_contention(work: Callable[[], None], job: Job, products: int = CONTENTION_PRODUCTS) -> float:
+    """The share of the processor compute loses while `work` (a codes exchange, or the
+    framework's allreduce) runs beside it over and over: every rank times `products` matrix
+    products at torch's threads alone, then with a thread making enough calls of `work` to
+    outlast them (as many on every rank: a collective must be called alike everywhere)."""
     a = torch.randn(MATRIX, MATRIX)
 
-    def compute(n):
+    def compute():
         started = time.perf_counter()
-        for _ in range(n):
+        for _ in range(products):
             a @ a
         return time.perf_counter() - started
-    own = statistics.median(_timed(work) for _ in range(REPEATS))
-    one = min(job.allgather_object(own))
-    per_product = max(job.allgather_object(compute(products))) / products
-    products = max(products, math.ceil(BESIDE_CALLS * one / per_product))
-    alone = max(job.allgather_object(compute(products)))
+    compute()
+    alone = max(job.allgather_object(compute()))
+    one = min(job.allgather_object(statistics.median(_timed(work) for _ in range(REPEATS))))
     calls = math.ceil(OUTLAST * alone / one) + 1
-    ended, failed = [], []  # (when, seconds) of each call; what stopped them
 
     def run():
-        try:
-            for _ in range(calls):
-                took = _timed(work)
-                ended.append((time.perf_counter(), took))
-        except Exception as error:  # raised on the caller's thread, below
-            failed.append(error)
+        for _ in range(calls):
+            work()
     thread = threading.Thread(target=run, daemon=True)
     job.allgather_object(None)  # every rank starts together
     thread.start()
-    began = time.perf_counter()
-    shared = compute(products)
+    shared = compute()
     bound = JOIN_S + OUTLAST * calls * one
     thread.join(timeout=bound)  # bounded: its calls, with room
     if thread.is_alive():
-        raise RuntimeError(f"the work run beside the compute did not end within {bound:.0f} s: a rank may "
+        raise RuntimeError(f"the exchanges run beside the compute did not end within {bound:.0f} s: a rank may "
                            f"have left the job")
-    if failed:
-        raise RuntimeError("the work run beside the compute failed") from failed[0]
-    during = [took for when, took in ended if when <= began + shared] or [ended[0][1]]
-    return Beside(max(0.0, 1 - alone / max(job.allgather_object(shared))),
-                  max(0.0, max(job.allgather_object(statistics.median(during) / own - 1))))
+    return max(0.0, 1 - alone / max(job.allgather_object(shared)))
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -344,10 +314,9 @@ def measure(job: Job, cluster: perf.Cluster, formats: Sequence[str], codecs: dic
     paths with its codec (`codecs`); the costs are solved with the contentions measured first."""
     progress("contention")
     with calibration.exchange_runner(formats[0], job.world, ELEMENTS, 1) as exchange:
-        contention = time_beside(exchange, job).contention
+        contention = time_contention(exchange, job)
     values = np.ones(ELEMENTS, np.float32)
-    contentions = {"contention": contention,
-                   "wire_contention": time_beside(lambda: job.allreduce(values), job).contention}
+    contentions = {"contention": contention, "wire_contention": time_contention(lambda: job.allreduce(values), job)}
     cluster = dataclasses.replace(cluster, **contentions)
     entries, steps = {}, {}
     for entry in job.entries:

@@ -28,7 +28,7 @@ them; `python -m hvd_aps calibrate` measures the codes exchange's own time, `Cod
   each exchange starting when its bucket is handed over (Horovod's own allreduce: whatever is,
   fused) and the one before it has ended; the optimizer after both. Where compute and the
   exchange share one processor (training on the CPU), an exchange running beside the backward
-  takes a measured share of the processor from it, and takes longer itself (`_Timeline`).
+  takes a measured share of the processor from it (`_Timeline`).
 
 What the model leaves out (a reason for a measured step to differ): two exchanges in flight at
 once, Horovod's cycle time, stragglers, and congestion beyond the link's rate.
@@ -281,13 +281,7 @@ class Path:
     as `python -m hvd_aps calibrate --links --entry-points` measures it inside a job. `fusion_bytes`: the
     framework's allreduce fuses gradients as Horovod does (tensor fusion): whenever its
     background thread is free it takes every gradient ready by then, up to this many bytes,
-    instead of buckets fixed in advance (0: Workload's buckets). `contention`: the share of the
-    processor compute loses while this path's exchanges run beside it, a second of exchange
-    (None: the cluster's contentions, per second of its processor and link time); `slowdown`:
-    how much longer its exchange takes for each second it runs beside compute (the processor
-    shared both ways). Both measured for the path in a job (EntryCost), on steps of a model
-    that are next to all exchange; `slowdown` applied to the seconds an exchange would overlap
-    the backward unslowed, a first-order figure."""
+    instead of buckets fixed in advance (0: Workload's buckets)."""
     name: str
     bits: int
     codec: Optional[Codec] = None
@@ -296,8 +290,6 @@ class Path:
     collective: float = 0.0
     per_gradient: float = 0.0
     fusion_bytes: int = 0
-    contention: Optional[float] = None
-    slowdown: float = 0.0
 
     @property
     def codes(self) -> bool:
@@ -329,13 +321,9 @@ class EntryPoint(str, enum.Enum):
 class EntryCost:
     """What a path through an entry point costs in a job beyond what the model computes from the
     link and the codec (`python -m hvd_aps calibrate --links --entry-points`): seconds a gradient tensor
-    (Path.per_gradient), a cost per element (Path.processor), and where compute shares the
-    processor, the share it loses beside the path's exchanges and how much longer they take
-    beside it (Path.contention, Path.slowdown; None and 0: not measured)."""
+    (Path.per_gradient) and a cost per element (Path.processor)."""
     per_gradient: float = 0.0
     processor: float = 0.0
-    contention: Optional[float] = None
-    slowdown: float = 0.0
 
 
 def entry_path(name: str, bits: int, codec: Optional[Codec] = None, entry: Optional[EntryPoint] = None,
@@ -346,8 +334,7 @@ def entry_path(name: str, bits: int, codec: Optional[Codec] = None, entry: Optio
     horovod = entry in (EntryPoint.HOROVOD, EntryPoint.CODES)
     return Path(name, bits, codec, cost.processor, pipelined=not horovod,
                 collective=HOROVOD_COLLECTIVE_S if horovod and codec else 0.0, per_gradient=cost.per_gradient,
-                fusion_bytes=HOROVOD_FUSION_BYTES if entry is EntryPoint.HOROVOD and codec is None else 0,
-                contention=cost.contention, slowdown=cost.slowdown)
+                fusion_bytes=HOROVOD_FUSION_BYTES if entry is EntryPoint.HOROVOD and codec is None else 0)
 
 
 # collectives ------------------------------------------------------------------------------------
@@ -499,11 +486,9 @@ class _Timeline:
     gradients are handed over (ready, and past the entry point's cost a gradient of every one
     before them) and the one before it has ended (`free`). Where compute shares the processor
     (`shared`) the costs a gradient lengthen the backward, and an exchange that starts before
-    the backward has ended takes a share of its processor for as long as it runs (the path's
-    measured `contention` a second of it, else its processor time times the cluster's
-    `contention` and its time on the links times `wire_contention`), and takes the path's
-    `slowdown` longer for each second of it the backward still runs: the backward, and every
-    gradient it makes after, come `delay` later."""
+    the backward has ended takes a share of its processor for as long as it runs (its processor
+    time times the cluster's `contention`, its time on the links times `wire_contention`): the
+    backward, and every gradient it makes after, come `delay` later."""
     path: Path
     c: Cluster
     shared: bool
@@ -521,18 +506,12 @@ class _Timeline:
         start = max(handed, self.free)
         took = exchange_time(elements, self.path, self.c, tensors)
         if self.shared and start < self.end:
-            took += self.path.slowdown * min(took, self.end - start)
-            end = start + _slowed(self.end - start, took, self._lost(elements, tensors, took))
+            lost = (self.c.contention * _busy(elements, tensors, self.path, self.c)
+                    + self.c.wire_contention * wire_time(elements, self.path, self.c))
+            end = start + _slowed(self.end - start, took, lost)
             self.delay, self.end = self.delay + end - self.end, end
         self.free = start + took
         self.exchanges.append((start, elements, tensors))
-
-    def _lost(self, elements: float, tensors: float, took: float) -> float:
-        """Seconds of compute an exchange running `took` seconds beside it costs."""
-        if self.path.contention is not None:
-            return self.path.contention * took
-        return (self.c.contention * _busy(elements, tensors, self.path, self.c)
-                + self.c.wire_contention * wire_time(elements, self.path, self.c))
 
 
 def _run(w: Workload, path: Path, c: Cluster) -> _Timeline:

@@ -8,8 +8,6 @@ import os
 import pathlib
 import shutil
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -225,8 +223,7 @@ def test_an_entry_points_costs_a_gradient_and_the_contention_slow_the_step():
     """What `calibrate --links --entry-points` measures in a job: a cost a gradient, which delays
     each hand-over and (sharing the processor) the backward; a cost per element beyond the
     codec; and the contentions, the share of the processor an exchange running beside the
-    backward takes from it (its codec's work, its time on the links, or the path's own measured
-    share), and the path's slowdown beside the backward."""
+    backward takes from it (its codec's work, its time on the links)."""
     n, fast = 1 << 20, perf.Cluster(2, perf.Link(1e30, 0.0), sharing=2)
     codec = perf.Codec(0.01, 0.0)
     w = perf.Workload(n, compute=1.0, backward=1.0, buckets=[n], tensors=100)
@@ -252,18 +249,6 @@ def test_an_entry_points_costs_a_gradient_and_the_contention_slow_the_step():
     fp32 = perf.entry_path(perf.FLOAT32_PATH, 32, entry=perf.EntryPoint.DDP)
     assert perf.step_time(half, fp32, perf.Cluster(2, link)) == pytest.approx(1.0 + 4 / link.bandwidth)
     assert perf.step_time(half, fp32, perf.Cluster(2, link, wire_contention=0.4)) == pytest.approx(1.04)
-    # measured for the path instead: compute loses 30 % of each second of exchange beside it, and the
-    # exchange takes half as long again for each second beside compute: from halfway, 0.15 s, the backward
-    # ends 0.045 s later
-    beside = perf.entry_path(perf.FLOAT32_PATH, 32, entry=perf.EntryPoint.DDP,
-                             cost=perf.EntryCost(contention=0.3, slowdown=0.5))
-    assert (beside.contention, beside.slowdown) == (0.3, 0.5)
-    assert perf.step_time(half, beside, perf.Cluster(2, link, wire_contention=0.4)) == pytest.approx(
-        1.045 + 4 / link.bandwidth)
-    # from 0.95 s only its first 0.05 s run beside the backward: 0.125 s, and it now ends the step
-    late = dataclasses.replace(half, timeline=[(n - 1, 0.95), (1, 1.0)])
-    assert perf.step_time(late, beside, perf.Cluster(2, link)) == pytest.approx(0.95 + 0.125 + 4 / link.bandwidth)
-    assert perf.step_time(late, fp32, perf.Cluster(2, link)) == pytest.approx(0.95 + 0.1 + 4 / link.bandwidth)
     # _slowed: compute left beside an exchange: slowed while they overlap, then at full speed
     assert perf._slowed(1.0, 0.1, 0.04) == pytest.approx(1.04)
     assert perf._slowed(0.03, 0.1, 0.04) == pytest.approx(0.05)  # done during it, at 60 % speed
@@ -302,39 +287,17 @@ def test_entry_costs_are_solved_so_the_model_gives_back_the_steps_they_came_from
 
     def model(tensors, cost):
         return perf.step_time(work[tensors], perf.entry_path(path, bits, None, perf.EntryPoint.HOROVOD, cost), cluster)
-    beside = perf.EntryCost(contention=0.3, slowdown=0.5)  # measured first, held while the costs are solved
-    truth = dataclasses.replace(beside, per_gradient=1.5e-4, processor=0.0 if path == perf.FLOAT32_PATH else 1.5e-8)
+    truth = perf.EntryCost(1.5e-4, 0.0 if path == perf.FLOAT32_PATH else 1.5e-8)
     steps = {n: model(n, truth) for n in work}
     few, many = entry_costs.FEW, entry_costs.MANY
-    difference = (steps[many] - model(many, beside) - steps[few] + model(few, beside)) / (many - few)
+    difference = (steps[many] - model(many, perf.EntryCost()) - steps[few] + model(few, perf.EntryCost())) / (many - few)
     assert difference < 0.9 * truth.per_gradient  # the hand-overs partly hidden: a difference undercounts them
-    solved = entry_costs.solve_costs(model, steps, path != perf.FLOAT32_PATH, beside)
-    assert (solved.contention, solved.slowdown) == (0.3, 0.5)
+    solved = entry_costs.solve_costs(model, steps, per_element=path != perf.FLOAT32_PATH)
     assert solved.per_gradient == pytest.approx(truth.per_gradient, rel=1e-3)
     assert solved.processor == pytest.approx(truth.processor, rel=1e-3, abs=1e-13)
     assert all(model(n, solved) == pytest.approx(steps[n], rel=1e-4) for n in work)
-    short = {few: steps[few], many: 0.99 * model(many, beside)}  # shorter than the model without a cost a gradient
-    assert 0 <= entry_costs.solve_costs(model, short, path != perf.FLOAT32_PATH, beside).per_gradient < 1e-12
-
-
-class OneRank:
-    """A job of one rank for time_beside: its collectives hand back what this rank gives."""
-
-    def allgather_object(self, obj):
-        return [obj]
-
-
-def test_work_and_compute_beside_each_other_are_timed_both_ways():
-    """time_beside times a call of the work alone (on the caller's thread) and beside the matrix
-    products (on its own): a work that sleeps 40 ms alone and 60 ms beside them is half as long
-    again; sleeping, it takes none of the processor from them."""
-    from hvd_aps import entry_costs
-
-    def work():
-        time.sleep(0.04 if threading.current_thread() is threading.main_thread() else 0.06)
-    beside = entry_costs.time_beside(work, OneRank(), products=20)
-    assert beside.slowdown == pytest.approx(0.5, abs=0.15)
-    assert 0 <= beside.contention < 0.5
+    flat = {entry_costs.FEW: steps[entry_costs.FEW], entry_costs.MANY: steps[entry_costs.FEW]}
+    assert 0 <= entry_costs.solve_costs(model, flat, per_element=path != perf.FLOAT32_PATH).per_gradient < 1e-12
 
 
 def test_a_calibration_file_keeps_the_costs_measured_in_a_job(tmp_path):
@@ -344,7 +307,7 @@ def test_a_calibration_file_keeps_the_costs_measured_in_a_job(tmp_path):
     calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(perf.Codec(1e-4, 2e-9))}},
                      out)
     costs = {"entry_points": {perf.EntryPoint.HOROVOD: {"float32": perf.EntryCost(6.7e-5, 0.0),
-                                                        "codes e4m3": perf.EntryCost(8e-5, 1e-9, 0.3, 0.5)}},
+                                                        "codes e4m3": perf.EntryCost(8e-5, 1e-9)}},
              "steps": {perf.EntryPoint.HOROVOD: {"float32": {4: 0.1, 512: 0.13}}}, "contention": 0.6,
              "wire_contention": 0.3}
     cluster = perf.Cluster(2, perf.Link(1e8, 1e-4), sharing=2)
@@ -353,13 +316,13 @@ def test_a_calibration_file_keeps_the_costs_measured_in_a_job(tmp_path):
     assert loaded.contentions() == {"contention": 0.6, "wire_contention": 0.3} and loaded.sharing == 2
     assert loaded.link == perf.Link(1e8, 1e-4)
     assert json.loads(out.read_text())["links"]["entry_steps"] == {"horovod": {"float32": {"4": 0.1, "512": 0.13}}}
-    assert loaded.entry_cost(perf.EntryPoint.HOROVOD, "codes e4m3") == perf.EntryCost(8e-5, 1e-9, 0.3, 0.5)
+    assert loaded.entry_cost(perf.EntryPoint.HOROVOD, "codes e4m3") == perf.EntryCost(8e-5, 1e-9)
     assert loaded.entry_cost(perf.EntryPoint.DDP, "codes e4m3") == perf.EntryCost()  # not measured: none
     fp32, half, codes = loaded.paths(perf.EntryPoint.CODES, ["e4m3"])  # the codes optimizer against Horovod's own
     assert fp32.per_gradient == 6.7e-5 and fp32.fusion_bytes and half.per_gradient == 0.0
     assert codes.codec == loaded.codecs["e4m3"] and codes.per_gradient == 0.0 and not codes.pipelined
     horovod = loaded.paths(perf.EntryPoint.HOROVOD, ["e4m3"])[2]
-    assert (horovod.per_gradient, horovod.processor, horovod.contention, horovod.slowdown) == (8e-5, 1e-9, 0.3, 0.5)
+    assert (horovod.per_gradient, horovod.processor) == (8e-5, 1e-9)
 
 
 def test_break_even_solves_where_the_saved_bytes_pay_for_the_extra_latencies():
