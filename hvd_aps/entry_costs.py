@@ -285,9 +285,14 @@ def time_contention(work: Callable[[], None], job: Job, products: int = CONTENTI
     one = min(job.allgather_object(statistics.median(_timed(work) for _ in range(REPEATS))))
     calls = math.ceil(OUTLAST * alone / one) + 1
 
+    failed = []  # what stopped the calls
+
     def run():
-        for _ in range(calls):
-            work()
+        try:
+            for _ in range(calls):
+                work()
+        except Exception as error:  # raised on the caller's thread, below
+            failed.append(error)
     thread = threading.Thread(target=run, daemon=True)
     job.allgather_object(None)  # every rank starts together
     thread.start()
@@ -297,6 +302,8 @@ def time_contention(work: Callable[[], None], job: Job, products: int = CONTENTI
     if thread.is_alive():
         raise RuntimeError(f"the exchanges run beside the compute did not end within {bound:.0f} s: a rank may "
                            f"have left the job")
+    if failed:
+        raise RuntimeError("the exchanges run beside the compute failed") from failed[0]
     return max(0.0, 1 - alone / max(job.allgather_object(shared)))
 
 

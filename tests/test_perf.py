@@ -300,6 +300,28 @@ def test_entry_costs_are_solved_so_the_model_gives_back_the_steps_they_came_from
     assert 0 <= entry_costs.solve_costs(model, flat, per_element=path != perf.FLOAT32_PATH).per_gradient < 1e-12
 
 
+class OneRank:
+    """A job of one rank for time_contention: its collectives hand back what this rank gives."""
+
+    def allgather_object(self, obj):
+        return [obj]
+
+
+def test_a_failing_exchange_beside_the_compute_ends_the_contention_with_its_error():
+    """An exchange that fails on the thread beside the compute is raised on the caller's, not
+    left to leave a contention measured beside nothing."""
+    from hvd_aps import entry_costs
+    calls = []
+
+    def work():
+        calls.append(None)
+        if len(calls) > entry_costs.REPEATS:  # timed alone, then fails beside the compute
+            raise ConnectionError("a peer left")
+    with pytest.raises(RuntimeError, match="beside the compute failed") as raised:
+        entry_costs.time_contention(work, OneRank(), products=2)
+    assert isinstance(raised.value.__cause__, ConnectionError)
+
+
 def test_a_calibration_file_keeps_the_costs_measured_in_a_job(tmp_path):
     """links_entry with the entry points' costs and the contention, read back by load, and the
     paths plan builds from them."""
