@@ -296,7 +296,7 @@ def test_entry_costs_are_solved_so_the_model_gives_back_the_steps_they_came_from
     assert solved.per_gradient == pytest.approx(truth.per_gradient, rel=1e-3)
     assert solved.processor == pytest.approx(truth.processor, rel=1e-3, abs=1e-13)
     assert all(model(n, solved) == pytest.approx(steps[n], rel=1e-4) for n in work)
-    flat = {entry_costs.FEW: steps[entry_costs.FEW], entry_costs.MANY: steps[entry_costs.FEW]}
+    flat = {few: steps[few], many: steps[few]}
     assert 0 <= entry_costs.solve_costs(model, flat, per_element=path != perf.FLOAT32_PATH).per_gradient < 1e-12
 
 
@@ -693,7 +693,7 @@ def test_the_recorded_plan_check_is_what_this_tree_predicts(capsys, monkeypatch)
     four side by side at 1 Gbit/s)."""
     root = pathlib.Path(__file__).parent.parent
     recorded = root / "docs" / "cluster" / "plan_check"
-    sys.path.insert(0, str(root / "examples"))
+    monkeypatch.syspath_prepend(str(root / "examples"))  # undone after the test
     import plan_check
     rows = [f"--rows={recorded / 'rows' / name}" for name in ("t400_hvd.json:400", "t400_ddp.json:400",
                                                                "t300_hvd.json:300", "t300_ddp.json:300",
