@@ -10,6 +10,12 @@ or FSDP2 ranks (hvd_aps.fsdp; none is FSDP's own reduce-scatter):
     torchrun --nproc-per-node 2 examples/accuracy_study.py --ddp [--quick]
     torchrun --nproc-per-node 2 examples/accuracy_study.py --fsdp --task transformer --settings none,aps-e4m3
 
+FSDP2 settings may add how the parameters are gathered: `<setting>+params-<format>` gathers them
+as codes (hvd_aps.fsdp.apply(params=<format>); `<format>/<block>`: an exponent a block of that many,
+hvd_aps.BlockCodes(format, block)), `<setting>+params-bf16` in bfloat16 (FSDP's own all-gather
+under MixedPrecisionPolicy(param_dtype=torch.bfloat16), reductions in float32), e.g.
+`none+params-bf16,aps-e4m3+params-e4m3,aps-e4m3+params-e2m1fn/32`.
+
 Many emulated workers in one process (CPD's "emulate-node"): the codes settings run the
 driver real ranks run (hvd_aps.emulate.codes_allreduce, one compressor per worker), the -values
 settings one rounding and a float32 sum (hvd_aps.emulate.allreduce):
@@ -114,20 +120,34 @@ class DDPAverager:
 
 class FSDPAverager(DDPAverager):
     """Gradients reduce-scattered by FSDP2 (each transformer block a unit, then the root): FSDP's
-    own reduce-scatter for none, hvd_aps.fsdp's codes reduce-scatter for an APS setting."""
+    own reduce-scatter for none, hvd_aps.fsdp's codes reduce-scatter for an APS setting; the
+    parameters gathered exactly, in bfloat16 (+params-bf16) or as codes (+params-<format>)."""
 
     def optimizer(self, model, lr):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         import hvd_aps.fsdp
+        grads, _, params = self.setting.partition("+params-")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if params == "bf16" else None,
+                                      reduce_dtype=torch.float32 if params == "bf16" else None)
         for module in list(model.modules()):
             if type(module).__name__ == "Block":
-                fully_shard(module)
-        self.ddp = fully_shard(model)  # the module step() runs
-        self.compressor = None
-        if self.setting != "none":
-            self.compressor = recipes.compression(self.setting, None, **self.options)
-            hvd_aps.fsdp.apply(model, self.compressor)
+                fully_shard(module, mp_policy=policy)
+        self.ddp = fully_shard(model, mp_policy=policy)  # the module step() runs
+        self.compressor = None if grads == "none" else recipes.compression(grads, None, **self.options)
+        codes = None
+        if params not in ("", "bf16"):
+            fmt, _, block = params.partition("/")
+            codes = hvd_aps.BlockCodes(fmt, int(block)) if block else hvd_aps.BlockCodes(fmt)
+        self.model = model
+        if self.compressor is not None or codes is not None:
+            hvd_aps.fsdp.apply(model, self.compressor, params=codes)
         return self.task.optimizer(model.parameters(), lr)
+
+    def bytes_per_step(self, n_params):
+        """The gradients' payload (as DDPAverager counts it) and what the parameters' codes
+        all-gathers sent a step (FSDP's own gathers are not counted)."""
+        import hvd_aps.fsdp
+        return super().bytes_per_step(n_params) + hvd_aps.fsdp.gather_bytes(self.model) // self.steps
 
 
 class EmulatedAverager:

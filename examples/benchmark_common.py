@@ -49,9 +49,9 @@ MAX_TUNING_STEPS = 100
 def measure(step, args, phases, params, allgather_object, rank, size, compressor=None, extra=None):
     """Warm up (at least --num-warmup-batches steps, and until `compressor`'s run-time schedule has
     settled on every bucket), time args.num_iters steps, read the tx counter; rank 0 prints one
-    JSON line (with the schedule chosen, and `extra`'s keys). phases: compute-only seconds of the
-    step's forward, backward and optimizer (or of the whole step, {"step": s}, where they cannot
-    be told apart)."""
+    JSON line (with the schedule chosen, and `extra`'s keys: of a callable, its value then).
+    phases: compute-only seconds of the step's forward, backward and optimizer (or of the whole
+    step, {"step": s}, where they cannot be told apart)."""
     measure_together([Variant(args.compression, step, compressor)], args, phases, params, allgather_object, rank,
                      size, extra)
 
@@ -128,7 +128,7 @@ def measure_together(variants, args, phases, params, allgather_object, rank, siz
                                                        if v.compressor is not None else None),
                               "schedule": v.compressor.schedule_report() if v.compressor is not None else None,
                               **({"same_job": [u.name for u in variants]} if len(variants) > 1 else {}),
-                              **(extra or {})}), flush=True)
+                              **{k: e() if callable(e) else e for k, e in (extra or {}).items()}}), flush=True)
 
 
 THREAD_KINDS = ("main", "exchange", "codec", "gloo", "horovod", "other")  # see thread_kind

@@ -8,6 +8,7 @@ and so does torch's step profile (hvd_aps.step_profile).
 import importlib
 
 from . import emulate, scaling
+from ._owned import BlockCodes
 from ._stats import TensorStats
 from .codec import amax, decode, decode_sum, encode, pack, packed_size, quantize, unpack
 from .compressor import APSCompressor
@@ -28,7 +29,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["APSCompressor", "APSConfig", "Rounding", "Scaling", "Wire", "Policy", "Fallback", "RECIPES", "recipe",
+__all__ = ["APSCompressor", "APSConfig", "BlockCodes", "Rounding", "Scaling", "Wire", "Policy", "Fallback", "RECIPES", "recipe",
            "TensorStats", "FloatFormat", "PRESETS", "encode", "decode", "decode_sum", "quantize", "amax", "pack",
            "unpack", "packed_size", "scaling", "emulate", "e4m3", "e4m3fn", "e5m2", "e3m4", "e3m0", "e3m2fn",
            "e2m3fn", "e2m1fn", "fp16", "bf16"]

@@ -3,7 +3,7 @@ studying formats, APS and accumulation without a cluster.
 """
 import numpy as np
 
-from . import _arrays, _inprocess, codec
+from . import _arrays, _inprocess, codec, exchange
 from . import scaling as scaling_math
 from ._stages import Bucket
 from .config import Scaling
@@ -70,14 +70,16 @@ def allreduce(arrays, fmt, scaling="aps", accumulate="fp32", kahan=False, roundi
     return (np.ldexp(total, -shift, dtype=np.float32) / np.float32(n)).astype(np.float32)
 
 
-def codes_allreduce(compressors, grads, name="emulated", ranks_per_host=1):
+def codes_allreduce(compressors, grads, name="emulated", ranks_per_host=1, keys=None):
     """The average N workers get from the codes exchange that real ranks run: the one driver
     (hvd_aps.exchange.run, with error feedback, hybrid precision and the run-time schedule as
     configured) on one thread per worker, its collectives meeting in this process
     (hvd_aps._inprocess); ranks_per_host > 1: two levels, float32 inside each host of that many
     workers. compressors: one APSCompressor per worker (each keeps its own residuals and
-    schedule); grads[w]: worker w's tensors. Each call is one step. Returns one float32 flat per
-    tensor, worker 0's (every worker decodes the same bytes alike), in arrays of its own."""
+    schedule); grads[w]: worker w's tensors. keys: the tensors' stable names, which stochastic
+    rounding's seeds and the residuals are drawn from (default name[i]; an entry point's own names
+    give its bits). Each call is one step. Returns one float32 flat per tensor, worker 0's (every
+    worker decodes the same bytes alike), in arrays of its own."""
     world = len(compressors)
     if len(grads) != world:
         raise ValueError(f"{len(grads)} workers' gradients for {world} compressors")
@@ -86,8 +88,11 @@ def codes_allreduce(compressors, grads, name="emulated", ranks_per_host=1):
     levels = (_inprocess.flat_levels(world) if ranks_per_host == 1
               else _inprocess.host_levels(world // ranks_per_host, ranks_per_host))
     flats = [[codec._as_float32(g).ravel() for g in worker] for worker in grads]
-    keys = [f"{name}[{i}]" for i in range(len(flats[0]))]
-    bucket = Bucket.whole(name, keys, keys, [f.size for f in flats[0]])
+    labels = [f"{name}[{i}]" for i in range(len(flats[0]))]
+    keys = labels if keys is None else list(keys)
+    if len(keys) != len(labels):
+        raise ValueError(f"{len(keys)} keys for {len(labels)} tensors")
+    bucket = Bucket.whole(name, keys, labels, [f.size for f in flats[0]])
     xp = _arrays.array_module(flats[0][0]) if flats[0] else np  # NumPy, or CuPy for arrays on a GPU
     buckets = [xp.concatenate(worker) if worker else xp.zeros(0, xp.float32) for worker in flats]
     result = xp.empty(sum(bucket.sizes), xp.float32)
@@ -100,6 +105,32 @@ def codes_allreduce(compressors, grads, name="emulated", ranks_per_host=1):
 
     _inprocess.run_ranks(worker, world)
     return [part.copy() for part in bucket.split(result)]
+
+
+def codes_reduce_scatter(compressors, inputs, names):
+    """One step of the codes reduce-scatter that FSDP2's ranks run (hvd_aps.fsdp: one call per
+    module of a backward, the step committed once all are done), on one thread per worker as
+    codes_allreduce runs the allreduce. inputs[w][u]: worker w's (N, n_u) float32 rows for module
+    u, row r for worker r; names[u]: that module's name (its seeds and residuals are keyed by it).
+    Returns results[w][u], worker w's row of module u averaged over the N workers."""
+    world = len(compressors)
+    if len(inputs) != world or any(len(mine) != len(names) for mine in inputs):
+        raise ValueError(f"inputs must hold {len(names)} modules' rows for each of the {world} workers")
+    levels = _inprocess.flat_levels(world)
+
+    def worker(w):
+        exchanger, coll = compressors[w].exchanger, levels[w].world
+        stages = exchanger.scatter_stages(world, w)
+        rows = [np.ascontiguousarray(np.asarray(x, np.float32).reshape(world, -1)) for x in inputs[w]]
+        outs = [np.empty(x.shape[1], np.float32) for x in rows]
+        with exchanger.exchange():
+            for name, x, out in zip(names, rows, outs):
+                exchanger.state.schedule.unchunked(name)
+                exchange.reduce_scatter(stages, name, x, coll, out, world)
+        exchanger.end_step()
+        return outs
+
+    return _inprocess.run_ranks(worker, world)
 
 
 def relative_error(result, arrays):

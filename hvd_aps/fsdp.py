@@ -1,7 +1,7 @@
-"""hvd_aps.fsdp: APS codes in FSDP2's gradient reduce-scatter (torch >= 2.9).
+"""hvd_aps.fsdp: APS codes in FSDP2's gradient reduce-scatter and parameter all-gather (torch >= 2.9).
 
     model = ...                                   # fully_shard() applied to its blocks and itself
-    hvd_aps.fsdp.apply(model, hvd_aps.APSCompressor(hvd_aps.e4m3))
+    hvd_aps.fsdp.apply(model, hvd_aps.APSCompressor(hvd_aps.e4m3), params=hvd_aps.e4m3)
 
 FSDP2 calls `FSDPModule.set_custom_reduce_scatter`'s object once per module and backward with a
 flat input laid out (world, -1), row r for rank r. `APSReduceScatter` sends it as codes through
@@ -23,28 +23,41 @@ reduce-scatter (or, on two levels, all-reduce across hosts). An exchange outside
 FSDP2 (torch 2.13) calls the reduce-scatter without `async_op` and reads its output as soon as
 it returns (on the CPU at once; on CUDA on the reduce-scatter stream, which the exchange's
 host-side collectives wait for anyway), so the call completes before returning and returns None.
+
+The parameters (`params=`, FSDPModule.set_custom_all_gather): `APSAllGather` encodes this rank's
+shard, as FSDP hands it over (in a MixedPrecisionPolicy's param_dtype where one is set), each block
+at its own power of two (hvd_aps._owned: no agreement, the shard's owner holds it exactly),
+all-gathers the codes and decodes every rank's into the unsharded copy FSDP computes with, on
+every rank alike. The sharded parameters the optimizer steps stay as they were: only the copy
+is rounded, anew at every gather. A gather over another group than the module's shard group (an
+integer reshard_after_forward regathers the backward's copy from the forward's decoded values over
+a smaller group) and a gather of mixed dtypes (FSDP then gathers raw bytes) go as FSDP sends them.
 """
 import contextlib
 import weakref
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
 from . import _arrays, _device, _metadata, exchange
+from ._owned import BlockCodes
 from ._stages import Bucket
 from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
 from .ddp import TorchDistributedCollectives, _all_gather_object
 from .config import Wire
+from .formats import FloatFormat
 
 try:
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # torch before FSDP2's public API
-    FSDPModule, ReduceScatter = None, object
+    FSDPModule, AllGather, ReduceScatter = None, object, object
 
-MIN_TORCH = "2.9"  # FSDPModule.set_custom_reduce_scatter
+MIN_TORCH = "2.9"  # FSDPModule.set_custom_reduce_scatter and set_custom_all_gather
+_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch 2.13 deprecates the second
 
 
 class APSReduceScatter(ReduceScatter):
@@ -99,6 +112,53 @@ class APSReduceScatter(ReduceScatter):
         torch.div(shard.to(torch.float32), world, out=out)
         self.compressor.exchanger.count_native([self.name], [(self.name, rows.numel())], fallback, world,
                                                exchange.Native.REDUCE_SCATTER)
+
+
+class APSAllGather(AllGather):
+    """FSDP2's AllGather, sending APS codes: this rank's shard encoded (`codes`: a BlockCodes,
+    each block at its own power of two), every rank's codes gathered and decoded into the output
+    in its dtype. `bytes_sent`: what this rank sent in its gathers."""
+
+    def __init__(self, codes: BlockCodes, name: str):
+        self.codes, self.name, self.bytes_sent = codes, name, 0
+        self._group_size = None  # the module's shard group's, from the first gather (the forward's)
+        self._kept = {}  # CPU buffers per (use, size): large fresh pages cost more than the copies into them
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        world = dist.get_world_size(group)
+        self._group_size = self._group_size or world
+        if not output_tensor.is_floating_point() or world != self._group_size:
+            _gather_into(output_tensor, input_tensor, group=group)
+            return None
+        n = input_tensor.numel()
+        with _device.entered(_device.place_of(input_tensor)):  # on CUDA: the stream FSDP gathers on
+            mine = self._buffer("message", self.codes.message_bytes(n), torch.uint8, input_tensor.device)
+            # encoded before the gather writes the output: FSDP's input is this rank's slot of it
+            self.codes.encode(_arrays.as_array(input_tensor.detach().reshape(-1).to(torch.float32)),
+                              _arrays.as_array(mine))
+            gathered = self._buffer("gathered", mine.numel() * world, torch.uint8, input_tensor.device)
+            _gather_into(gathered, mine, group=group)
+            values = output_tensor if output_tensor.dtype == torch.float32 else self._buffer(
+                "values", output_tensor.numel(), torch.float32, output_tensor.device)
+            self.codes.decode(_arrays.as_array(gathered), n, _arrays.as_array(values.reshape(-1)))
+            if values is not output_tensor:
+                output_tensor.copy_(values.view(output_tensor.shape))
+        self.bytes_sent += mine.numel() * (world - 1)
+        return None
+
+    def _buffer(self, use: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer: kept on the CPU; fresh on CUDA, where the caching allocator orders its
+        reuse by stream (FSDP gathers on more than one)."""
+        if device.type != "cpu":
+            return torch.empty(n, dtype=dtype, device=device)
+        kept = self._kept.get(use)
+        if kept is None or kept.numel() != n:
+            kept = self._kept[use] = torch.empty(n, dtype=dtype)
+        return kept
 
 
 class CrossHostHook:
@@ -174,21 +234,45 @@ def _backward_step(compressor: APSCompressor):
     return steps.exchange()
 
 
-def apply(model: torch.nn.Module, compressor: APSCompressor, replicate_group: dist.ProcessGroup = None) -> int:
-    """Send every FSDPModule of `model`'s gradients as APS codes -> the number of modules set.
+_GATHERS = weakref.WeakKeyDictionary()  # model -> the APSAllGathers apply() set on its modules
 
-    replicate_group None: codes in the reduce-scatter itself (APSReduceScatter). A group (the
-    ranks on other hosts holding this rank's shard, as host_mesh() gives it): the model is sharded
-    inside the host, whose reduce-scatter stays FSDP's own; the shard crosses hosts as codes
-    (CrossHostHook). Either way FSDP sums and hvd_aps averages, over every rank."""
-    if FSDPModule is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+
+def apply(model: torch.nn.Module, compressor: Optional[APSCompressor] = None,
+          replicate_group: Optional[dist.ProcessGroup] = None,
+          params: Union[BlockCodes, FloatFormat, str, None] = None) -> int:
+    """Send every FSDPModule of `model`'s gradients and (with `params`) parameters as APS codes ->
+    the number of modules set.
+
+    compressor: the gradients' codes (None: FSDP's own reduce-scatter). replicate_group None: codes
+    in the reduce-scatter itself (APSReduceScatter). A group (the ranks on other hosts holding
+    this rank's shard, as host_mesh() gives it): the model is sharded inside the host, whose
+    reduce-scatter stays FSDP's own; the shard crosses hosts as codes (CrossHostHook). Either way
+    FSDP sums and hvd_aps averages, over every rank.
+    params: the parameters' all-gather in codes (APSAllGather), a BlockCodes or a format (each
+    block of 2048 values at its own scale); None: FSDP's own all-gather. gather_bytes(model) counts
+    what they sent."""
+    if FSDPModule is None or not hasattr(FSDPModule, "set_custom_all_gather"):
         raise RuntimeError(f"hvd_aps.fsdp needs torch >= {MIN_TORCH} (FSDPModule.set_custom_reduce_scatter); "
                            f"this is torch {torch.__version__}")
-    if not isinstance(compressor, APSCompressor) or compressor.config.wire is not Wire.CODES:
+    if compressor is None and params is None:
+        raise ValueError("hvd_aps.fsdp.apply needs a compressor (the gradients' codes), params (the parameters' "
+                         "codes) or both")
+    if compressor is not None and (not isinstance(compressor, APSCompressor) or compressor.config.wire is not Wire.CODES):
         raise TypeError(f"hvd_aps.fsdp needs an hvd_aps.APSCompressor sending codes, got {compressor!r}")
+    if compressor is None and replicate_group is not None:
+        raise ValueError("replicate_group sends the gradients across hosts as codes: it needs a compressor")
+    codes = None if params is None else BlockCodes.parse(params)
     modules = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("no FSDPModule in this model: call torch.distributed.fsdp.fully_shard on it first")
+    if compressor is not None:
+        _set_gradients(modules, compressor, replicate_group)
+    if codes is not None:
+        _GATHERS[model] = _set_parameters(modules, codes)
+    return len(modules)
+
+
+def _set_gradients(modules: list, compressor: APSCompressor, replicate_group) -> None:
     compressor.claim("a model given to hvd_aps.fsdp.apply")
     world = dist.get_world_size()
     _metadata.check_same_settings(_all_gather_object(compressor.config.settings(), None))
@@ -199,7 +283,26 @@ def apply(model: torch.nn.Module, compressor: APSCompressor, replicate_group: di
             module.set_custom_reduce_scatter(APSReduceScatter(compressor, f"fsdp.{name}"))
         else:
             module.set_all_reduce_hook(CrossHostHook(compressor, f"fsdp.{name}", replicate_group, world))
-    return len(modules)
+
+
+def _set_parameters(modules: list, codes: BlockCodes) -> list:
+    """An APSAllGather on every module (FSDP calls it where the module gathers parameters of its
+    own); every rank must give the same codes."""
+    _metadata.check_same_settings(_all_gather_object({"params": str(codes.fmt), "params block": codes.block}, None))
+    gathers = []
+    for name, module in modules:
+        gathers.append(APSAllGather(codes, f"fsdp.{name}"))
+        try:
+            module.set_custom_all_gather(gathers[-1])
+        except ValueError as err:  # FSDP refuses a module with parameters on more than one mesh
+            raise ValueError(f"hvd_aps.fsdp.apply(params=...): FSDP2 refuses a custom all-gather on {name}: "
+                             f"{err}") from err
+    return gathers
+
+
+def gather_bytes(model: torch.nn.Module) -> int:
+    """The bytes this rank sent in the codes all-gathers apply(params=...) set on `model`."""
+    return sum(g.bytes_sent for g in _GATHERS.get(model, ()))
 
 
 def host_mesh(device_type: str = "cpu"):

@@ -7,7 +7,8 @@ error feedback (residuals that DDP's rebuilt buckets and the resumed process's f
 lay out differently) and stochastic rounding (seeds from parameter names and steps), the two
 runs end on the same bits on every rank. The straight run saves the checkpoint at half its steps
 (a run never stopped, checkpointing), and the resumed one is a fresh process that loads it. The
-straight runs end on the bits the tree before gave them (tests/data/recorded_bits.py)."""
+straight runs end on the bits of the same training replayed in this process through the
+in-process driver (tests/replay.py), on whatever machine the suite runs."""
 import os
 
 import numpy as np
@@ -15,13 +16,15 @@ import pytest
 
 from horovod_run import horovodrun, load, torchrun
 from hosts_run import launch
-from data import recorded_bits
-from workers.common import RESUME_MODES
+import replay
+from workers.common import RESUME_DDP, RESUME_HOROVOD, RESUME_MODES, RESUME_PARAMS, RESUME_TF
 
 RANKS = 2
-DDP_SETTINGS = ("feedback", "stochastic", "feedback_one_bucket", "fsdp")
-HOROVOD_SETTINGS = ("feedback", "stochastic", "codes_optimizer")
-TF_SETTINGS = ("feedback", "stochastic", "keras_feedback", "keras_stochastic")
+DDP_SETTINGS = tuple(RESUME_DDP)
+HOROVOD_SETTINGS = tuple(RESUME_HOROVOD)
+TF_SETTINGS = tuple(RESUME_TF) + tuple(f"keras_{s}" for s in RESUME_TF)
+HOROVOD_KEYS = [f"{layer}.{kind}" for layer in range(replay.LAYERS) for kind in ("weight", "bias")]
+FSDP_NAMES = [f"fsdp.{layer}" for layer in range(replay.LAYERS)]  # hvd_aps.fsdp names a unit by its module
 
 
 def ddp_resume(tmp_path, mode):
@@ -91,13 +94,38 @@ def test_horovod_resumed_without_the_compressors_state_ends_elsewhere(horovod_ru
     ends_elsewhere_unloaded(*horovod_runs, ("codes_optimizer",))
 
 
-def test_horovod_ends_on_the_same_bits_as_the_tree_before(horovod_runs, request):
-    levels = request.node.callspec.params["horovod_runs"]
-    recorded_bits.same_bits("torch", {f"horovod/{levels}/{s}": horovod_runs[0][0][s] for s in HOROVOD_SETTINGS})
+@pytest.mark.parametrize("setting", ("feedback", "codes_optimizer"))
+def test_horovod_ends_on_the_bits_of_its_training_replayed_here(horovod_runs, setting, request):
+    """Horovod's optimizer with the one line (error feedback), and the codes optimizer (with
+    stochastic rounding too), flat and on two levels: rank 0's final parameters are those of the
+    same training replayed in this process."""
+    per_host = 1 if request.node.callspec.params["horovod_runs"] == "flat" else 2
+    ranks = len(horovod_runs[0])
+    want = replay.torch_allreduce(RESUME_HOROVOD[setting], HOROVOD_KEYS, ranks, per_host)
+    assert horovod_runs[0][0][setting].tobytes() == want.tobytes(), setting
 
 
-def test_ddp_and_fsdp2_end_on_the_same_bits_as_the_tree_before(runs):
-    recorded_bits.same_bits("torch", {f"ddp/{s}": runs[0][0][s] for s in DDP_SETTINGS})
+def test_horovod_ends_on_the_same_bits_on_another_schedule_and_engine(horovod_runs):
+    """The one line with stochastic rounding (its seeds drawn from the names of Horovod's batches),
+    trained in the same job again on chunks of 64 KiB and the NumPy engine: the same bits on every
+    rank."""
+    straight = horovod_runs[0]
+    for r in range(len(straight)):
+        assert straight[r]["stochastic"].tobytes() == straight[r]["stochastic_rescheduled"].tobytes(), r
+    assert straight[0]["stochastic"].tobytes() != straight[0]["feedback"].tobytes()
+
+
+@pytest.mark.parametrize("setting", DDP_SETTINGS)
+def test_ddp_and_fsdp2_end_on_the_bits_of_their_training_replayed_here(runs, setting):
+    """The DDP hook (the names it gave the parameters saved by the worker) and FSDP2's codes
+    reduce-scatter (with or without its parameters gathered as codes): rank 0's final parameters
+    are those of the same training replayed here."""
+    straight = runs[0][0]
+    if setting.startswith("fsdp"):
+        want = replay.torch_fsdp(RESUME_DDP[setting], FSDP_NAMES, RANKS, RESUME_PARAMS.get(setting))
+    else:
+        want = replay.torch_allreduce(RESUME_DDP[setting], list(straight[f"{setting}_keys"]), RANKS)
+    assert straight[setting].tobytes() == want.tobytes(), setting
 
 
 @pytest.fixture(scope="module", params=["flat", pytest.param("two_levels", marks=pytest.mark.slow)])
@@ -116,9 +144,20 @@ def test_the_tensorflow_tape_resumes_on_the_same_bits(tf_runs):
     ends_elsewhere_unloaded(straight, resumed, ("feedback",))
 
 
-def test_tensorflow_ends_on_the_same_bits_as_the_tree_before(tf_runs, request):
-    levels = request.node.callspec.params["tf_runs"]
-    recorded_bits.same_bits("tensorflow", {f"tf/{levels}/{s}": tf_runs[0][0][s] for s in TF_SETTINGS})
+@pytest.mark.parametrize("setting", TF_SETTINGS)
+def test_tensorflow_hands_every_step_the_bits_of_its_exchange_replayed_here(tf_runs, setting, request):
+    """TensorFlow's tape and Keras 3's fit: what the exchange handed each step's update on every
+    rank is the in-process driver's average of the gradients the ranks computed in that step."""
+    per_host = 1 if request.node.callspec.params["tf_runs"] == "flat" else 2
+    straight = tf_runs[0]
+    options = RESUME_TF[setting.removeprefix("keras_")]
+    keys = list(straight[0][f"{setting}_keys"])
+    local = [r[f"{setting}_local"] for r in straight]
+    cuts = np.cumsum([0] + [128 * 128, 128, 128 * 128, 128])  # the TF workers' Dense kernels and biases
+    for r, ranks in enumerate(straight):
+        delivered = [[step[a:b] for a, b in zip(cuts[:-1], cuts[1:])] for step in ranks[f"{setting}_delivered"]]
+        assert len(delivered) == 8, (setting, r)
+        assert replay.steps_replayed(options, keys, local, delivered, per_host) == [], (setting, r)
 
 
 def test_a_state_resumed_on_another_world_or_some_ranks_only_fails_on_every_rank():

@@ -65,6 +65,11 @@ def codes_grads(rank, sizes=CODES_SIZES):
     return [(rng.standard_normal(s) * 10.0 ** rng.uniform(-6, 1)).astype(np.float32) for s in sizes]
 
 
+def gather_shard(rank, n):
+    """fsdp_gather_checks.py's known shard of rank `rank`: n (up to 8744) values of codes_grads."""
+    return np.concatenate([g.ravel() for seed in (10 + rank, 20 + rank) for g in codes_grads(seed)])[:n]
+
+
 def check_slow_rank_runs(ranks, sleep_s=0.02):
     """slow_rank_checks.py's outputs: every rank holds the same decisions after every step, none
     changes once policy="auto" has decided, the ranks end on the same parameters, and the fast
@@ -98,15 +103,29 @@ def leave_torchrun():
 
 
 RESUME_MODES = ("straight", "second")  # the resume checks' two launches
+# the resume checks' settings: APSCompressor("e3m0", **options) of each (tests/replay.py replays them)
+RESUME_DDP = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11),
+              "feedback_one_bucket": dict(error_feedback=True),
+              "fsdp": dict(error_feedback=True, rounding="stochastic", seed=3),
+              "fsdp_params": dict(error_feedback=True, rounding="stochastic", seed=3)}
+RESUME_PARAMS = {"fsdp_params": "e4m3"}  # the settings whose parameters FSDP2 gathers as codes
+RESUME_HOROVOD = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11),
+                  "codes_optimizer": dict(error_feedback=True, rounding="stochastic", seed=5),
+                  # stochastic again, on another schedule: the bits must not move
+                  "stochastic_rescheduled": dict(rounding="stochastic", seed=11, chunk_bytes=1 << 16)}
+RESUME_ENGINES = {"stochastic_rescheduled": "numpy"}  # HVD_APS_ENGINE of a setting (default: auto)
+RESUME_TF = {"feedback": dict(error_feedback=True, min_elements=0),
+             "stochastic": dict(rounding="stochastic", seed=11, min_elements=0)}
 
 
-def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, width=256, unloaded=()):
+def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, width=256, unloaded=(), more=None):
     """The resume checks' two runs (tests/test_resume.py): `straight` trains every step and, at
     half of them, saves a checkpoint (model, optimizer, compressor) per rank; `second`, a fresh
     process, loads it and trains the rest. build(setting) -> (net, the module to call, optimizer,
     compressor, what closes it). Saves every setting's final parameters to
     OUTDIR/<prefix><mode>_rank<r>.npz; for the settings in `unloaded`, `second` also resumes
-    without the compressor's state (the negative control: <setting>_unloaded)."""
+    without the compressor's state (the negative control: <setting>_unloaded). more(): further
+    arrays the straight run saves beside them."""
     import torch
 
     def train(setting, span, checkpoint=None, compressor_state=True, save=None):
@@ -139,4 +158,6 @@ def straight_or_resumed(build, settings, prefix, outdir, mode, rank, steps=8, wi
             if setting in unloaded:
                 out[f"{setting}_unloaded"] = parameters(train(setting, range(steps // 2, steps), path, False)[0])
         out[setting] = parameters(net)
+    if mode == "straight" and more is not None:
+        out.update(more())
     np.savez(f"{outdir}/{prefix}{mode}_rank{rank}.npz", **out)

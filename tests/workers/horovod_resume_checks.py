@@ -11,11 +11,9 @@ import torch
 
 import hvd_aps
 import hvd_aps.torch
-from common import straight_or_resumed
+from common import RESUME_ENGINES, RESUME_HOROVOD as SETTINGS, straight_or_resumed
 
 STEPS, WIDTH, LAYERS = 8, 256, 6
-SETTINGS = {"feedback": dict(error_feedback=True), "stochastic": dict(rounding="stochastic", seed=11),
-            "codes_optimizer": dict(error_feedback=True, rounding="stochastic", seed=5)}
 UNLOADED = ("codes_optimizer",)  # resumed also without the compressor's state: it must end elsewhere
 
 hvd.init()
@@ -25,6 +23,7 @@ outdir, mode = sys.argv[1], os.environ["HVD_APS_MODE"]
 
 
 def build(setting):
+    os.environ["HVD_APS_ENGINE"] = RESUME_ENGINES.get(setting, "auto")
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     # min_elements=0: the biases too travel as codes. Horovod's own float32 allreduce, which

@@ -9,7 +9,8 @@ restart together: see docs/faults.md.)
 
 Three phases train one after another, each STEPS steps with error feedback and stochastic rounding
 in 4 bits (e3m0), a checkpoint per rank after every step: the DDP hook, FSDP2 over every rank,
-HSDP (FSDP2 inside a host, codes across hosts). With KILL=1, rank KILLED_RANK SIGKILLs itself in
+HSDP (FSDP2 inside a host, codes across hosts); both FSDP2 phases gather their parameters as e4m3
+codes too. With KILL=1, rank KILLED_RANK SIGKILLs itself in
 each phase once (a marker file, written as it arms the kill, keeps a later attempt from arming it
 again), during the backward of step KILL_STEP while the buckets before it are in flight; torchrun
 takes the job down and starts every rank again, which resumes every phase from its last checkpoint
@@ -38,6 +39,7 @@ from common import KILL_STEP, KILLED_PHASES as PHASES, KILLED_STEPS as STEPS, le
 KILLED_RANK = 1
 WIDTH, LAYERS = 128, 4
 SETTINGS = dict(error_feedback=True, rounding="stochastic", seed=5)
+PARAMS = "e4m3"  # the FSDP2 phases' parameters, gathered as codes
 
 
 def build(phase):
@@ -57,7 +59,7 @@ def build(phase):
         for layer in net:
             fully_shard(layer, mesh=mesh)
         fully_shard(net, mesh=mesh)
-        hvd_aps.fsdp.apply(net, compressor, replicate_group=replicate)
+        hvd_aps.fsdp.apply(net, compressor, replicate_group=replicate, params=PARAMS)
         call, close = net, compressor.close
         levels = {"hsdp_hosts": dist.get_world_size(replicate)} if phase == "hsdp" else {}
     return net, call, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), compressor, close, levels
