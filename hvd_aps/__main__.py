@@ -151,7 +151,8 @@ def plan_command(args):
     print(f"{work.parameters:,} parameters, {work.compute * 1e3:g} ms compute a step, {args.hosts} hosts x "
           f"{args.ranks_per_host} ranks{levels}, " + (
               f"{'HSDP' if args.hsdp else 'FSDP2'} in {args.fsdp} units ({'no ' if args.no_reshard else ''}resharding "
-              f"after forward): the framework's {_fsdp_peer(args)}" if args.fsdp else "the framework's allreduce") +
+              f"after forward, the parameters gathered {_gathered(args)}): the framework's {_fsdp_peer(args)}"
+              if args.fsdp else "the framework's allreduce") +
           " against codes" +
           f" through {args.entry_point.value}'s entry point; predicted step (x float32's), what its exchanges spend, "
           f"and the averaged gradient's relative error as measured at "
@@ -234,7 +235,16 @@ def _step_models(args):
         return perf.step_time, perf.breakdown
     options = dict(reshard=not args.no_reshard, gloo=not args.accelerator)
     split = perf.hsdp_breakdown if args.hsdp else perf.fsdp_breakdown
-    return functools.partial(perf.fsdp_step_time, hsdp=args.hsdp, **options), functools.partial(split, **options)
+    if not args.gather:
+        return functools.partial(perf.fsdp_step_time, hsdp=args.hsdp, **options), functools.partial(split, **options)
+
+    def step(work, path, cluster):  # each row's parameters gathered in its own precision
+        return perf.fsdp_step_time(work, path, cluster, hsdp=args.hsdp, gather=path, **options)
+    return step, lambda work, path, cluster: split(work, path, cluster, gather=path, **options)
+
+
+def _gathered(args) -> str:
+    return "in each path's precision (16-bit: bfloat16, codes: codes)" if args.gather else "in float32"
 
 
 def _fsdp_peer(args) -> str:
@@ -350,6 +360,9 @@ def main(argv=None):
     plan.add_argument("--fsdp", type=_count_arg, help="plan FSDP2 with this many units of equal size (reduce-scatters "
                                                       "and all-gathers) in place of bucket allreduces")
     plan.add_argument("--no-reshard", action="store_true", help="FSDP2 with reshard_after_forward=False")
+    plan.add_argument("--gather", action="store_true", help="with --fsdp: each path gathers the parameters in its "
+                      "own precision (16-bit: a MixedPrecisionPolicy's bfloat16 param_dtype; codes: "
+                      "hvd_aps.fsdp.apply(params=...)); default: every path gathers them in float32")
     plan.add_argument("--hsdp", action="store_true", help="with --fsdp: HSDP, sharded inside each host and replicated "
                                                           "across hosts (codes only across hosts)")
     plan.add_argument("--plot", help="draw the predicted step against link speed into this file (matplotlib)")
@@ -365,8 +378,8 @@ def main(argv=None):
         parser.error("plan a step from --params and --compute-ms, or from a saved --profile (not both)")
     if args.command == "plan" and not args.profile and (args.params is None or args.compute_ms is None):
         parser.error("plan needs --params and --compute-ms (or a saved --profile)")
-    if args.command == "plan" and args.hsdp and not args.fsdp:
-        parser.error("--hsdp plans FSDP2's units: give --fsdp UNITS too")
+    if args.command == "plan" and (args.hsdp or args.gather) and not args.fsdp:
+        parser.error("--hsdp and --gather plan FSDP2's units: give --fsdp UNITS too")
     if args.command == "plan" and args.device == "cuda":
         args.accelerator = True
     if args.command == "plan":

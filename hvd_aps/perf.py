@@ -564,25 +564,34 @@ def _busy(elements: float, tensors: float, path: Path, c: Cluster) -> float:
 SCATTER_CODEC_SHARE = 0.5
 
 
+def gather_codec_share(world: int) -> float:
+    """A codes all-gather's share of a bucket exchange's codec time for as many elements, counted
+    in passes over them: it encodes its own 1/N and decodes all N (1 + 1/N) where the bucket
+    exchange encodes all, sums N rows of 1/N, re-encodes 1/N and decodes all (3 + 1/N)."""
+    return (1 + 1 / world) / (3 + 1 / world)
+
+
 def fsdp_step_time(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False,
-                   hsdp: bool = False) -> float:
+                   hsdp: bool = False, gather: Optional[Path] = None) -> float:
     """Seconds of one FSDP2 step with a unit per entry of `w.buckets` (one flat group, float32
     parameters): each unit's parameters all-gathered before its forward and, with `reshard`
-    (reshard_after_forward; the root's stay gathered), again before its backward; its
-    gradients reduce-scattered in `path` (codes: the metadata Max-allreduce and one alltoall of
-    codes, hvd_aps.fsdp's exchange). Serial: FSDP2 on the CPU waits for each collective where
-    its compute needs it (streams are no-ops there), which the recorded FSDP rows bear out
-    (a capped step is about the uncapped one plus its bytes at the link's rate). `gloo`: the
-    framework's reduce-scatter moves an allreduce's bytes (torch's Gloo backend reduces the whole
-    message everywhere: the recorded rows sent 2(N-1)/N of it a rank), NCCL's (N-1)/N. `hsdp`:
-    HSDP's shape (hsdp_breakdown)."""
-    wire, codec = (hsdp_breakdown if hsdp else fsdp_breakdown)(w, path, c, reshard, gloo)
+    (reshard_after_forward; the root's stay gathered), again before its backward, in `gather`
+    (None: float32; a 16-bit path: a MixedPrecisionPolicy's param_dtype; codes: hvd_aps.fsdp's
+    params=, every block with its own exponent); its gradients reduce-scattered in `path` (codes:
+    the metadata Max-allreduce and one alltoall of codes, hvd_aps.fsdp's exchange). Serial: FSDP2
+    on the CPU waits for each collective where its compute needs it (streams are no-ops there),
+    which the recorded FSDP rows bear out (a capped step is about the uncapped one plus its bytes
+    at the link's rate). `gloo`: the framework's reduce-scatter moves an allreduce's bytes (torch's
+    Gloo backend reduces the whole message everywhere: the recorded rows sent 2(N-1)/N of it a
+    rank), NCCL's (N-1)/N. `hsdp`: HSDP's shape (hsdp_breakdown)."""
+    wire, codec = (hsdp_breakdown if hsdp else fsdp_breakdown)(w, path, c, reshard, gloo, gather)
     return w.compute + w.optimizer + wire + codec
 
 
-def fsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False) -> tuple:
+def fsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False,
+                   gather: Optional[Path] = None) -> tuple:
     """(seconds on the links, seconds of codec) of one FSDP2 step's collectives (fsdp_step_time)."""
-    wire, codec = _gathers(w, c, reshard), 0.0
+    wire, codec = _gathers(w, c, reshard, gather)
     for n in w.bucket_sizes():
         if path.codes:
             wire += metadata_allreduce(c) + alltoall(codes_bytes(n, path.bits), c)
@@ -593,20 +602,21 @@ def fsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     return wire, codec
 
 
-def hsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False) -> tuple:
+def hsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False,
+                   gather: Optional[Path] = None) -> tuple:
     """(seconds on the links, seconds of codec) of one HSDP step: every unit sharded over the L
     ranks of a host and replicated across hosts (torch's 2-D mesh, or hvd_aps.fsdp.host_mesh()).
-    Inside the host FSDP's own all-gathers and reduce-scatter (in `path.bits` on the framework's
-    path, its reduce dtype; float32 under codes); across hosts each rank's 1/L shard is averaged
-    with its replicas on the other hosts, the L ranks of a host at once through its link: the
-    framework's allreduce in `path.bits`, or (codes) the bucket exchange of the shard
+    Inside the host the all-gathers (in `gather`) and FSDP's own reduce-scatter (in `path.bits` on
+    the framework's path, its reduce dtype; float32 under codes); across hosts each rank's 1/L
+    shard is averaged with its replicas on the other hosts, the L ranks of a host at once through
+    its link: the framework's allreduce in `path.bits`, or (codes) the bucket exchange of the shard
     (hvd_aps.fsdp.CrossHostHook: metadata, alltoall, allgather, the whole codec). Serial, as
     fsdp_breakdown."""
     if not (c.hosts > 1 and c.ranks_per_host > 1):
         raise ValueError(f"HSDP shards inside a host and replicates across hosts: it needs several hosts of "
                          f"several ranks, got {c.hosts} x {c.ranks_per_host}")
     host, cross = _levels(c)
-    wire, codec = _gathers(w, host, reshard), 0.0
+    wire, codec = _gathers(w, dataclasses.replace(host, sharing=c.sharing), reshard, gather)
     for n in w.bucket_sizes():
         wire += _native_reduce_scatter(n * (FLOAT32_BYTES if path.codes else path.bits / BITS_PER_BYTE), host, gloo)
         shard = n / c.ranks_per_host
@@ -621,12 +631,21 @@ def hsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     return wire, codec
 
 
-def _gathers(w: Workload, c: Cluster, reshard: bool) -> float:
-    """Seconds of a step's parameter all-gathers over `c`: two a unit with resharding (one for
-    the root, the last unit, whose parameters stay gathered)."""
+def _gathers(w: Workload, c: Cluster, reshard: bool, gather: Optional[Path] = None) -> tuple:
+    """(seconds on the links, seconds of codec) of a step's parameter all-gathers over `c`: two
+    a unit with resharding (one for the root, the last unit, whose parameters stay gathered), in
+    float32 (gather None), the gather path's bits, or its codes with their exponents."""
     units = w.bucket_sizes()
-    gathers = [1 if k == len(units) - 1 or not reshard else 2 for k in range(len(units))]
-    return sum(g * allgather(n * FLOAT32_BYTES / c.world, c) for g, n in zip(gathers, units))
+    counts = [1 if k == len(units) - 1 or not reshard else 2 for k in range(len(units))]
+    wire = codec = 0.0
+    for count, n in zip(counts, units):
+        if gather is None or not gather.codes:
+            wire += count * allgather(n * (FLOAT32_BYTES if gather is None else gather.bits / BITS_PER_BYTE) / c.world,
+                                      c)
+            continue
+        wire += count * allgather(codes_bytes(n, gather.bits) / c.world, c)
+        codec += count * gather_codec_share(c.world) * _shared(gather.codec, c).time(n, w.tensors_in(n))
+    return wire, codec
 
 
 def _native_reduce_scatter(nbytes: float, c: Cluster, gloo: bool) -> float:

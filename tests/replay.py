@@ -128,3 +128,64 @@ def steps_replayed(options: dict, keys, local: list, delivered: list, ranks_per_
         got = emulate.codes_allreduce(compressors, grads, "replay", ranks_per_host, keys)
         wrong += [(step, t) for t, (g, w) in enumerate(zip(got, want)) if g.tobytes() != w.ravel().tobytes()]
     return wrong
+
+
+def diloco(options: dict, fragments: list) -> list:
+    """DiLoCo written again from its description (hvd_aps/diloco.py's docstring): the workers'
+    model, AdamW and batches (tests/workers/common.py) on one replica per rank; fragment f (its
+    parameters' indices in fragments[f]) synced after the steps t with t = (f + 1) H / F (mod H),
+    its pseudo-gradients (synced - now) averaged (float32: (a + b) / 2; codes: the in-process
+    driver under DiLoCo's names) and applied `delay` steps later by Nesterov SGD (0.7, 0.9) on
+    the synced values, the parameters set to lerp(synced, now, mix). -> per rank, the parameters
+    after every step."""
+    import torch
+    from workers.common import DILOCO_STEPS, diloco_batch, diloco_compressor, diloco_model
+    sync_every, delay, mix = options["sync_every"], options.get("delay", 0), options.get("mix", 0.0)
+    every, ranks = sync_every // len(fragments), 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        models = [diloco_model() for _ in range(ranks)]
+        names = [f"diloco.{name}" for name, _ in models[0].named_parameters()]
+        params = [list(m.parameters()) for m in models]
+        inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+        synced = [[[params[r][i].detach().clone() for i in part] for part in fragments] for r in range(ranks)]
+        outers = [[torch.optim.SGD(s, lr=0.7, momentum=0.9, nesterov=True) for s in mine] for mine in synced]
+        compressors = [diloco_compressor(options["compression"]) for _ in range(ranks)]
+        pending, after = {}, [[] for _ in range(ranks)]
+
+        def apply(f):
+            averaged = pending.pop(f)[1]
+            for r in range(ranks):
+                for s, a in zip(synced[r][f], averaged):
+                    s.grad = torch.from_numpy(a.reshape(s.shape).copy())
+                outers[r][f].step()
+                with torch.no_grad():
+                    for s, i in zip(synced[r][f], fragments[f]):
+                        params[r][i].copy_(torch.lerp(s, params[r][i], mix) if mix else s)
+
+        for step in range(1, DILOCO_STEPS + 1):
+            for r, (m, inner) in enumerate(zip(models, inners)):
+                x, y = diloco_batch(step - 1, r)
+                inner.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                inner.step()
+            for f in [f for f, (started, _) in pending.items() if step - started == delay]:
+                apply(f)
+            if step % every == 0:
+                f = (step // every - 1) % len(fragments)
+                pseudo = [[(s - params[r][i]).detach().numpy().ravel().copy() for s, i in zip(synced[r][f], fragments[f])]
+                          for r in range(ranks)]
+                if compressors[0] is None:  # a sum of two float32 is one rounding, in either order
+                    averaged = [(a + b) / np.float32(2) for a, b in zip(*pseudo)]
+                else:
+                    averaged = emulate.codes_allreduce(compressors, pseudo, f"diloco.fragment{f}", 1,
+                                                       [names[i] for i in fragments[f]])
+                pending[f] = (step, averaged)
+                if delay == 0:
+                    apply(f)
+            for r in range(ranks):
+                after[r].append(torch.cat([p.detach().reshape(-1) for p in params[r]]).numpy().copy())
+        return [np.stack(a) for a in after]
+    finally:
+        torch.set_num_threads(threads)

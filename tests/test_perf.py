@@ -599,6 +599,43 @@ def test_fsdp_step_is_serial_gathers_and_reduce_scatters_per_unit():
     assert gloo == pytest.approx(0.21 + 3 * gather + 2 * perf.allreduce(4 * n, two))
 
 
+def test_fsdp_gathers_in_each_precision_the_model_counts():
+    """The parameters' all-gathers in float32, in bfloat16 (a 16-bit path) and as codes: their
+    bytes at 4, 2 and 1 byte (plus the exponents) an element, the codes' codec at the share of a
+    bucket exchange's passes a gather makes (encode 1/N, decode all)."""
+    n, two = 1 << 20, perf.Cluster(2, SLOW)
+    w = perf.Workload(2 * n, compute=0.2, optimizer=0.01, buckets=[n, n])
+    fp32, codec = perf.Path("float32", 32), perf.Codec(1e-3, 1e-9)
+    codes = perf.Path("e4m3", 8, codec)
+    base = perf.fsdp_step_time(w, fp32, two) - 3 * perf.allgather(4 * n / 2, two)  # three gathers of a unit each
+    assert perf.fsdp_step_time(w, fp32, two, gather=fp32) == pytest.approx(perf.fsdp_step_time(w, fp32, two))
+    assert perf.fsdp_step_time(w, fp32, two, gather=perf.Path("16-bit", 16)) == pytest.approx(
+        base + 3 * perf.allgather(2 * n / 2, two))
+    assert perf.gather_codec_share(2) == pytest.approx(1.5 / 3.5)
+    assert perf.fsdp_step_time(w, fp32, two, gather=codes) == pytest.approx(
+        base + 3 * (perf.allgather(perf.codes_bytes(n, 8) / 2, two) + perf.gather_codec_share(2) * codec.time(n)))
+    both = perf.fsdp_breakdown(w, codes, two, gather=codes)
+    assert both[0] < perf.fsdp_breakdown(w, codes, two)[0] and both[1] > perf.fsdp_breakdown(w, codes, two)[1]
+
+
+def test_plan_gather_gathers_each_paths_parameters_in_its_precision(tmp_path, capsys):
+    cal = tmp_path / "cal.json"
+    codec = perf.Codec(2e-3, 1e-9)
+    calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(codec)}}, cal)
+    from hvd_aps.__main__ import main
+    main(["plan", "--params", "20M", "--compute-ms", "100", "--hosts", "2", "--links", "1gbit", "--format", "e4m3",
+          "--calibration", str(cal), "--fsdp", "4", "--gather"])
+    printed = capsys.readouterr().out
+    work = perf.Workload(20_000_000, 0.1, buckets=perf.fsdp_units(20_000_000, 4))
+    cluster = perf.Cluster(2, perf.Link.parse("1gbit"))
+    for path in (perf.Path("16-bit", 16), perf.Path("codes e4m3", 8, codec)):
+        fsdp = perf.fsdp_step_time(work, path, cluster, gloo=True, gather=path)
+        assert f"{fsdp * 1e3:.1f}" in printed.split(f"\n{path.name} ")[1].split()[0:1], path.name
+    assert "the parameters gathered in each path's precision" in printed
+    with pytest.raises(SystemExit):
+        main(["plan", "--params", "20M", "--compute-ms", "100", "--gather"])
+
+
 def test_hsdp_gathers_and_scatters_inside_the_host_and_averages_shards_across_hosts():
     """HSDP (2 hosts x 2 ranks): the all-gathers and float32 reduce-scatter among a host's ranks,
     then each rank's half of a unit across hosts, both ranks of a host through its link at once:

@@ -70,6 +70,33 @@ def gather_shard(rank, n):
     return np.concatenate([g.ravel() for seed in (10 + rank, 20 + rank) for g in codes_grads(seed)])[:n]
 
 
+# diloco_checks.py: its settings (DiLoCo's keywords; compression: APSCompressor("e3m0", error_feedback=True)
+# where "codes", None for float32), its steps, its model and each rank's batches
+DILOCO_SETTINGS = {"float32": dict(compression=None, sync_every=4),
+                   "codes": dict(compression="codes", sync_every=4),
+                   "streaming": dict(compression="codes", sync_every=4, fragments=2, delay=1, mix=0.5)}
+DILOCO_STEPS = 16
+
+
+def diloco_compressor(kind):
+    import hvd_aps
+    return None if kind is None else hvd_aps.APSCompressor("e3m0", error_feedback=True, seed=9)
+
+
+def diloco_model():
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 8))
+
+
+def diloco_batch(step, rank):
+    import torch
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 32, generator=gen)
+    return x, torch.tanh(x[:, :8] * 2) + 0.1 * torch.randn(16, 8, generator=gen)
+
+
 def check_slow_rank_runs(ranks, sleep_s=0.02):
     """slow_rank_checks.py's outputs: every rank holds the same decisions after every step, none
     changes once policy="auto" has decided, the ranks end on the same parameters, and the fast

@@ -1,0 +1,337 @@
+"""hvd_aps.diloco: DiLoCo (Douillard et al., arXiv 2311.08105) around the user's optimizer, its
+outer exchange in APS codes; Streaming DiLoCo's fragments and overlap (arXiv 2501.18512).
+
+    inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
+    diloco = hvd_aps.diloco.DiLoCo(model, inner, sync_every=500,
+                                   compression=hvd_aps.APSCompressor("e3m0", error_feedback=True))
+    for x, y in batches:
+        diloco.zero_grad()
+        loss_fn(model(x), y).backward()
+        diloco.step()   # the inner step; every sync_every steps the outer one
+
+Each worker takes its inner steps alone. Every `sync_every` (H) steps the pseudo-gradient, what the
+parameters moved since the last sync (synced - now, the sign DiLoCo, OpenDiLoCo and torchft use),
+is averaged across the workers and an outer SGD with Nesterov momentum steps the synced
+parameters by it; every worker goes on from them, the same bits everywhere. With an
+APSCompressor the average is the codes exchange every other entry point runs (hvd_aps.exchange:
+agreed APS shifts, an exact float32 sum at each shard's owner, one rounding; with error feedback
+what the codes lost is sent with the next sync); without one, the framework's float32 allreduce.
+
+Streaming (fragments F, delay tau): the parameters in F fragments of consecutive tensors, fragment
+f synced at the steps t with t = (f + 1) H / F (mod H), so one fragment's exchange at a time crosses
+the link; it runs beside the next tau inner steps and is applied after them, the worker's progress
+of those steps weighted by `mix` (torchft's fragment_update_alpha: 0, the synced parameters alone).
+
+Ranks: torch.distributed's (the default group, or `process_group`: across sites, FSDP2's replicate
+group with each site's shards, whose local tensors are what a worker syncs), or Horovod's.
+"""
+import dataclasses
+import enum
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _arrays, _device, _metadata
+from ._stages import Bucket
+from .compressor import APSCompressor
+from .config import Wire
+
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's and OpenDiLoCo's outer SGD (Nesterov)
+
+
+class Backend(enum.Enum):
+    """Whose ranks the workers are."""
+    TORCH = "torch"      # torch.distributed: Gloo on the CPU, NCCL with CUDA tensors
+    HOROVOD = "horovod"  # horovod.torch
+
+    @classmethod
+    def parse(cls, backend: Optional[str]) -> "Backend":
+        """None: torch.distributed where it is initialised, else Horovod."""
+        if backend is None:
+            return cls.TORCH if dist.is_available() and dist.is_initialized() else cls.HOROVOD
+        try:
+            return cls(backend)
+        except ValueError:
+            raise ValueError(f"backend must be one of {[b.value for b in cls]} or None, got {backend!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When each fragment syncs: every `sync_every` inner steps, fragment f at the steps t with
+    t = (f + 1) * sync_every / fragments (mod sync_every), applied `delay` steps later."""
+    sync_every: int
+    fragments: int = 1
+    delay: int = 0
+
+    def __post_init__(self):
+        for name in ("sync_every", "fragments"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"sync_every ({self.sync_every}) must be a multiple of fragments ({self.fragments})")
+        if not isinstance(self.delay, int) or not 0 <= self.delay < self.sync_every // self.fragments:
+            raise ValueError(f"delay must be an int in 0..{self.sync_every // self.fragments - 1} (sync_every / "
+                             f"fragments: one fragment's exchange at a time), got {self.delay!r}")
+
+    def starting(self, step: int) -> Optional[int]:
+        """The fragment whose exchange starts after inner step `step` (1, 2, ...), or None."""
+        every = self.sync_every // self.fragments
+        return (step // every - 1) % self.fragments if step % every == 0 else None
+
+
+class _Exchange:
+    """The outer average of a fragment's flat pseudo-gradient across the workers: start() hands
+    it over, wait() gives the average (in the same tensor)."""
+
+    def start(self, flat: torch.Tensor, bucket: Bucket):
+        raise NotImplementedError
+
+    def wait(self, handle) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Codes(_Exchange):
+    """Through the compressor's codes exchange, each sync one step of its state."""
+
+    def __init__(self, compressor: APSCompressor, levels_of):
+        self.compressor, self.levels_of = compressor, levels_of
+
+    def start(self, flat, bucket):
+        exchanger, array = self.compressor.exchanger, _arrays.as_array(flat)
+        future = exchanger.bucket(self.levels_of(flat.device), bucket, array, place=_device.place_of(flat), out=array,
+                                  average=True)
+        exchanger.end_step()
+        return future, flat
+
+    def wait(self, handle):
+        future, flat = handle
+        self.compressor.exchanger.result(future)
+        return flat
+
+
+class _TorchFloat32(_Exchange):
+    """torch.distributed's float32 allreduce, divided by the group's size."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def start(self, flat, bucket):
+        return dist.all_reduce(flat, group=self.group, async_op=True), flat
+
+    def wait(self, handle):
+        work, flat = handle
+        work.wait()
+        return flat.div_(dist.get_world_size(self.group))
+
+
+class _HorovodFloat32(_Exchange):
+    """Horovod's float32 allreduce, averaged."""
+
+    def start(self, flat, bucket):
+        import horovod.torch as hvd
+        return hvd.allreduce_async_(flat, op=hvd.Average, name=f"hvd_aps.diloco.{bucket.name}"), flat
+
+    def wait(self, handle):
+        import horovod.torch as hvd
+        work, flat = handle
+        hvd.synchronize(work)
+        return flat
+
+
+@dataclasses.dataclass
+class _Fragment:
+    """A fragment's parameters (their local tensors are what a worker syncs: _local), the synced
+    values and their outer optimizer, and its exchange under way."""
+    index: int
+    bucket: Bucket
+    params: List[torch.nn.Parameter]
+    synced: List[torch.Tensor]
+    outer: torch.optim.Optimizer
+    flat: torch.Tensor
+    handle: object = None
+    started: Optional[int] = None  # the inner step its exchange started after
+    averaged: Optional[torch.Tensor] = None  # a resumed checkpoint's average, not yet applied
+
+
+class DiLoCo:
+    """DiLoCo around `inner` (the model's optimizer, stepped every step), averaging the
+    pseudo-gradients every `sync_every` steps (module docstring).
+
+    Arguments:
+        model: the torch module `inner` trains (its parameters in their order: the fragments').
+        inner: its optimizer; its state (Adam's moments) stays each worker's own.
+        sync_every: H, inner steps between a fragment's syncs.
+        compression: an hvd_aps.APSCompressor sending codes (e.g. "e3m0" with error_feedback=True),
+            or None: the framework's float32 allreduce.
+        outer_lr, outer_momentum: the outer SGD's (Nesterov), DiLoCo's 0.7 and 0.9 by default.
+        fragments, delay, mix: Streaming DiLoCo's fragments, the inner steps an exchange runs
+            beside before it is applied, and the weight of those steps' progress kept.
+        process_group: torch.distributed's ranks to average over (default: every rank).
+        backend: "torch", "horovod" or None (torch.distributed where initialised, else Horovod).
+
+    Every worker must pass the same settings and model: the first call checks them and raises on
+    every rank, naming what differs. state_dict()/load_state_dict() resume bit for bit.
+    """
+
+    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, sync_every: int,
+                 compression: Optional[APSCompressor] = None, outer_lr: float = OUTER_LR,
+                 outer_momentum: float = OUTER_MOMENTUM, fragments: int = 1, delay: int = 0, mix: float = 0.0,
+                 process_group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None):
+        if not 0.0 <= mix <= 1.0:
+            raise ValueError(f"mix must lie in [0, 1], got {mix!r}")
+        if compression is not None and (not isinstance(compression, APSCompressor)
+                                        or compression.config.wire is not Wire.CODES):
+            raise TypeError(f"compression must be an hvd_aps.APSCompressor sending codes or None, got {compression!r}")
+        self.model, self.inner, self.compression = model, inner, compression
+        self.schedule, self.mix = Schedule(sync_every, fragments, delay), float(mix)
+        self.backend, self.process_group = Backend.parse(backend), process_group
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no parameters that require gradients")
+        self._check_alike(named, outer_lr, outer_momentum)
+        self._exchange = self._exchange_for(compression)
+        self._fragments = [self._fragment(f, part, outer_lr, outer_momentum)
+                           for f, part in enumerate(_cut(named, fragments))]
+        self.inner_steps = 0
+
+    # the lifecycle users know -------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        """The inner step; then a fragment's sync whose `delay` steps have passed is applied, and
+        one that is due starts (with delay 0: applied at once)."""
+        self.inner.step()
+        self.inner_steps += 1
+        for fragment in self._fragments:
+            if fragment.started is not None and self.inner_steps - fragment.started == self.schedule.delay:
+                self._apply(fragment)
+        due = self.schedule.starting(self.inner_steps)
+        if due is not None:
+            self._start(self._fragments[due])
+            if self.schedule.delay == 0:
+                self._apply(self._fragments[due])
+
+    def state_dict(self) -> dict:
+        """What resuming bit for bit needs: the inner step, every fragment's synced values and outer
+        momentum, an exchange under way's average (waited for) and when it started, and the
+        compressor's state after it. The inner optimizer's is the user's to save, as always."""
+        for fragment in self._fragments:
+            if fragment.handle is not None:
+                fragment.averaged, fragment.handle = self._exchange.wait(fragment.handle).clone(), None
+        return {"inner_steps": self.inner_steps, "schedule": dataclasses.asdict(self.schedule), "mix": self.mix,
+                "fragments": [{"synced": [s.clone() for s in f.synced], "outer": f.outer.state_dict(),
+                               "started": f.started, "averaged": f.averaged} for f in self._fragments],
+                "compressor": None if self.compression is None else self.compression.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from this worker's state_dict(), on every worker, before the same step."""
+        saved = Schedule(**state["schedule"])
+        if saved != self.schedule or len(state["fragments"]) != len(self._fragments):
+            raise ValueError(f"this state_dict was saved under {saved} and is loaded under {self.schedule}: "
+                             "resume with the settings it was saved with")
+        for fragment, kept in zip(self._fragments, state["fragments"]):
+            if [s.shape for s in kept["synced"]] != [s.shape for s in fragment.synced]:
+                raise ValueError(f"fragment {fragment.index} was saved for other parameters")
+        for fragment, kept in zip(self._fragments, state["fragments"]):
+            with torch.no_grad():
+                for synced, value in zip(fragment.synced, kept["synced"]):
+                    synced.copy_(value)
+            fragment.outer.load_state_dict(kept["outer"])
+            fragment.started, fragment.averaged, fragment.handle = kept["started"], kept["averaged"], None
+        self.inner_steps = int(state["inner_steps"])
+        if self.compression is not None and state["compressor"] is not None:
+            self.compression.load_state_dict(state["compressor"])
+
+    # the outer step ----------------------------------------------------------------------------
+    def _start(self, fragment: _Fragment) -> None:
+        """The fragment's pseudo-gradient (synced - now) handed to the exchange."""
+        with torch.no_grad():
+            torch.cat([(s - _local(p)).reshape(-1) for s, p in zip(fragment.synced, fragment.params)],
+                      out=fragment.flat)
+        fragment.handle, fragment.started = self._exchange.start(fragment.flat, fragment.bucket), self.inner_steps
+
+    def _apply(self, fragment: _Fragment) -> None:
+        """The outer SGD step on the synced values by the averaged pseudo-gradient; the parameters
+        become the new synced values, with `mix` of what the worker moved meanwhile."""
+        averaged = fragment.averaged if fragment.handle is None else self._exchange.wait(fragment.handle)
+        fragment.handle = fragment.averaged = fragment.started = None
+        offset = 0
+        for synced in fragment.synced:
+            synced.grad = averaged[offset:offset + synced.numel()].view_as(synced).clone()
+            offset += synced.numel()
+        fragment.outer.step()
+        with torch.no_grad():
+            for synced, p in zip(fragment.synced, fragment.params):
+                local = _local(p)
+                local.copy_(synced if self.mix == 0 else torch.lerp(synced, local.to(torch.float32), self.mix))
+
+    # set-up -------------------------------------------------------------------------------------
+    def _fragment(self, index: int, named: list, outer_lr: float, outer_momentum: float) -> _Fragment:
+        params = [p for _, p in named]
+        synced = [_local(p).detach().clone().to(torch.float32) for p in params]
+        outer = torch.optim.SGD(synced, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+        keys = [f"diloco.{name}" for name, _ in named]
+        bucket = Bucket.whole(f"diloco.fragment{index}", keys, keys, [s.numel() for s in synced])
+        flat = torch.empty(sum(bucket.sizes), dtype=torch.float32, device=synced[0].device)
+        return _Fragment(index, bucket, params, synced, outer, flat)
+
+    def _exchange_for(self, compression) -> _Exchange:
+        if compression is None:
+            return _TorchFloat32(self.process_group) if self.backend is Backend.TORCH else _HorovodFloat32()
+        compression.claim("an hvd_aps.diloco.DiLoCo")
+        cfg = compression.config
+        if self.backend is Backend.HOROVOD:
+            from .torch import adapter
+            levels = adapter.levels(cfg.hierarchical, timeout=cfg.timeout)
+            return _Codes(compression, lambda device: levels)
+        from .ddp import group_levels, levels_on
+        groups, made = group_levels(self.process_group, cfg.hierarchical, cfg.timeout), {}
+
+        def levels_of(device):
+            if str(device) not in made:
+                made[str(device)] = levels_on(groups, device)
+            return made[str(device)]
+        return _Codes(compression, levels_of)
+
+    def _check_alike(self, named: list, outer_lr: float, outer_momentum: float) -> None:
+        """Every worker's settings and parameter shapes, gathered: the same everywhere, or every
+        worker raises naming what differs."""
+        mine = {"sync_every": self.schedule.sync_every, "fragments": self.schedule.fragments,
+                "delay": self.schedule.delay, "mix": self.mix, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                # the rest of a compressor's settings: checked by its first exchange
+                "compression": "float32" if self.compression is None else str(self.compression.config.fmt),
+                "parameters": tuple(tuple(_local(p).shape) for _, p in named)}
+        _metadata.check_same_settings(self._gathered(mine))
+
+    def _gathered(self, obj) -> list:
+        if self.backend is Backend.HOROVOD:
+            import horovod.torch as hvd
+            return hvd.allgather_object(obj, name="hvd_aps.diloco.settings")
+        gathered = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(gathered, obj, group=self.process_group)
+        return gathered
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor a worker steps: an FSDP2 parameter's (a DTensor's) local shard, else itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _cut(named: Sequence, fragments: int) -> list:
+    """`fragments` runs of consecutive parameters of about equal elements, at least one each: a
+    run ends at the parameter boundary nearest its share of the elements."""
+    if fragments > len(named):
+        raise ValueError(f"fragments ({fragments}) must not exceed the model's {len(named)} parameters")
+    sizes = [_local(p).numel() for _, p in named]
+    total, parts, start, seen = sum(sizes), [], 0, 0
+    for f in range(1, fragments):
+        end, seen = start + 1, seen + sizes[start]
+        while end < len(named) - (fragments - f) and seen + sizes[end] / 2 <= total * f / fragments:
+            seen += sizes[end]
+            end += 1
+        parts.append(named[start:end])
+        start = end
+    return parts + [named[start:]]

@@ -1,0 +1,82 @@
+"""hvd_aps.diloco.DiLoCo under real ranks (torchrun with Gloo on loopback; Horovod's horovodrun):
+every step's parameters those of DiLoCo written again in this process (tests/replay.py), float32,
+codes with error feedback and streaming fragments; identical on every worker after each sync; a
+fresh process resumed from a checkpoint taken while an exchange was under way ends on the same
+bits; workers that disagree on the settings are refused, naming what differs."""
+import numpy as np
+import pytest
+
+import replay
+from horovod_run import horovodrun, load, torchrun, worker_env
+from workers.common import DILOCO_SETTINGS, DILOCO_STEPS
+
+SAVED_AFTER = 6  # diloco_checks.py's checkpoint
+FRAGMENTS = {1: [[0, 1, 2, 3, 4, 5]], 2: [[0, 1], [2, 3, 4, 5]]}  # sizes 2048, 64, 4096, 64, 512, 8: halves
+RANKS = 2
+
+
+def launched(tmp, backend):
+    runs = {}
+    for mode in ("straight", "second"):
+        env = worker_env(HVD_APS_BACKEND=backend, HVD_APS_MODE=mode)
+        if backend == "torch":
+            torchrun("diloco_checks.py", tmp, ranks=RANKS, env=env)
+        else:
+            horovodrun("diloco_checks.py", tmp, ranks=RANKS, env=env)
+        runs[mode] = load(tmp, f"diloco_{backend}_{mode}", RANKS)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory):
+    return launched(tmp_path_factory.mktemp("diloco_torch"), "torch")
+
+
+@pytest.mark.parametrize("setting", list(DILOCO_SETTINGS))
+def test_every_step_is_dilocos_written_again(torch_runs, setting):
+    options = DILOCO_SETTINGS[setting]
+    want = replay.diloco(options, FRAGMENTS[options.get("fragments", 1)])
+    for r, got in enumerate(torch_runs["straight"]):
+        steps = got[setting]
+        assert steps.shape == (DILOCO_STEPS, want[r].shape[1])
+        bad = [k for k in range(DILOCO_STEPS) if steps[k].tobytes() != want[r][k].tobytes()]
+        assert not bad, (setting, r, bad)
+
+
+@pytest.mark.parametrize("setting", list(DILOCO_SETTINGS))
+def test_workers_hold_the_same_parameters_after_each_sync_and_not_between(torch_runs, setting):
+    options = DILOCO_SETTINGS[setting]
+    fragments, every = options.get("fragments", 1), options["sync_every"] // options.get("fragments", 1)
+    first, second = (r[setting] for r in torch_runs["straight"])
+    cuts = np.cumsum([0, 2048, 64, 4096, 64, 512, 8])
+    for step in range(DILOCO_STEPS):
+        applied = (step + 1 - options.get("delay", 0)) % every == 0 and step + 1 > options.get("delay", 0)
+        f = ((step + 1 - options.get("delay", 0)) // every - 1) % fragments
+        part = FRAGMENTS[fragments][f]
+        lo, hi = cuts[part[0]], cuts[part[-1] + 1]
+        if applied and options.get("mix", 0) == 0:
+            assert first[step][lo:hi].tobytes() == second[step][lo:hi].tobytes(), (setting, step)
+        if not applied:
+            assert first[step].tobytes() != second[step].tobytes(), (setting, step)
+
+
+@pytest.mark.parametrize("setting", list(DILOCO_SETTINGS))
+def test_a_resumed_worker_ends_on_the_bits_of_one_never_stopped(torch_runs, setting):
+    """The checkpoint after step 6: streaming's fragment 0 is under way (started after step 6,
+    applied after 7), the outer momentum and the codes' residuals non-zero."""
+    for straight, second in zip(torch_runs["straight"], torch_runs["second"]):
+        assert second[setting].tobytes() == straight[setting][SAVED_AFTER:].tobytes(), setting
+
+
+def test_workers_that_disagree_on_the_settings_are_refused_on_every_rank(torch_runs):
+    for r in torch_runs["straight"]:
+        assert "sync_every: 4 on rank 0, 5 on rank 1" in str(r["mismatch"])
+
+
+def test_horovod_workers_take_the_same_steps_as_torch_distributeds(tmp_path):
+    runs = launched(tmp_path, "horovod")
+    for setting, options in DILOCO_SETTINGS.items():
+        want = replay.diloco(options, FRAGMENTS[options.get("fragments", 1)])
+        for r, got in enumerate(runs["straight"]):
+            assert got[setting].tobytes() == want[r].tobytes(), (setting, r)
+            assert runs["second"][r][setting].tobytes() == got[setting][SAVED_AFTER:].tobytes(), (setting, r)
