@@ -19,8 +19,12 @@ Peers: ddp:none (DDP's allreduce), ddp:allreduce, ddp:fp16, ddp:bf16 (torch's ho
 ddp:powersgd4 (torch's powerSGD_hook at that rank, plain allreduce for the first tenth of the
 steps: its documented warm-up), ddp:<recipe> (hvd_aps.ddp.aps_hook); hvd:none, hvd:fp16,
 hvd:<recipe> (horovod.torch.DistributedOptimizer with Horovod's or hvd_aps's compression, after
-a plain hvd.init()). Recipes: hvd_aps.RECIPES (aps-e4m3, aps-e3m0-ef, aps-e3m0-hybrid,
-aps-e4m3-auto, ...). Threads are the framework's own. Evaluation pauses the clock on every rank.
+a plain hvd.init()); diloco:none and diloco:<recipe> (hvd_aps.diloco.DiLoCo over torch.distributed,
+its outer exchange in float32 or the recipe's codes, every --sync-every steps) and streaming:<...>
+(the same with --fragments fragments, each exchange applied --delay steps later, --mix of those
+steps' progress kept). Recipes: hvd_aps.RECIPES (aps-e4m3, aps-e3m0-ef, aps-e3m0-hybrid,
+aps-e4m3-auto, ...). Threads are the framework's own. Evaluation pauses the clock on every rank;
+DiLoCo's runs report rank 0's own parameters (between syncs each worker's differ).
 """
 import argparse
 import contextlib
@@ -148,7 +152,7 @@ TASKS = {t.task.name: t for t in (DigitsCNN, WideMLP, ByteTransformer)}
 class DDPRun:
     """torch.distributed over Gloo; the peer's communication hook on DDP."""
 
-    def __init__(self, peer, model, steps):
+    def __init__(self, peer, model, steps, **_):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
         from pytorch_ddp_digits import register
@@ -180,7 +184,7 @@ class DDPRun:
 class HorovodRun:
     """horovod.torch after a plain hvd.init(); the peer's compression on Horovod's optimizer."""
 
-    def __init__(self, peer, model, steps):
+    def __init__(self, peer, model, steps, **_):
         import horovod.torch as hvd
         hvd.init()
         self.hvd, self.rank, self.size, self.peer, self.model = hvd, hvd.rank(), hvd.size(), peer, model
@@ -199,7 +203,27 @@ class HorovodRun:
         self.hvd.shutdown()
 
 
-FRAMEWORKS = {"ddp": DDPRun, "hvd": HorovodRun}
+class DiLoCoRun:
+    """torch.distributed over Gloo, no DDP: every worker steps alone, hvd_aps.diloco.DiLoCo syncs
+    them (the options: DiLoCo's keywords)."""
+
+    def __init__(self, peer, model, steps, **options):
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        self.dist, self.rank, self.size, self.peer, self.model = dist, dist.get_rank(), dist.get_world_size(), peer, model
+        self.options = options
+        for p in model.parameters():  # the same start everywhere, as DDP's broadcast gives
+            dist.broadcast(p.data, 0)
+
+    def wrap(self, opt, named_parameters):
+        import hvd_aps.diloco
+        compression = None if self.peer == "none" else recipes.compression(self.peer)
+        return hvd_aps.diloco.DiLoCo(self.model, opt, compression=compression, **self.options)
+
+    gather, close = DDPRun.gather, DDPRun.close
+
+
+FRAMEWORKS = {"ddp": DDPRun, "hvd": HorovodRun, "diloco": DiLoCoRun, "streaming": DiLoCoRun}
 
 
 @contextlib.contextmanager
@@ -216,7 +240,7 @@ def train(args):
     task = dataclasses.replace(work.task, steps=args.steps or work.task.steps)
     framework, _, peer = args.peer.partition(":")
     torch.manual_seed(args.seed)  # the same initial model on every rank and for every peer
-    run = FRAMEWORKS[framework](peer, work.model(), task.steps)
+    run = FRAMEWORKS[framework](peer, work.model(), task.steps, **diloco_options(framework, args))
     model = run.model
     plain = getattr(model, "module", model)
     opt = run.wrap(work.optimizer(plain.parameters()), plain.named_parameters())
@@ -244,6 +268,15 @@ def train(args):
                           "params": sum(p.numel() for p in plain.parameters()), "log": log,
                           "tx_bytes_per_step": statistics.mean(per_rank)}), flush=True)
     run.close()
+
+
+def diloco_options(framework, args) -> dict:
+    """DiLoCo's keywords of a diloco: or streaming: run (none for the other frameworks)."""
+    if framework == "diloco":
+        return {"sync_every": args.sync_every}
+    if framework == "streaming":
+        return {"sync_every": args.sync_every, "fragments": args.fragments, "delay": args.delay, "mix": args.mix}
+    return {}
 
 
 def time_to_target(task, log):
@@ -331,8 +364,9 @@ def grid(args):
                             progress.set_description(f"{task_name} {label} seed {seed}")
                             progress.set_postfix_str(peer)
                             argv = [pathlib.Path(__file__).name, "--peer", peer, "--task", task_name,
-                                    "--seed", str(seed), "--iface", "hvd0"] + (
-                                        ["--steps", str(args.steps)] if args.steps else [])
+                                    "--seed", str(seed), "--iface", "hvd0", "--sync-every", str(args.sync_every),
+                                    "--fragments", str(args.fragments), "--delay", str(args.delay),
+                                    "--mix", str(args.mix)] + (["--steps", str(args.steps)] if args.steps else [])
                             started = time.time()
                             try:
                                 result = netns_cluster.launch(names, args.ranks_per_host, argv, args.timeout,
@@ -369,6 +403,10 @@ def main():
     parser.add_argument("--steps", type=int, help="step budget (default: the task's); the target stays the task's")
     parser.add_argument("--iface", default="", help="network interface whose tx counter to read")
     parser.add_argument("--progress", action="store_true", help="rank 0 prints every evaluation")
+    parser.add_argument("--sync-every", type=int, default=20, help="diloco:/streaming: inner steps between syncs")
+    parser.add_argument("--fragments", type=int, default=4, help="streaming: fragments")
+    parser.add_argument("--delay", type=int, default=2, help="streaming: inner steps an exchange runs beside")
+    parser.add_argument("--mix", type=float, default=0.5, help="streaming: weight of those steps' progress kept")
     parser.add_argument("--cluster", action="store_true", help="run the grid in network namespaces (root)")
     parser.add_argument("--tasks", default="wide-mlp,transformer,digits-cnn")
     parser.add_argument("--peers", default=",".join(DDP_PEERS + HOROVOD_PEERS))

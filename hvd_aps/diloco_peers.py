@@ -1,0 +1,128 @@
+"""The outer exchanges other DiLoCo implementations run, in one process: N float32 pseudo-gradients
+(one per worker, one shape) -> the float32 average every worker applies, rounding for rounding as
+each source describes it. hvd_aps's own are hvd_aps.emulate.codes_allreduce (codes) and the
+float32 mean; hvd_aps.peers holds NCCL's rings (bf16 DiLoCo: nccl_ring_allreduce(..., "bfloat16",
+"avg")). Sources:
+
+- INTELLECT-1 (PrimeIntellect-ai/prime, src/zeroband/diloco.py, C/csrc/collectives.cpp and
+  compression.cpp at 5cc57a0f): the pseudo-gradient divided by N first, then a ring allreduce of
+  uint8 codes. uniform_8bit_quantize: sigma = ||x||_2 / sqrt(n - 1), scale = 6 sigma / 256,
+  q = clamp(round(x / scale) + 128, 0, 255) (std::round: halves away from zero), and a codebook
+  of 256 float32 values, each bin's mean of the x that fell in it (0 for an empty bin). The
+  tensor cut into N x 2 chunks (BUFFER_COUNT 2), each pass of N chunks a ring reduce-scatter:
+  a rank quantizes its running fp32 sum of a chunk with a fresh codebook and sends it on, the next
+  adds codebook[q] to its own values in float32; the chunk's last rank quantizes its total once
+  more and keeps codebook[q] ("to be consistent"), which the allgather then carries unchanged to
+  every rank. Here a bin's mean is taken in float64 and rounded once (the source's float
+  accumulation order is not reproduced).
+- torchft (meta-pytorch/torchft, torchft/quantization.py, collectives.py at 7eb7087): per row of a
+  2-D tensor (a 1-D tensor is n rows of 1), scale = 448 / max |row| (1 where it is 0),
+  q = e4m3fn(row * scale); rows cut into ceil(rows / N) per rank, an alltoall, each owner sums
+  q / scale in float32 from its own rank on (rank, rank + 1, ... mod N), requantizes its sum per
+  row the same way, an allgather, every rank decodes q / scale; the manager then divides by N.
+- Streaming DiLoCo (Douillard et al., arXiv 2501.18512): outer gradients in 4-bit floating point,
+  accumulated in float32. Its text was not retrieved here: the format (e3m0) and the per-tensor
+  scale from each worker's own max are this module's reading, not the paper's stated arithmetic.
+"""
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from . import codec, scaling
+
+INT8_BINS, INT8_ZERO, INT8_SPAN = 256, 128, 6.0  # INTELLECT-1's uniform 8-bit: +-3 sigma in 256 bins
+RING_BUFFERS = 2  # INTELLECT-1's ring: N x 2 chunks
+FP8_MAX = 448.0   # e4m3fn's largest value: torchft's scale puts every row's max there
+
+
+def float32_average(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The float32 mean (DiLoCo's and OpenDiLoCo's outer allreduce): summed in rank order, / N."""
+    total = np.zeros_like(np.asarray(arrays[0], np.float32))
+    for a in arrays:
+        total = total + np.asarray(a, np.float32)
+    return total / np.float32(len(arrays))
+
+
+def _int8_quantize(x: np.ndarray) -> tuple:
+    """(codes, codebook) of uniform_8bit_quantize."""
+    n = x.size
+    sigma = np.sqrt(np.sum(x.astype(np.float64) ** 2) / max(n - 1, 1))
+    scale = np.float32(INT8_SPAN * sigma / INT8_BINS)
+    if scale == 0:
+        return np.full(n, INT8_ZERO, np.uint8), np.zeros(INT8_BINS, np.float32)
+    scaled = x.astype(np.float32) / scale
+    rounded = np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))  # std::round: halves away from zero
+    codes = np.clip(rounded + INT8_ZERO, 0, INT8_BINS - 1).astype(np.uint8)
+    counts = np.bincount(codes, minlength=INT8_BINS)
+    sums = np.bincount(codes, weights=x.astype(np.float64), minlength=INT8_BINS)
+    book = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0).astype(np.float32)
+    return codes, book
+
+
+def _int8_round_trip(x: np.ndarray) -> np.ndarray:
+    codes, book = _int8_quantize(x)
+    return book[codes]
+
+
+def intellect1_int8_allreduce(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """INTELLECT-1's outer allreduce (module docstring): the pre-divided pseudo-gradients through
+    its uint8 ring -> the average every worker applies. Chunk c of each pass of N goes round the
+    ring from rank c + 1 to its owner c, the usual ring's order (the source's offset unchecked)."""
+    n, shape = len(arrays), np.shape(arrays[0])
+    held = np.stack([np.asarray(a, np.float32).ravel() / np.float32(n) for a in arrays])
+    out = np.empty(held.shape[1], np.float32)
+    size = -(-held.shape[1] // (n * RING_BUFFERS))
+    for c, lo in enumerate(range(0, held.shape[1], size)):
+        chunk = held[:, lo:lo + size]
+        total = chunk[(c + 1) % n]
+        for hop in range(2, n + 1):  # what arrives is the sender's running sum, quantized afresh
+            total = chunk[(c + hop) % n] + _int8_round_trip(total)
+        out[lo:lo + size] = _int8_round_trip(total)  # the owner's own total, as the allgather carries it
+    return out.reshape(shape)
+
+
+def torchft_fp8_allreduce(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """torchft's quantized outer allreduce (module docstring) -> the average every worker applies."""
+    n, shape = len(arrays), np.shape(arrays[0])
+    if len(shape) not in (1, 2):
+        raise ValueError(f"torchft quantizes 1-D and 2-D tensors only, got shape {shape}")
+    rows = [np.asarray(a, np.float32).reshape(shape if len(shape) == 2 else (-1, 1)) for a in arrays]
+    sent = [_fp8_rows(r) for r in rows]
+    per = -(-rows[0].shape[0] // n)
+    total = np.empty_like(rows[0])
+    for owner in range(n):
+        lo, hi = owner * per, min((owner + 1) * per, rows[0].shape[0])
+        if lo >= hi:
+            continue
+        acc = np.zeros((hi - lo, rows[0].shape[1]), np.float32)
+        for k in range(n):  # from the owner's own rank on
+            q, scale = sent[(owner + k) % n]
+            acc = acc + _fp8_values(q[lo:hi]) / scale[lo:hi]
+        q, scale = _fp8_rows(acc)
+        total[lo:hi] = _fp8_values(q) / scale
+    return (total / np.float32(n)).reshape(shape)
+
+
+def _fp8_rows(rows: np.ndarray) -> tuple:
+    """(e4m3fn codes, per-row float32 scales) of torchft's fused_quantize_into_fp8."""
+    amax = np.abs(rows).max(axis=1, keepdims=True).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        scale = np.where(amax > 0, np.float32(FP8_MAX) / amax, np.float32(1)).astype(np.float32)
+    return (rows * scale).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _fp8_values(codes: np.ndarray) -> np.ndarray:
+    return codes.astype(np.float32)
+
+
+def fp4_average(arrays: Sequence[np.ndarray], fmt: str = "e3m0") -> np.ndarray:
+    """Streaming DiLoCo's 4-bit outer gradients as read here (module docstring): each worker's
+    rounded onto `fmt` at the power of two its own max gives, gathered, summed in float32 in rank
+    order, divided by N."""
+    total = np.zeros_like(np.asarray(arrays[0], np.float32))
+    for a in arrays:
+        a = np.asarray(a, np.float32)
+        shift = scaling.shift_for(codec.amax(a), 1, fmt)
+        total = total + codec.quantize(a, fmt, shift=shift)
+    return total / np.float32(len(arrays))
