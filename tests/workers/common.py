@@ -97,6 +97,25 @@ def diloco_batch(step, rank):
     return x, torch.tanh(x[:, :8] * 2) + 0.1 * torch.randn(16, 8, generator=gen)
 
 
+# model_parallel_checks.py: the pipeline's micro-batches and the width of its layers; the tensor-parallel
+# block's input (batch, sequence, width)
+MP_MICROBATCHES, MP_WIDTH = 4, 32
+TP_SHAPE = (4, 64, 64)
+
+
+def mp_layers():
+    """The pipeline's model: four Linear + Tanh layers, seeded alike everywhere."""
+    import torch
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(MP_WIDTH, MP_WIDTH), torch.nn.Tanh()) for _ in range(4)]
+
+
+def mp_batch():
+    import torch
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(16, MP_WIDTH, generator=gen), torch.randn(16, MP_WIDTH, generator=gen)
+
+
 def check_slow_rank_runs(ranks, sleep_s=0.02):
     """slow_rank_checks.py's outputs: every rank holds the same decisions after every step, none
     changes once policy="auto" has decided, the ranks end on the same parameters, and the fast
