@@ -2,8 +2,9 @@
 Horovod (PyTorch, TensorFlow, Keras 3), PyTorch DDP and FSDP2.
 
 Importing hvd_aps imports neither torch nor TensorFlow; the framework adapters load on first use
-(hvd_aps.torch, hvd_aps.tensorflow, hvd_aps.keras, hvd_aps.ddp, hvd_aps.fsdp, hvd_aps.lightning),
-and so does torch's step profile (hvd_aps.step_profile).
+(hvd_aps.torch, hvd_aps.tensorflow, hvd_aps.keras, hvd_aps.ddp, hvd_aps.fsdp, hvd_aps.lightning,
+hvd_aps.pipelining, hvd_aps.tensor_parallel, hvd_aps.diloco), and so do torch's step profile
+(hvd_aps.step_profile) and the peers' emulations (hvd_aps.peers, hvd_aps.diloco_peers).
 """
 import importlib
 
@@ -20,7 +21,8 @@ __version__ = "0.2.0"
 
 # the framework adapters and torch's step profile, imported on first use: `import hvd_aps` then
 # `hvd_aps.ddp.aps_hook`, `hvd_aps.lightning.FidelityLogger`, `hvd_aps.step_profile.measure`
-_ADAPTERS = ("torch", "tensorflow", "keras", "ddp", "fsdp", "lightning", "step_profile")
+_ADAPTERS = ("torch", "tensorflow", "keras", "ddp", "fsdp", "lightning", "pipelining", "tensor_parallel", "diloco",
+             "step_profile", "peers", "diloco_peers")
 
 
 def __getattr__(name: str):

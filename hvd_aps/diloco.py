@@ -1,5 +1,5 @@
 """hvd_aps.diloco: DiLoCo (Douillard et al., arXiv 2311.08105) around the user's optimizer, its
-outer exchange in APS codes; Streaming DiLoCo's fragments and overlap (arXiv 2501.18512).
+outer exchange in APS codes; Streaming DiLoCo's fragments and overlap (arXiv 2501.18512)::
 
     inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
     diloco = hvd_aps.diloco.DiLoCo(model, inner, sync_every=500,

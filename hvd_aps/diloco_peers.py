@@ -6,7 +6,7 @@ float32 mean; hvd_aps.peers holds NCCL's rings (bf16 DiLoCo: nccl_ring_allreduce
 
 - INTELLECT-1 (PrimeIntellect-ai/prime, src/zeroband/diloco.py, C/csrc/collectives.cpp and
   compression.cpp at 5cc57a0f): the pseudo-gradient divided by N first, then a ring allreduce of
-  uint8 codes. uniform_8bit_quantize: sigma = ||x||_2 / sqrt(n - 1), scale = 6 sigma / 256,
+  uint8 codes. uniform_8bit_quantize: sigma = norm2(x) / sqrt(n - 1), scale = 6 sigma / 256,
   q = clamp(round(x / scale) + 128, 0, 255) (std::round: halves away from zero), and a codebook
   of 256 float32 values, each bin's mean of the x that fell in it (0 for an empty bin). The
   tensor cut into N x 2 chunks (BUFFER_COUNT 2), each pass of N chunks a ring reduce-scatter:
@@ -16,7 +16,7 @@ float32 mean; hvd_aps.peers holds NCCL's rings (bf16 DiLoCo: nccl_ring_allreduce
   every rank. Here a bin's mean is taken in float64 and rounded once (the source's float
   accumulation order is not reproduced).
 - torchft (meta-pytorch/torchft, torchft/quantization.py, collectives.py at 7eb7087): per row of a
-  2-D tensor (a 1-D tensor is n rows of 1), scale = 448 / max |row| (1 where it is 0),
+  2-D tensor (a 1-D tensor is n rows of 1), scale = 448 / max abs(row) (1 where it is 0),
   q = e4m3fn(row * scale); rows cut into ceil(rows / N) per rank, an alltoall, each owner sums
   q / scale in float32 from its own rank on (rank, rank + 1, ... mod N), requantizes its sum per
   row the same way, an allgather, every rank decodes q / scale; the manager then divides by N.

@@ -1,6 +1,6 @@
 """hvd_aps.pipelining: torch.distributed.pipelining's PipelineStage sending each stage's activations
 forward and their gradients backward as APS codes, for the schedules users run (GPipe, 1F1B,
-interleaved, zero bubble).
+interleaved, zero bubble)::
 
     stage = hvd_aps.pipelining.CodesPipelineStage(stage_module, stage_index, num_stages, device,
                                                   forward="e4m3", backward="e5m2")

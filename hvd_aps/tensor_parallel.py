@@ -1,5 +1,5 @@
 """hvd_aps.tensor_parallel: torch's tensor-parallel styles with their activations' collectives in
-APS codes, for the parallelize_plan users already write (torch.distributed.tensor.parallel).
+APS codes, for the parallelize_plan users already write (torch.distributed.tensor.parallel)::
 
     compressor = hvd_aps.APSCompressor(hvd_aps.e4m3)
     parallelize_module(block, tp_mesh, {
@@ -9,7 +9,7 @@ APS codes, for the parallelize_plan users already write (torch.distributed.tenso
 
 In place of ColwiseParallel and RowwiseParallel (the same arguments, the same sharded parameters,
 the same outputs), the collectives DTensor would run in float32 run as codes
-(hvd_aps._codes_collectives), forward and backward:
+(hvd_aps._codes_collectives), forward and backward::
 
     column-parallel input  Replicate: forward -,               backward: sum of the input's gradient
                            Shard(d):  forward all-gather,      backward: reduce-scatter
