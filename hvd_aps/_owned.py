@@ -31,17 +31,18 @@ class BlockCodes:
     hvd_aps._tables.RUN_ROW) at its own power-of-two scale.
 
     Attributes:
-        fmt: a FloatFormat or its name ("e4m3", "e5m2", "e2m1fn", ...).
+        fmt: the FloatFormat (given as one or by its name: "e4m3", "e5m2", "e2m1fn", ...).
         block: elements per exponent (2 bytes of it a block: 0.1 % of 8-bit codes at the default
             2048; small blocks follow a tensor's magnitudes closer, as MX formats' 32 do).
     """
-    fmt: Union[FloatFormat, str]
+    fmt: FloatFormat
     block: int = BLOCK
 
     def __post_init__(self):
         object.__setattr__(self, "fmt", FloatFormat.parse(self.fmt))
-        if not isinstance(self.block, int) or isinstance(self.block, bool) or not 1 <= self.block <= _tables.RUN_ROW:
-            raise ValueError(f"block must be an int in 1..{_tables.RUN_ROW} (elements per exponent), got {self.block!r}")
+        block = self.block
+        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= _tables.RUN_ROW:
+            raise ValueError(f"block must be an int in 1..{_tables.RUN_ROW} (elements per exponent), got {block!r}")
 
     @classmethod
     def parse(cls, codes: Union["BlockCodes", FloatFormat, str]) -> "BlockCodes":
@@ -49,6 +50,7 @@ class BlockCodes:
         return codes if isinstance(codes, cls) else cls(codes)
 
     def blocks(self, n: int) -> int:
+        """Exponents a message of n values carries."""
         return -(-n // self.block)
 
     def exponents_at(self, n: int) -> int:
@@ -78,6 +80,9 @@ class BlockCodes:
         rank's, as an all-gather gives them) -> their values in `out` (k x n float32, flat), one
         message after another."""
         world = out.size // n if n else 0
+        if world * n != out.size or gathered.size != world * self.message_bytes(n):
+            raise ValueError(f"{out.size} values of messages of {n} need {out.size // max(n, 1)} messages of "
+                             f"{self.message_bytes(n)} bytes, got {gathered.size} bytes")
         if not world:
             return out
         rows = gathered.reshape(world, self.message_bytes(n))

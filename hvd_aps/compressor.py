@@ -118,10 +118,13 @@ class APSCompressor:
         self.claim(f"Horovod's DistributedOptimizer over {type(optimizer).__name__} (id {id(optimizer):#x})")
         self._horovod_owner = optimizer
 
-    def claim(self, user: str) -> None:
+    def claim(self, user: str, shared: bool = False) -> None:
         """Give this compressor to `user` (hvd_aps.torch.DistributedOptimizer, APSState, fsdp.apply
         call it): one owner, as its residuals, step counts and schedule are keyed by tensor and
-        bucket names that another owner would reuse for other tensors."""
+        bucket names that another owner would reuse for other tensors. shared: `user` names one
+        owner of several parts that claim it each (the tensor-parallel styles of one model)."""
+        if shared and self._serves == user:
+            return
         if self._serves is not None:
             raise ValueError(f"this APSCompressor already serves {self._serves}; give {user} an APSCompressor of "
                              "its own (residuals, step counts and the schedule belong to one model)")

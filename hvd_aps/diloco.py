@@ -23,14 +23,17 @@ the link; it runs beside the next tau inner steps and is applied after them, the
 of those steps weighted by `mix` (torchft's fragment_update_alpha: 0, the synced parameters alone).
 
 Ranks: torch.distributed's (the default group, or `process_group`: across sites, FSDP2's replicate
-group with each site's shards, whose local tensors are what a worker syncs), or Horovod's.
+group with each site's shards, whose local tensors are what a worker syncs), or Horovod's. Every
+worker starts from the first rank's parameters (broadcast when the wrapper is made, as DDP does).
 """
+import abc
 import dataclasses
 import enum
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from . import _arrays, _device, _metadata
 from ._stages import Bucket
@@ -71,7 +74,8 @@ class Schedule:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.sync_every % self.fragments:
             raise ValueError(f"sync_every ({self.sync_every}) must be a multiple of fragments ({self.fragments})")
-        if not isinstance(self.delay, int) or not 0 <= self.delay < self.sync_every // self.fragments:
+        if not isinstance(self.delay, int) or isinstance(self.delay, bool) or not (
+                0 <= self.delay < self.sync_every // self.fragments):
             raise ValueError(f"delay must be an int in 0..{self.sync_every // self.fragments - 1} (sync_every / "
                              f"fragments: one fragment's exchange at a time), got {self.delay!r}")
 
@@ -81,18 +85,20 @@ class Schedule:
         return (step // every - 1) % self.fragments if step % every == 0 else None
 
 
-class _Exchange:
+class _Exchange(abc.ABC):
     """The outer average of a fragment's flat pseudo-gradient across the workers: start() hands
     it over, wait() gives the average (in the same tensor)."""
 
-    def start(self, flat: torch.Tensor, bucket: Bucket):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def start(self, flat: torch.Tensor, bucket: Bucket) -> tuple:
+        """-> a handle for wait()."""
 
-    def wait(self, handle) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def wait(self, handle: tuple) -> torch.Tensor:
+        """The average of every worker's flat."""
 
 
-class _Codes(_Exchange):
+class _CodesAverage(_Exchange):
     """Through the compressor's codes exchange, each sync one step of its state."""
 
     def __init__(self, compressor: APSCompressor, levels_of):
@@ -179,21 +185,24 @@ class DiLoCo:
                  compression: Optional[APSCompressor] = None, outer_lr: float = OUTER_LR,
                  outer_momentum: float = OUTER_MOMENTUM, fragments: int = 1, delay: int = 0, mix: float = 0.0,
                  process_group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None):
-        if not 0.0 <= mix <= 1.0:
-            raise ValueError(f"mix must lie in [0, 1], got {mix!r}")
+        if not 0.0 <= mix < 1.0:
+            raise ValueError(f"mix must lie in [0, 1) (1: the workers would never take the outer step), got {mix!r}")
         if compression is not None and (not isinstance(compression, APSCompressor)
                                         or compression.config.wire is not Wire.CODES):
             raise TypeError(f"compression must be an hvd_aps.APSCompressor sending codes or None, got {compression!r}")
         self.model, self.inner, self.compression = model, inner, compression
         self.schedule, self.mix = Schedule(sync_every, fragments, delay), float(mix)
         self.backend, self.process_group = Backend.parse(backend), process_group
+        if self.backend is Backend.HOROVOD and process_group is not None:
+            raise ValueError("process_group is torch.distributed's: Horovod's workers are every rank")
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameters that require gradients")
+        parts = _cut(named, fragments)  # refused before anything is claimed or made
         self._check_alike(named, outer_lr, outer_momentum)
+        self._broadcast([p for _, p in named])
         self._exchange = self._exchange_for(compression)
-        self._fragments = [self._fragment(f, part, outer_lr, outer_momentum)
-                           for f, part in enumerate(_cut(named, fragments))]
+        self._fragments = [self._fragment(f, part, outer_lr, outer_momentum) for f, part in enumerate(parts)]
         self.inner_steps = 0
 
     # the lifecycle users know -------------------------------------------------------------------
@@ -229,9 +238,13 @@ class DiLoCo:
     def load_state_dict(self, state: dict) -> None:
         """Resume from this worker's state_dict(), on every worker, before the same step."""
         saved = Schedule(**state["schedule"])
-        if saved != self.schedule or len(state["fragments"]) != len(self._fragments):
-            raise ValueError(f"this state_dict was saved under {saved} and is loaded under {self.schedule}: "
-                             "resume with the settings it was saved with")
+        if saved != self.schedule or state["mix"] != self.mix or len(state["fragments"]) != len(self._fragments):
+            raise ValueError(f"this state_dict was saved under {saved}, mix {state['mix']} and is loaded under "
+                             f"{self.schedule}, mix {self.mix}: resume with the settings it was saved with")
+        if (state["compressor"] is None) != (self.compression is None):
+            raise ValueError("this state_dict was saved " + ("without" if state["compressor"] is None else "with")
+                             + " a compressor and is loaded " + ("with" if state["compressor"] is None else "without")
+                             + " one: resume with the compression it was saved with")
         for fragment, kept in zip(self._fragments, state["fragments"]):
             if [s.shape for s in kept["synced"]] != [s.shape for s in fragment.synced]:
                 raise ValueError(f"fragment {fragment.index} was saved for other parameters")
@@ -242,7 +255,7 @@ class DiLoCo:
             fragment.outer.load_state_dict(kept["outer"])
             fragment.started, fragment.averaged, fragment.handle = kept["started"], kept["averaged"], None
         self.inner_steps = int(state["inner_steps"])
-        if self.compression is not None and state["compressor"] is not None:
+        if self.compression is not None:
             self.compression.load_state_dict(state["compressor"])
 
     # the outer step ----------------------------------------------------------------------------
@@ -286,7 +299,7 @@ class DiLoCo:
         if self.backend is Backend.HOROVOD:
             from .torch import adapter
             levels = adapter.levels(cfg.hierarchical, timeout=cfg.timeout)
-            return _Codes(compression, lambda device: levels)
+            return _CodesAverage(compression, lambda device: levels)
         from .ddp import group_levels, levels_on
         groups, made = group_levels(self.process_group, cfg.hierarchical, cfg.timeout), {}
 
@@ -294,7 +307,7 @@ class DiLoCo:
             if str(device) not in made:
                 made[str(device)] = levels_on(groups, device)
             return made[str(device)]
-        return _Codes(compression, levels_of)
+        return _CodesAverage(compression, levels_of)
 
     def _check_alike(self, named: list, outer_lr: float, outer_momentum: float) -> None:
         """Every worker's settings and parameter shapes, gathered: the same everywhere, or every
@@ -305,6 +318,17 @@ class DiLoCo:
                 "compression": "float32" if self.compression is None else str(self.compression.config.fmt),
                 "parameters": tuple(tuple(_local(p).shape) for _, p in named)}
         _metadata.check_same_settings(self._gathered(mine))
+
+    def _broadcast(self, params: list) -> None:
+        """Every worker's parameters the first rank's (of the process group)."""
+        if self.backend is Backend.HOROVOD:
+            import horovod.torch as hvd
+            for k, p in enumerate(params):
+                hvd.broadcast_(_local(p).data, root_rank=0, name=f"hvd_aps.diloco.start{k}")
+            return
+        first = dist.get_global_rank(self.process_group or dist.group.WORLD, 0)
+        for p in params:
+            dist.broadcast(_local(p).data, first, group=self.process_group)
 
     def _gathered(self, obj) -> list:
         if self.backend is Backend.HOROVOD:
@@ -317,7 +341,7 @@ class DiLoCo:
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The tensor a worker steps: an FSDP2 parameter's (a DTensor's) local shard, else itself."""
-    return p.to_local() if hasattr(p, "to_local") else p
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _cut(named: Sequence, fragments: int) -> list:
@@ -325,7 +349,7 @@ def _cut(named: Sequence, fragments: int) -> list:
     run ends at the parameter boundary nearest its share of the elements."""
     if fragments > len(named):
         raise ValueError(f"fragments ({fragments}) must not exceed the model's {len(named)} parameters")
-    sizes = [_local(p).numel() for _, p in named]
+    sizes = [p.numel() for _, p in named]  # global: every shard of a parameter in the same fragment
     total, parts, start, seen = sum(sizes), [], 0, 0
     for f in range(1, fragments):
         end, seen = start + 1, seen + sizes[start]

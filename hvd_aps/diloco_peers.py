@@ -51,13 +51,18 @@ def _int8_quantize(x: np.ndarray) -> tuple:
     scale = np.float32(INT8_SPAN * sigma / INT8_BINS)
     if scale == 0:
         return np.full(n, INT8_ZERO, np.uint8), np.zeros(INT8_BINS, np.float32)
-    scaled = x.astype(np.float32) / scale
-    rounded = np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))  # std::round: halves away from zero
-    codes = np.clip(rounded + INT8_ZERO, 0, INT8_BINS - 1).astype(np.uint8)
+    codes = np.clip(std_round(x.astype(np.float32) / scale) + INT8_ZERO, 0, INT8_BINS - 1).astype(np.uint8)
     counts = np.bincount(codes, minlength=INT8_BINS)
     sums = np.bincount(codes, weights=x.astype(np.float64), minlength=INT8_BINS)
     book = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0).astype(np.float32)
     return codes, book
+
+
+def std_round(v: np.ndarray) -> np.ndarray:
+    """C++'s std::round of float32 values: to nearest, halves away from zero (the fraction left
+    by trunc is exact in float32)."""
+    whole = np.trunc(v)
+    return whole + np.sign(v) * (np.abs(v - whole) >= np.float32(0.5))
 
 
 def _int8_round_trip(x: np.ndarray) -> np.ndarray:
@@ -98,9 +103,9 @@ def torchft_fp8_allreduce(arrays: Sequence[np.ndarray]) -> np.ndarray:
         acc = np.zeros((hi - lo, rows[0].shape[1]), np.float32)
         for k in range(n):  # from the owner's own rank on
             q, scale = sent[(owner + k) % n]
-            acc = acc + _fp8_values(q[lo:hi]) / scale[lo:hi]
+            acc = acc + q[lo:hi].astype(np.float32) / scale[lo:hi]
         q, scale = _fp8_rows(acc)
-        total[lo:hi] = _fp8_values(q) / scale
+        total[lo:hi] = q.astype(np.float32) / scale
     return (total / np.float32(n)).reshape(shape)
 
 
@@ -110,10 +115,6 @@ def _fp8_rows(rows: np.ndarray) -> tuple:
     with np.errstate(divide="ignore"):
         scale = np.where(amax > 0, np.float32(FP8_MAX) / amax, np.float32(1)).astype(np.float32)
     return (rows * scale).astype(ml_dtypes.float8_e4m3fn), scale
-
-
-def _fp8_values(codes: np.ndarray) -> np.ndarray:
-    return codes.astype(np.float32)
 
 
 def fp4_average(arrays: Sequence[np.ndarray], fmt: str = "e3m0") -> np.ndarray:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from . import _arrays, _device, _metadata, exchange
+from ._codes_collectives import CODED_DTYPES, BlockGather, gather_into
 from ._owned import BlockCodes
 from ._stages import Bucket
 from ._topology import Topology, launcher_place
@@ -57,7 +58,6 @@ except ImportError:  # torch before FSDP2's public API
     FSDPModule, AllGather, ReduceScatter = None, object, object
 
 MIN_TORCH = "2.9"  # FSDPModule.set_custom_reduce_scatter and set_custom_all_gather
-_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch 2.13 deprecates the second
 
 
 class APSReduceScatter(ReduceScatter):
@@ -117,12 +117,17 @@ class APSReduceScatter(ReduceScatter):
 class APSAllGather(AllGather):
     """FSDP2's AllGather, sending APS codes: this rank's shard encoded (`codes`: a BlockCodes,
     each block at its own power of two), every rank's codes gathered and decoded into the output
-    in its dtype. `bytes_sent`: what this rank sent in its gathers."""
+    in its dtype (float32, bfloat16 or float16; any other gathers as FSDP sends it). `bytes_sent`:
+    what this rank sent in its gathers."""
 
     def __init__(self, codes: BlockCodes, name: str):
-        self.codes, self.name, self.bytes_sent = codes, name, 0
+        self.codes, self.name = codes, name
+        self._gather = BlockGather(codes)
         self._group_size = None  # the module's shard group's, from the first gather (the forward's)
-        self._kept = {}  # CPU buffers per (use, size): large fresh pages cost more than the copies into them
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._gather.bytes_sent
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -131,34 +136,11 @@ class APSAllGather(AllGather):
                  async_op: bool = False) -> None:
         world = dist.get_world_size(group)
         self._group_size = self._group_size or world
-        if not output_tensor.is_floating_point() or world != self._group_size:
-            _gather_into(output_tensor, input_tensor, group=group)
-            return None
-        n = input_tensor.numel()
-        with _device.entered(_device.place_of(input_tensor)):  # on CUDA: the stream FSDP gathers on
-            mine = self._buffer("message", self.codes.message_bytes(n), torch.uint8, input_tensor.device)
-            # encoded before the gather writes the output: FSDP's input is this rank's slot of it
-            self.codes.encode(_arrays.as_array(input_tensor.detach().reshape(-1).to(torch.float32)),
-                              _arrays.as_array(mine))
-            gathered = self._buffer("gathered", mine.numel() * world, torch.uint8, input_tensor.device)
-            _gather_into(gathered, mine, group=group)
-            values = output_tensor if output_tensor.dtype == torch.float32 else self._buffer(
-                "values", output_tensor.numel(), torch.float32, output_tensor.device)
-            self.codes.decode(_arrays.as_array(gathered), n, _arrays.as_array(values.reshape(-1)))
-            if values is not output_tensor:
-                output_tensor.copy_(values.view(output_tensor.shape))
-        self.bytes_sent += mine.numel() * (world - 1)
+        if output_tensor.dtype not in CODED_DTYPES or world != self._group_size:
+            gather_into(output_tensor, input_tensor, group=group)
+        else:
+            self._gather(input_tensor, group, output_tensor)
         return None
-
-    def _buffer(self, use: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer: kept on the CPU; fresh on CUDA, where the caching allocator orders its
-        reuse by stream (FSDP gathers on more than one)."""
-        if device.type != "cpu":
-            return torch.empty(n, dtype=dtype, device=device)
-        kept = self._kept.get(use)
-        if kept is None or kept.numel() != n:
-            kept = self._kept[use] = torch.empty(n, dtype=dtype)
-        return kept
 
 
 class CrossHostHook:
@@ -252,8 +234,8 @@ def apply(model: torch.nn.Module, compressor: Optional[APSCompressor] = None,
     block of 2048 values at its own scale); None: FSDP's own all-gather. gather_bytes(model) counts
     what they sent."""
     if FSDPModule is None or not hasattr(FSDPModule, "set_custom_all_gather"):
-        raise RuntimeError(f"hvd_aps.fsdp needs torch >= {MIN_TORCH} (FSDPModule.set_custom_reduce_scatter); "
-                           f"this is torch {torch.__version__}")
+        raise RuntimeError(f"hvd_aps.fsdp needs torch >= {MIN_TORCH} (FSDPModule.set_custom_reduce_scatter and "
+                           f"set_custom_all_gather); this is torch {torch.__version__}")
     if compressor is None and params is None:
         raise ValueError("hvd_aps.fsdp.apply needs a compressor (the gradients' codes), params (the parameters' "
                          "codes) or both")
@@ -265,17 +247,20 @@ def apply(model: torch.nn.Module, compressor: Optional[APSCompressor] = None,
     modules = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("no FSDPModule in this model: call torch.distributed.fsdp.fully_shard on it first")
+    if codes is not None:  # checked before anything is set: a refusal leaves the model as it was
+        _metadata.check_same_settings(_all_gather_object({"params": str(codes.fmt), "params block": codes.block},
+                                                         None))
     if compressor is not None:
         _set_gradients(modules, compressor, replicate_group)
     if codes is not None:
-        _GATHERS[model] = _set_parameters(modules, codes)
+        _GATHERS[model] = _GATHERS.get(model, []) + _set_parameters(modules, codes)
     return len(modules)
 
 
 def _set_gradients(modules: list, compressor: APSCompressor, replicate_group) -> None:
+    _metadata.check_same_settings(_all_gather_object(compressor.config.settings(), None))
     compressor.claim("a model given to hvd_aps.fsdp.apply")
     world = dist.get_world_size()
-    _metadata.check_same_settings(_all_gather_object(compressor.config.settings(), None))
     for name, module in modules:
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(1.0)
@@ -287,8 +272,7 @@ def _set_gradients(modules: list, compressor: APSCompressor, replicate_group) ->
 
 def _set_parameters(modules: list, codes: BlockCodes) -> list:
     """An APSAllGather on every module (FSDP calls it where the module gathers parameters of its
-    own); every rank must give the same codes."""
-    _metadata.check_same_settings(_all_gather_object({"params": str(codes.fmt), "params block": codes.block}, None))
+    own)."""
     gathers = []
     for name, module in modules:
         gathers.append(APSAllGather(codes, f"fsdp.{name}"))

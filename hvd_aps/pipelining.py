@@ -13,9 +13,11 @@ no Max-allreduce to agree on a scale, so the sender's own travels with the codes
 stage receives the message (get_fwd_recv_ops, get_bwd_recv_ops) and decodes it into the buffer the
 stage computes from where it reads it (torch 2.13's _retrieve_recv_activations and
 _retrieve_recv_grads: the schedules have waited for the receive by then). Rounding to nearest.
-Two stages on one rank (a V schedule's turn) hand their tensors over in memory, exactly, as torch
-does. `bytes_sent`: what this stage sent.
+Tensors of other dtypes than float32, bfloat16 and float16 (positions, masks) go as torch sends
+them, and so do two stages on one rank (a V schedule's turn): in memory, exactly. `bytes_sent`:
+what this stage sent.
 """
+import enum
 from typing import Union
 
 import torch
@@ -23,10 +25,17 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from . import _arrays, _device
+from ._codes_collectives import CODED_DTYPES
 from ._owned import BlockCodes
 from .formats import FloatFormat
 
-_Codes = Union[BlockCodes, FloatFormat, str]
+_Format = Union[BlockCodes, FloatFormat, str]
+
+
+class Direction(enum.Enum):
+    """Which way a message goes: a micro-batch's activations, or their gradients."""
+    FORWARD = "forward"
+    BACKWARD = "backward"
 _READS = ("_retrieve_recv_activations", "_retrieve_recv_grads")  # where torch's stage reads what it received
 if not all(hasattr(PipelineStage, name) for name in _READS):
     raise ImportError(f"hvd_aps.pipelining decodes where PipelineStage reads its received tensors ({', '.join(_READS)}"
@@ -37,25 +46,26 @@ class CodesPipelineStage(PipelineStage):
     """PipelineStage whose sends are codes: `forward` the activations' (a BlockCodes or a format),
     `backward` their gradients' (default: forward's); the other arguments are PipelineStage's."""
 
-    def __init__(self, *args, forward: _Codes = "e4m3", backward: _Codes = None, **kwargs):
+    def __init__(self, *args, forward: _Format = "e4m3", backward: _Format = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.forward_codes = BlockCodes.parse(forward)
-        self.backward_codes = BlockCodes.parse(backward if backward is not None else forward)
-        self._received = {"forward": {}, "backward": {}}  # chunk -> [(message, buffer)] to decode
+        self.codes = {Direction.FORWARD: BlockCodes.parse(forward),
+                      Direction.BACKWARD: BlockCodes.parse(backward if backward is not None else forward)}
+        self._received = {d: {} for d in Direction}  # chunk -> [(message, buffer)] to decode
         self._sending = {}  # (direction, chunk) -> messages in flight: kept until the chunk's next send
         self.bytes_sent = 0
 
     # sends ----------------------------------------------------------------------------------------
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
-        return self._encoded(super().get_fwd_send_ops(fwd_chunk_id), self.forward_codes, ("forward", fwd_chunk_id))
+        return self._encoded(super().get_fwd_send_ops(fwd_chunk_id), Direction.FORWARD, fwd_chunk_id)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
-        return self._encoded(super().get_bwd_send_ops(bwd_chunk_id), self.backward_codes, ("backward", bwd_chunk_id))
+        return self._encoded(super().get_bwd_send_ops(bwd_chunk_id), Direction.BACKWARD, bwd_chunk_id)
 
-    def _encoded(self, ops: list, codes: BlockCodes, key: tuple) -> list:
-        messages = [self._encode(op.tensor, codes) for op in ops]
-        self._sending[key] = messages
-        self.bytes_sent += sum(m.numel() for m in messages)
+    def _encoded(self, ops: list, direction: Direction, chunk: int) -> list:
+        codes = self.codes[direction]
+        messages = [self._encode(op.tensor, codes) if op.tensor.dtype in CODED_DTYPES else op.tensor for op in ops]
+        self._sending[direction, chunk] = messages
+        self.bytes_sent += sum(m.numel() * m.element_size() for m in messages)
         return [dist.P2POp(dist.isend, m, op.peer, op.group, op.tag) for op, m in zip(ops, messages)]
 
     @staticmethod
@@ -68,25 +78,32 @@ class CodesPipelineStage(PipelineStage):
 
     # receives ------------------------------------------------------------------------------------
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
-        return self._receiving(super().get_fwd_recv_ops(fwd_chunk_id), self.forward_codes, "forward", fwd_chunk_id)
+        return self._receiving(super().get_fwd_recv_ops(fwd_chunk_id), Direction.FORWARD, fwd_chunk_id)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
-        return self._receiving(super().get_bwd_recv_ops(bwd_chunk_id), self.backward_codes, "backward", bwd_chunk_id)
+        return self._receiving(super().get_bwd_recv_ops(bwd_chunk_id), Direction.BACKWARD, bwd_chunk_id)
 
-    def _receiving(self, ops: list, codes: BlockCodes, direction: str, chunk: int) -> list:
-        """Each receive into a message of the buffer's codes; the buffer decoded into before use."""
-        pending = [(torch.empty(codes.message_bytes(op.tensor.numel()), dtype=torch.uint8, device=op.tensor.device),
-                    op.tensor) for op in ops]
+    def _receiving(self, ops: list, direction: Direction, chunk: int) -> list:
+        """Each receive of a coded dtype into a message of the buffer's codes, the buffer decoded
+        into before use; any other as it was."""
+        codes, pending, received = self.codes[direction], [], []
+        for op in ops:
+            if op.tensor.dtype not in CODED_DTYPES:
+                received.append(op)
+                continue
+            message = torch.empty(codes.message_bytes(op.tensor.numel()), dtype=torch.uint8, device=op.tensor.device)
+            pending.append((message, op.tensor))
+            received.append(dist.P2POp(dist.irecv, message, op.peer, op.group, op.tag))
         if pending:
             self._received[direction][chunk] = pending
-        return [dist.P2POp(dist.irecv, m, op.peer, op.group, op.tag) for op, (m, _) in zip(ops, pending)]
+        return received
 
     def _retrieve_recv_activations(self, fwd_chunk_id: int):
-        self._decode(self._received["forward"].pop(fwd_chunk_id, ()), self.forward_codes)
+        self._decode(self._received[Direction.FORWARD].pop(fwd_chunk_id, ()), self.codes[Direction.FORWARD])
         return super()._retrieve_recv_activations(fwd_chunk_id)
 
     def _retrieve_recv_grads(self, bwd_chunk_id: int):
-        self._decode(self._received["backward"].pop(bwd_chunk_id, ()), self.backward_codes)
+        self._decode(self._received[Direction.BACKWARD].pop(bwd_chunk_id, ()), self.codes[Direction.BACKWARD])
         return super()._retrieve_recv_grads(bwd_chunk_id)
 
     @staticmethod

@@ -21,12 +21,14 @@ Sums and reduce-scatters go through the codes exchange (APS shifts agreed by a M
 exact float32 sum, one rounding); all-gathers carry each rank's values with its own block
 exponents (hvd_aps.BlockCodes, `gathered`: the compressor's format by default). SequenceParallel
 itself moves no activations (its LayerNorm's parameter gradients, a few thousand values, stay
-DTensor's). One compressor may serve every layer of a model: each style names its collectives by
-the order parallelize_module applies it, alike on every rank.
+DTensor's). One compressor may serve every layer of a model, and no other entry point: each layer a
+style is applied to (a plan's wildcard applies one style to several) names its collectives by the
+order parallelize_module applies it there, alike on every rank.
 """
+import copy
 import itertools
 import weakref
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -38,7 +40,8 @@ from .compressor import APSCompressor
 from .config import Wire
 from .formats import FloatFormat
 
-_NAMES = weakref.WeakKeyDictionary()  # compressor -> a counter of the styles applied with it
+_NAMES = weakref.WeakKeyDictionary()  # compressor -> a counter of the layers styles were applied to with it
+_USER = "hvd_aps.tensor_parallel's styles"  # the compressor's one owner (APSCompressor.claim)
 
 
 class _SumInForward(torch.autograd.Function):
@@ -108,9 +111,9 @@ class _GatherSliceBackward(torch.autograd.Function):
         return grad.narrow(ctx.dim, ctx.rank * ctx.size, ctx.size).contiguous(), None, None
 
 
-class _Codes:
-    """What both styles hold: the compressor, the gathers' codes, and (once applied) the codes
-    collectives over the mesh and the name of this layer's collectives."""
+class _CodesStyle:
+    """What both styles hold: the compressor, the gathers' codes, and per layer applied to, a
+    copy of the style bound to that layer's codes collectives and name (_apply)."""
 
     def _setup(self, compressor: APSCompressor, gathered):
         if not isinstance(compressor, APSCompressor) or compressor.config.wire is not Wire.CODES:
@@ -118,28 +121,33 @@ class _Codes:
         if compressor.config.error_feedback:
             raise ValueError("activations differ from one micro-batch to the next: error feedback has nothing to "
                              "feed back into; give the style an APSCompressor without it")
+        compressor.claim(_USER, shared=True)
         self.compressor = compressor
         self.gathered = BlockCodes.parse(gathered if gathered is not None else compressor.fmt)
         self._codes = self._name = None
+        self._applied = []  # the bound copies, one a layer
 
-    def _bound(self, device_mesh) -> None:
+    def _bound_to(self, device_mesh) -> "_CodesStyle":
+        """A copy of this style with a layer's codes collectives over the mesh and its name."""
         if device_mesh.ndim != 1:
             raise ValueError(f"a codes style runs on a 1-D tensor-parallel mesh, got {device_mesh.ndim} dimensions")
-        self._codes = CodesCollectives(self.compressor, device_mesh.get_group(), self.gathered)
-        counter = _NAMES.setdefault(self.compressor, itertools.count())
-        self._name = f"tp{next(counter)}"
+        bound = copy.copy(self)
+        bound._codes = CodesCollectives(self.compressor, device_mesh.get_group(), self.gathered)
+        bound._name = f"tp{next(_NAMES.setdefault(self.compressor, itertools.count()))}"
+        self._applied.append(bound)
+        return bound
 
     @property
     def bytes_sent(self) -> int:
-        """What this rank sent in this layer's collectives."""
-        return 0 if self._codes is None else self._codes.bytes_sent
+        """What this rank sent in the collectives of the layers this style was applied to."""
+        return sum(b._codes.bytes_sent for b in self._applied)
 
 
 def _local(x):
     return x.to_local() if isinstance(x, DTensor) else x
 
 
-class CodesColwiseParallel(_Codes, ColwiseParallel):
+class CodesColwiseParallel(_CodesStyle, ColwiseParallel):
     """ColwiseParallel whose input's collectives (a replicated input's gradient sum; a sharded
     input's all-gather and its gradient's reduce-scatter) and a replicated output's all-gather are
     codes (the module docstring). compressor: an hvd_aps.APSCompressor (no error feedback);
@@ -151,11 +159,11 @@ class CodesColwiseParallel(_Codes, ColwiseParallel):
         self._setup(compressor, gathered)
 
     def _apply(self, module, device_mesh):
-        self._bound(device_mesh)
-        return super()._apply(module, device_mesh)
+        return ColwiseParallel._apply(self._bound_to(device_mesh), module, device_mesh)
 
     def _prepare_input_fn(self, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        x, layout = _local(inputs[0]), input_layouts[0]
+        layout = inputs[0].placements[0] if isinstance(inputs[0], DTensor) else input_layouts[0]
+        x = _local(inputs[0])
         if layout.is_replicate():
             x = _SumInBackward.apply(x, self._codes, self._name)
         elif layout.is_shard():
@@ -176,7 +184,7 @@ class CodesColwiseParallel(_Codes, ColwiseParallel):
         return out if use_local_output else DTensor.from_local(out, device_mesh, output_layouts, run_check=False)
 
 
-class CodesRowwiseParallel(_Codes, RowwiseParallel):
+class CodesRowwiseParallel(_CodesStyle, RowwiseParallel):
     """RowwiseParallel whose output's partial sums are summed (Replicate) or reduce-scattered
     (Shard) as codes, and a sharded output's gradient all-gathered as codes (the module
     docstring). Arguments as CodesColwiseParallel's."""
@@ -189,8 +197,7 @@ class CodesRowwiseParallel(_Codes, RowwiseParallel):
     def _apply(self, module, device_mesh):
         if not isinstance(module, torch.nn.Linear):
             raise ValueError(f"CodesRowwiseParallel shards nn.Linear layers, got {type(module).__name__}")
-        self._bound(device_mesh)
-        return super()._apply(module, device_mesh)
+        return RowwiseParallel._apply(self._bound_to(device_mesh), module, device_mesh)
 
     def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
         layout, local = output_layouts[0], outputs.to_local()  # Partial: one partial sum a rank
@@ -205,4 +212,4 @@ class CodesRowwiseParallel(_Codes, RowwiseParallel):
 
 def bytes_sent(styles) -> int:
     """What this rank sent through the codes styles of a plan (its values)."""
-    return sum(s.bytes_sent for s in styles if isinstance(s, _Codes))
+    return sum(s.bytes_sent for s in styles if isinstance(s, _CodesStyle))

@@ -80,3 +80,43 @@ def test_horovod_workers_take_the_same_steps_as_torch_distributeds(tmp_path):
         for r, got in enumerate(runs["straight"]):
             assert got[setting].tobytes() == want[r].tobytes(), (setting, r)
             assert runs["second"][r][setting].tobytes() == got[setting][SAVED_AFTER:].tobytes(), (setting, r)
+
+
+def test_the_schedule_staggers_fragments_and_refuses_what_cannot_run():
+    from hvd_aps.diloco import Schedule
+    schedule = Schedule(12, fragments=3, delay=2)
+    assert [(t, schedule.starting(t)) for t in range(1, 25) if schedule.starting(t) is not None] == [
+        (4, 0), (8, 1), (12, 2), (16, 0), (20, 1), (24, 2)]
+    assert [t for t in range(1, 13) if Schedule(4).starting(t) is not None] == [4, 8, 12]
+    for bad, match in ((dict(sync_every=10, fragments=3), "multiple of fragments"),
+                       (dict(sync_every=12, fragments=3, delay=4), r"delay must be an int in 0\.\.3"),
+                       (dict(sync_every=12, delay=True), "delay must be an int"),
+                       (dict(sync_every=0), "sync_every must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            Schedule(**bad)
+
+
+def test_fragments_are_runs_of_consecutive_parameters_of_about_equal_size():
+    import torch
+    from hvd_aps.diloco import _cut
+    named = [(str(i), torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate([10, 10, 10, 10, 100, 5])]
+    assert [[n for n, _ in part] for part in _cut(named, 2)] == [["0", "1", "2", "3"], ["4", "5"]]
+    assert [[n for n, _ in part] for part in _cut(named, 6)] == [[str(i)] for i in range(6)]
+    with pytest.raises(ValueError, match="fragments \\(7\\) must not exceed the model's 6 parameters"):
+        _cut(named, 7)
+
+
+def test_diloco_refuses_bad_settings_before_it_claims_or_communicates():
+    import torch
+    import hvd_aps
+    import hvd_aps.diloco
+    model = torch.nn.Linear(4, 4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="mix must lie in \\[0, 1\\)"):
+        hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, mix=1.0)
+    with pytest.raises(TypeError, match="an hvd_aps.APSCompressor sending codes or None"):
+        hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, compression="e4m3")
+    compressor = hvd_aps.APSCompressor("e4m3")
+    with pytest.raises(ValueError, match="must not exceed the model's 2 parameters"):
+        hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, fragments=4, compression=compressor, backend="torch")
+    compressor.claim("another user")  # not claimed by the refused DiLoCo

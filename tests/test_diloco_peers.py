@@ -17,10 +17,19 @@ def int8_round_trip(x):
     """uniform_8bit_quantize and its codebook's values, from the description."""
     sigma = np.sqrt((x.astype(np.float64) ** 2).sum() / (x.size - 1))
     scale = np.float32(6 * sigma / 256)
-    codes = np.clip(np.trunc(x / scale + np.copysign(np.float32(0.5), x)) + 128, 0, 255).astype(int)
+    scaled = (x / scale).astype(np.float64)  # std::round in exact arithmetic: |v| + 1/2 is exact in float64
+    codes = np.clip(np.sign(scaled) * np.floor(np.abs(scaled) + 0.5) + 128, 0, 255).astype(int)
     book = np.array([x[codes == b].astype(np.float64).mean() if (codes == b).any() else 0.0 for b in range(256)],
                     np.float32)
     return book[codes]
+
+
+def test_intellect1_rounds_halves_away_from_zero_as_std_round_does():
+    """The float32 just below a half rounds to 0 (floor(v + 0.5) in float32 would give 1), a half
+    to 1, minus a half to -1, and so on."""
+    below = np.nextafter(np.float32(0.5), np.float32(0))
+    v = np.array([below, 0.5, -0.5, 1.5, -2.5, 2.4999998, -below], np.float32)
+    assert list(peers.std_round(v)) == [0, 1, -1, 2, -3, 2, 0]
 
 
 def test_one_intellect1_worker_gets_each_chunks_codebook_values_back():

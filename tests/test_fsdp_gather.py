@@ -48,6 +48,27 @@ def test_a_block_of_no_elements_is_refused(ranks):
     assert "block must be an int in 1..4096" in str(ranks[0]["block_refused"])
 
 
+def test_raw_bytes_and_another_groups_gather_go_as_fsdp_sends_them(ranks):
+    """A module of mixed dtypes (FSDP gathers uint8 bytes) and a gather over a smaller group than
+    the shard group's (an integer reshard_after_forward's): exact, no codes."""
+    world = len(ranks)
+    raw = np.concatenate([np.arange(700, dtype=np.uint8) + r for r in range(world)])
+    for r, got in enumerate(ranks):
+        assert got["fallback_raw"].tobytes() == raw.tobytes()
+        assert got["fallback_exact"].tobytes() == gather_shard(r, 700).astype(np.float32).tobytes()
+
+
+def test_apply_refuses_what_it_cannot_do_before_setting_anything():
+    import torch
+    import hvd_aps.fsdp
+    with pytest.raises(ValueError, match="needs a compressor .*, params .* or both"):
+        hvd_aps.fsdp.apply(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="replicate_group sends the gradients across hosts as codes"):
+        hvd_aps.fsdp.apply(torch.nn.Linear(2, 2), None, replicate_group=object(), params="e4m3")
+    with pytest.raises(ValueError, match="no FSDPModule in this model"):
+        hvd_aps.fsdp.apply(torch.nn.Linear(2, 2), None, params="e4m3")
+
+
 def copy_of(masters, world, fmt, dtype):
     """The unsharded parameters a gather of the ranks' masters gives: per unit, each rank's shards
     end to end (its dim-0 chunk of each parameter), in `dtype`, through the model."""

@@ -39,6 +39,23 @@ def direct():
         hvd_aps.BlockCodes("e4m3", block=0)
     except ValueError as err:
         out["block_refused"] = np.array(str(err))
+    fallbacks()
+
+
+def fallbacks():
+    """As FSDP sends them: raw bytes (a module of mixed dtypes), and a gather over another group
+    than the first one's (an integer reshard_after_forward's smaller group)."""
+    comm = hvd_aps.fsdp.APSAllGather(hvd_aps.BlockCodes("e4m3"), "fallback")
+    values = comm.allocate((700 * size,), dtype=torch.float32, device=torch.device("cpu"))
+    values.narrow(0, 700 * rank, 700).copy_(torch.from_numpy(gather_shard(rank, 700)))
+    comm(values, values.narrow(0, 700 * rank, 700), dist.group.WORLD)  # the module's shard group: codes
+    raw = torch.empty(700 * size, dtype=torch.uint8)
+    raw.narrow(0, 700 * rank, 700).copy_(torch.arange(700, dtype=torch.uint8) + rank)
+    comm(raw, raw.narrow(0, 700 * rank, 700), dist.group.WORLD)
+    alone = [dist.new_group([r]) for r in range(size)]
+    exact = torch.from_numpy(gather_shard(rank, 700).copy())
+    comm(exact, exact, alone[rank])
+    out["fallback_raw"], out["fallback_exact"] = raw.numpy(), exact.numpy()
 
 
 def model():
