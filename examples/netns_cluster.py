@@ -45,7 +45,9 @@ RUN = f"hvdaps-{os.getpid()}"
 SWITCH, SUBNET, SERVER_IP = f"{RUN}-sw", "10.77.0", "10.77.0.254"
 DDP_PORT = 29500
 BENCHMARKS = {"": "pytorch_synthetic_benchmark.py", "tf": "tensorflow2_synthetic_benchmark.py",
-              "ddp": "pytorch_ddp_synthetic_benchmark.py", "fsdp": "pytorch_fsdp_synthetic_benchmark.py"}
+              "ddp": "pytorch_ddp_synthetic_benchmark.py", "fsdp": "pytorch_fsdp_synthetic_benchmark.py",
+              "pp": "model_parallel_benchmark.py --layout pipeline", "tp": "model_parallel_benchmark.py --layout tensor"}
+MODEL_PARALLEL = ("pp", "tp")  # their bytes go by layer, not by a gradient: no floor of the wire
 OMP_WAIT_POLICY = "PASSIVE"  # see rank_env
 UNCOMPRESSED = ("none", "fp16")  # each framework's peers: its own allreduce in fp32 and in 16 bits
 COMMAND_S = 30  # an ip or tc command
@@ -212,7 +214,7 @@ def run_job(names, compressions, args) -> dict:
     framework = compressions[0].rpartition(":")[0]
     if len(compressions) > 1 and any(c.rpartition(":")[0] for c in compressions):
         raise SystemExit(f"--same-job runs Horovod's torch benchmark only, not {','.join(compressions)}")
-    argv = [BENCHMARKS[framework], "--compression", ",".join(c.rpartition(":")[2] for c in compressions),
+    argv = [*BENCHMARKS[framework].split(), "--compression", ",".join(c.rpartition(":")[2] for c in compressions),
             "--iface", "hvd0", "--hidden", str(args.hidden),
             "--profile", args.profile, "--num-iters", str(args.iters), "--batch-size", str(args.batch_size),
             "--hierarchical", args.hierarchical]
@@ -273,12 +275,34 @@ def ring_factor(compression, hosts, per_host):
     return 2 * per_host * (n - per_host) / n
 
 
+FSDP_GATHER_BYTES = {"none": 4, "fp16": 4, "bf16-params": 2, "bf16": 2}  # FSDP's own gathers, bytes an element
+FSDP_SCATTER_BYTES = {"none": 4, "fp16": 2, "bf16-params": 4, "bf16": 2}  # and its reduce-scatter's
+
+
+def fsdp_bytes_per_element(compression, hosts, per_host):
+    """Bytes leaving a host per parameter in an FSDP2 step of one rank a host: two all-gathers
+    (resharding; the root's one, left out here) of (N-1)/N of the parameters, and the
+    reduce-scatter: Gloo's (an allreduce's 2(N-1)/N) or the codes' alltoall ((N-1)/N)."""
+    name = compression.rpartition(":")[2]
+    grads, _, params = name.partition("+params-")
+    share = (hosts * per_host - 1) / (hosts * per_host)
+    gathers = 2 * share * (hvd_aps.FloatFormat.parse(params).bits / 8 if params else FSDP_GATHER_BYTES.get(grads, 4))
+    if grads in FSDP_SCATTER_BYTES:
+        return gathers + 2 * share * FSDP_SCATTER_BYTES[grads]
+    return gathers + share * hvd_aps.recipe(grads).fmt.bits / 8
+
+
 def floor_seconds(result, compression, hosts, per_host, link_bytes_per_s):
     """The fastest the step can be: what cannot overlap the exchange (forward, optimizer step)
     plus the larger of backward and the wire time of the bytes leaving a host (uncapped: compute
-    alone). TF rows measure the step as a whole and count it all as overlappable."""
-    wire = (ring_factor(compression, hosts, per_host) * result["params"] * wire_bytes_per_element(compression)
-            / link_bytes_per_s if link_bytes_per_s else 0.0)
+    alone). TF rows measure the step as a whole and count it all as overlappable; FSDP2's count
+    its gathers' and reduce-scatter's bytes (fsdp_bytes_per_element); model parallelism's, their
+    compute alone (MODEL_PARALLEL)."""
+    if compression.rpartition(":")[0] in MODEL_PARALLEL:
+        return result["compute"]
+    per_element = (fsdp_bytes_per_element(compression, hosts, per_host) if compression.startswith("fsdp:") else
+                   ring_factor(compression, hosts, per_host) * wire_bytes_per_element(compression))
+    wire = result["params"] * per_element / link_bytes_per_s if link_bytes_per_s else 0.0
     fixed = result.get("forward", 0.0) + result.get("optimizer", 0.0)
     return fixed + max(result["compute"] - fixed, wire)
 
@@ -286,7 +310,7 @@ def floor_seconds(result, compression, hosts, per_host, link_bytes_per_s):
 def peers(compression, results):
     """(this framework's uncompressed run, its fastest uncompressed run: fp32 or 16-bit)."""
     framework = compression.rpartition(":")[0]
-    own = [results.get(f"{framework}:{p}" if framework else p) for p in UNCOMPRESSED]
+    own = [results.get(f"{framework}:{p}" if framework else p) for p in UNCOMPRESSED + ("bf16",)]
     own = [r for r in own if r is not None]
     return (own[0] if own and own[0]["compression"] == "none" else None,
             min(own, key=lambda r: r["step_median"]) if own else None)

@@ -102,16 +102,36 @@ def measured_rows():
     return rows
 
 
+FSDP_PEERS = {"bf16-params": 32, "bf16": 16}  # FSDP2's bfloat16 parameters: its reduce-scatter's bits
+
+
 def path_of(compression):
-    """(framework, name, bits, format or None) of a cluster compression name; None where left out
-    (policy="auto", and the floor of Horovod's per-gradient path, which exchanges nothing)."""
+    """(framework, name, bits, format or None) of a cluster compression name, the gradients' path
+    of an FSDP2 one (gather_of: its parameters'); None where left out (policy="auto", and the floor
+    of Horovod's per-gradient path, which exchanges nothing)."""
     framework, _, name = compression.rpartition(":")
+    name = name.partition(PARAMS)[0]
     if framework not in ("", "ddp", "fsdp") or name.endswith("-auto") or name == recipes.FLOOR:
         return None
+    if framework == "fsdp" and name in FSDP_PEERS:
+        return framework, name, FSDP_PEERS[name], None
     if name in ("none", "fp16"):
         return framework or "hvd", name, 32 if name == "none" else 16, None
     fmt = name.split("-", 1)[1]
     return (framework or "hvd", name, FORMATS[fmt], fmt) if fmt in FORMATS else None
+
+
+PARAMS = "+params-"  # pytorch_fsdp_synthetic_benchmark.py: the parameters' codes follow
+
+
+def gather_of(compression):
+    """(bits, format or None) of an FSDP2 row's parameter gathers: float32, bfloat16 (its
+    bf16 peers) or codes (+params-<format>)."""
+    name = compression.rpartition(":")[2]
+    grads, _, params = name.partition(PARAMS)
+    if params:
+        return FORMATS[params], params
+    return (16, None) if grads in FSDP_PEERS else (32, None)
 
 
 def profile_args(profile, params):
@@ -225,7 +245,9 @@ def predict(r, link, calibrated, cost=(0.0, 0.0), inside=perf.Link(*perf.LOOPBAC
     codec = None if fmt is None else codecs[(made, fmt, c.hosts if c.two_levels or hsdp else c.world)]
     path = perf.Path(name, bits, codec, cost[0], pipelined=framework != "hvd", collective=cost[1])
     if framework == "fsdp":
-        return perf.fsdp_step_time(workload(r), path, c, r.get("reshard", True), gloo=True, hsdp=hsdp)
+        bits, params = gather_of(r["compression"])
+        gather = perf.Path("params", bits, None if params is None else codecs[(made, params, c.world)])
+        return perf.fsdp_step_time(workload(r), path, c, r.get("reshard", True), gloo=True, hsdp=hsdp, gather=gather)
     return perf.step_time(workload(r), path, c)
 
 

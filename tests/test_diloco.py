@@ -120,3 +120,16 @@ def test_diloco_refuses_bad_settings_before_it_claims_or_communicates():
     with pytest.raises(ValueError, match="must not exceed the model's 2 parameters"):
         hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, fragments=4, compression=compressor, backend="torch")
     compressor.claim("another user")  # not claimed by the refused DiLoCo
+
+
+def test_diloco_across_sites_over_fsdp2_inside_each_syncs_every_shard_with_its_replica(tmp_path):
+    """Two sites of two FSDP2 ranks, DiLoCo over the replicate group: after every sync each shard
+    holds the same bits as its replica on the other site, and between syncs (each site its own
+    batches) they differ."""
+    torchrun("diloco_fsdp_checks.py", tmp_path, ranks=4)
+    ranks = load(tmp_path, "diloco_fsdp", 4)
+    for shard in (0, 1):
+        first, second = (r["shards"] for r in ranks if int(r["shard"]) == shard)
+        for step in range(DILOCO_STEPS):
+            synced = (step + 1) % DILOCO_SETTINGS["codes"]["sync_every"] == 0
+            assert (first[step].tobytes() == second[step].tobytes()) == synced, (shard, step)

@@ -501,7 +501,8 @@ def test_plan_pins_policy_only_where_the_prediction_is_clear(tmp_path, params, l
 
 def test_plan_fsdp_prints_the_fsdp_step_model(tmp_path, capsys):
     """plan --fsdp: the table's steps are perf.fsdp_step_time's for units of equal size (Gloo's
-    reduce-scatter on the CPU, resharding unless --no-reshard), not the bucket allreduce's."""
+    reduce-scatter on the CPU, resharding unless --no-reshard, every path's parameters gathered in
+    its precision with --gather), not the bucket allreduce's."""
     cal = tmp_path / "cal.json"
     codec = perf.Codec(2e-3, 1e-9)
     calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(codec)}}, cal)
@@ -509,17 +510,20 @@ def test_plan_fsdp_prints_the_fsdp_step_model(tmp_path, capsys):
     assert perf.fsdp_units(10, 4) == [3, 3, 2, 2]
     with pytest.raises(ValueError, match="FSDP units"):
         perf.fsdp_units(3, 4)
-    for extra, reshard in (([], True), (["--no-reshard"], False)):
+    for extra, reshard, gather in (([], True, False), (["--no-reshard"], False, False), (["--gather"], True, True)):
         main(["plan", "--params", "20M", "--compute-ms", "100", "--hosts", "4", "--links", "1gbit", "--format", "e4m3",
               "--calibration", str(cal), "--fsdp", "6"] + extra)
         printed = capsys.readouterr().out
         work = perf.Workload(20_000_000, 0.1, buckets=perf.fsdp_units(20_000_000, 6))
         cluster = perf.Cluster(4, perf.Link.parse("1gbit"))
         for path in (perf.Path("float32", 32), perf.Path("codes e4m3", 8, codec)):
-            fsdp = perf.fsdp_step_time(work, path, cluster, reshard=reshard, gloo=True)
+            fsdp = perf.fsdp_step_time(work, path, cluster, reshard=reshard, gloo=True, gather=path if gather else None)
             assert f"{fsdp * 1e3:.1f}" in printed.split(f"\n{path.name} ")[1].split()[0:1], path.name
             assert abs(fsdp - perf.step_time(work, path, cluster)) > 1e-3  # another model than the buckets'
         assert "FSDP2 in 6 units" in printed and ("no resharding" in printed) != reshard
+        assert ("the parameters gathered in each path's precision" in printed) == gather
+    with pytest.raises(SystemExit):  # --gather plans FSDP2's gathers
+        main(["plan", "--params", "20M", "--compute-ms", "100", "--gather"])
 
 
 def test_a_step_profile_measures_when_gradients_are_ready_and_plans_from_it(tmp_path, capsys):
@@ -616,24 +620,6 @@ def test_fsdp_gathers_in_each_precision_the_model_counts():
         base + 3 * (perf.allgather(perf.codes_bytes(n, 8) / 2, two) + perf.gather_codec_share(2) * codec.time(n)))
     both = perf.fsdp_breakdown(w, codes, two, gather=codes)
     assert both[0] < perf.fsdp_breakdown(w, codes, two)[0] and both[1] > perf.fsdp_breakdown(w, codes, two)[1]
-
-
-def test_plan_gather_gathers_each_paths_parameters_in_its_precision(tmp_path, capsys):
-    cal = tmp_path / "cal.json"
-    codec = perf.Codec(2e-3, 1e-9)
-    calibration.save({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(codec)}}, cal)
-    from hvd_aps.__main__ import main
-    main(["plan", "--params", "20M", "--compute-ms", "100", "--hosts", "2", "--links", "1gbit", "--format", "e4m3",
-          "--calibration", str(cal), "--fsdp", "4", "--gather"])
-    printed = capsys.readouterr().out
-    work = perf.Workload(20_000_000, 0.1, buckets=perf.fsdp_units(20_000_000, 4))
-    cluster = perf.Cluster(2, perf.Link.parse("1gbit"))
-    for path in (perf.Path("16-bit", 16), perf.Path("codes e4m3", 8, codec)):
-        fsdp = perf.fsdp_step_time(work, path, cluster, gloo=True, gather=path)
-        assert f"{fsdp * 1e3:.1f}" in printed.split(f"\n{path.name} ")[1].split()[0:1], path.name
-    assert "the parameters gathered in each path's precision" in printed
-    with pytest.raises(SystemExit):
-        main(["plan", "--params", "20M", "--compute-ms", "100", "--gather"])
 
 
 def test_hsdp_gathers_and_scatters_inside_the_host_and_averages_shards_across_hosts():
