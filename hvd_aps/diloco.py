@@ -22,8 +22,9 @@ f synced at the steps t with t = (f + 1) H / F (mod H), so one fragment's exchan
 the link; it runs beside the next tau inner steps and is applied after them, the worker's progress
 of those steps weighted by `mix` (torchft's fragment_update_alpha: 0, the synced parameters alone).
 
-Ranks: torch.distributed's (the default group, or `process_group`: across sites, FSDP2's replicate
-group with each site's shards, whose local tensors are what a worker syncs), or Horovod's. Every
+Ranks: torch.distributed's (the default group: two levels where hosts hold several ranks; or
+`process_group`, over which the codes go flat: across sites, FSDP2's replicate group with each
+site's shards, whose local tensors are what a worker syncs), or Horovod's. Every
 worker starts from the first rank's parameters (broadcast when the wrapper is made, as DDP does).
 """
 import abc
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import _arrays, _device, _metadata
+from . import _arrays, _device, _metadata, exchange
 from ._stages import Bucket
 from .compressor import APSCompressor
 from .config import Wire
@@ -300,12 +301,16 @@ class DiLoCo:
             from .torch import adapter
             levels = adapter.levels(cfg.hierarchical, timeout=cfg.timeout)
             return _CodesAverage(compression, lambda device: levels)
-        from .ddp import group_levels, levels_on
-        groups, made = group_levels(self.process_group, cfg.hierarchical, cfg.timeout), {}
+        from .ddp import TorchDistributedCollectives, group_levels, levels_on
+        # every rank: a private copy of the world, two levels where hosts hold several ranks; a
+        # process group (one of several, each rank in one: sites' replicas) flat, over itself
+        # (new_group would need every rank of the world in every group's making)
+        groups, made = group_levels(None, cfg.hierarchical, cfg.timeout) if self.process_group is None else None, {}
 
         def levels_of(device):
             if str(device) not in made:
-                made[str(device)] = levels_on(groups, device)
+                made[str(device)] = (levels_on(groups, device) if groups is not None else
+                                     exchange.Levels.flat(TorchDistributedCollectives(self.process_group, device)))
             return made[str(device)]
         return _CodesAverage(compression, levels_of)
 
