@@ -153,7 +153,8 @@ def tensor_plan(compressor, layers=LAYERS):
     (a local slice), every norm on the sequence's shards, each block's q, k, v and up layers
     gathering them, its out and down layers scattering back (DTensors: the residual adds shards),
     the head gathering the sequence and replicating its logits. Left to DTensor in float32: the
-    embedding output's gradient (its all-gather) and the norms' parameter gradients (their sums)."""
+    embedding output's gradient (its all-gather) and the norms' parameter gradients (their sums).
+    The residual stream stays a DTensor sharded by sequence, so that it adds to the styles' outputs."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                                    SequenceParallel)
@@ -165,7 +166,8 @@ def tensor_plan(compressor, layers=LAYERS):
 
         def row(**kw):
             return hvd_aps.tensor_parallel.CodesRowwiseParallel(compressor, **kw)
-    plan = {"0": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+    plan = {"0": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                     use_local_output=False),
             f"{layers + 1}.ln": SequenceParallel(),
             f"{layers + 1}.head": col(input_layouts=Shard(1), output_layouts=Replicate())}
     for b in range(1, layers + 1):
