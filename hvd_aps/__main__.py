@@ -2,7 +2,8 @@
 `python -m hvd_aps calibrate --out calibration.json`, `horovodrun ... python -m hvd_aps calibrate --links`
 (or torchrun) and
 `python -m hvd_aps plan --params 25M --compute-ms 120 --hosts 4 --links 1gbit,10gbit [--fsdp 8 [--hsdp]]`
-(or `plan --profile step.json`, a step hvd_aps.step_profile measured)."""
+(or `plan --profile step.json`, a step hvd_aps.step_profile measured; `--pipeline`, `--tensor` or
+`--diloco H` plan those layouts)."""
 import argparse
 import dataclasses
 import functools
@@ -12,7 +13,7 @@ import pathlib
 import re
 import sys
 
-from . import calibration, codec, emulate, fidelity, perf, step_profile
+from . import calibration, codec, emulate, fidelity, perf, perf_layouts, step_profile
 from .formats import PRESETS, FloatFormat
 
 _COUNT = re.compile(r"^\s*([0-9.]+)\s*([kmb]?)\s*$", re.IGNORECASE)
@@ -139,7 +140,7 @@ def plan_command(args):
     if missing:
         raise SystemExit(f"{args.calibration} has no calibration for {', '.join(missing)}: "
                          f"run python -m hvd_aps calibrate --format {missing[0]}")
-    work = _workload(args)
+    work = _workload(args) if args.params or args.profile else None
     step, split = _step_models(args)
     paths = loaded.paths(args.entry_point, formats)
     # on the CPU two levels run inside a host through its memory, at the rate calibrated (or measured now)
@@ -147,6 +148,9 @@ def plan_command(args):
     sharing = args.sharing or (1 if args.accelerator else args.ranks_per_host)
     clusters = [perf.Cluster(args.hosts, _link(rate, args, loaded), args.ranks_per_host, copy=copy, sharing=sharing,
                              **loaded.contentions()) for rate in args.links.split(",")]
+    if args.pipeline or args.tensor or args.diloco:
+        _plan_layout(args, paths, clusters)
+        return
     levels = " (two levels)" if clusters[0].two_levels and not args.fsdp else ""
     print(f"{work.parameters:,} parameters, {work.compute * 1e3:g} ms compute a step, {args.hosts} hosts x "
           f"{args.ranks_per_host} ranks{levels}, " + (
@@ -176,6 +180,37 @@ def plan_command(args):
         _write_pin(args.pin, work, paths, clusters, step)
     if args.plot:
         _plot(args.plot, work, paths, clusters[0], step)
+
+
+def _plan_layout(args, paths, clusters) -> None:
+    """The predicted step of a pipeline (one stage a host), tensor-parallel layers (one shard a
+    rank) or DiLoCo's inner steps beside data parallelism's, a row a path at every link."""
+    compute, optimizer = args.compute_ms / 1e3, args.optimizer_ms / 1e3
+    if args.pipeline:
+        layout = perf_layouts.Pipeline(args.hosts, args.microbatches, args.activations, compute, optimizer)
+        models = {"": functools.partial(perf_layouts.pipeline_step, layout)}
+        print(f"a pipeline of {args.hosts} stages (one a host), 1F1B over {args.microbatches} micro-batches of "
+              f"{args.activations:,} activations a boundary, {args.compute_ms:g} ms compute a stage")
+    elif args.tensor:
+        layout = perf_layouts.TensorParallel.sequence_parallel(args.blocks, args.activations, compute,
+                                                               optimizer=optimizer)
+        models = {"": functools.partial(perf_layouts.tensor_parallel_step, layout, gloo=not args.accelerator)}
+        print(f"{args.blocks} transformer blocks sharded over {clusters[0].world} ranks, sequence parallel, "
+              f"{args.activations:,} activations a collective, {args.compute_ms:g} ms compute a rank")
+    else:
+        work = _workload(args)
+        schedule = perf_layouts.DiLoCo(args.diloco, args.fragments, args.delay)
+        models = {"data parallel ": lambda path, c: (perf.step_time(work, path, c),
+                                                     perf_layouts.exchange_bytes(work.parameters, path, c.world)),
+                  "DiLoCo ": functools.partial(perf_layouts.diloco_step, work, schedule)}
+        print(f"{work.parameters:,} parameters, {args.compute_ms:g} ms compute a step: data parallelism against "
+              f"DiLoCo syncing every {args.diloco} steps in {args.fragments} fragments, each applied {args.delay} "
+              f"steps after it starts (a DiLoCo row: an inner step on average)")
+    for rate, cluster in zip(args.links.split(","), clusters):
+        rows = [(kind + path.name, *model(path, cluster)) for kind, model in models.items() for path in paths]
+        print(f"\n{rate}: fastest {min(rows, key=lambda row: row[1])[0]}")
+        print(_table(["path", "step ms", "x float32", "MB a step"],
+                     [(name, f"{t * 1e3:.1f}", f"{t / rows[0][1]:.2f}", f"{sent / 1e6:.3f}") for name, t, sent in rows]))
 
 
 def _say_costs(loaded: calibration.Calibration, entry: perf.EntryPoint, sharing: float) -> None:
@@ -365,6 +400,18 @@ def main(argv=None):
                       "hvd_aps.fsdp.apply(params=...)); default: every path gathers them in float32")
     plan.add_argument("--hsdp", action="store_true", help="with --fsdp: HSDP, sharded inside each host and replicated "
                                                           "across hosts (codes only across hosts)")
+    plan.add_argument("--pipeline", action="store_true", help="plan a pipeline of one stage a host (1F1B), "
+                                                              "with --microbatches and --activations")
+    plan.add_argument("--tensor", action="store_true", help="plan tensor-parallel transformer blocks over every rank "
+                                                            "(sequence parallel), with --blocks and --activations")
+    plan.add_argument("--microbatches", type=int, default=8, help="--pipeline: micro-batches a step")
+    plan.add_argument("--activations", type=_count_arg, help="--pipeline: values a micro-batch sends across a "
+                      "boundary; --tensor: values of a step's activation (sequences x length x width)")
+    plan.add_argument("--blocks", type=int, default=1, help="--tensor: transformer blocks")
+    plan.add_argument("--diloco", type=int, metavar="H", help="plan DiLoCo syncing every H inner steps beside data "
+                                                              "parallelism (--params: the parameters synced)")
+    plan.add_argument("--fragments", type=int, default=1, help="--diloco: Streaming DiLoCo's fragments")
+    plan.add_argument("--delay", type=int, default=0, help="--diloco: inner steps an exchange runs beside")
     plan.add_argument("--plot", help="draw the predicted step against link speed into this file (matplotlib)")
     plan.add_argument("--pin", help="write policy='auto''s decision here where the prediction is clear "
                                     "(for APSCompressor.pin), else an empty pin: the trials decide")
@@ -376,8 +423,18 @@ def main(argv=None):
         parser.error("--ranks and --size must be positive")
     if args.command == "plan" and args.profile and (args.params is not None or args.compute_ms is not None):
         parser.error("plan a step from --params and --compute-ms, or from a saved --profile (not both)")
-    if args.command == "plan" and not args.profile and (args.params is None or args.compute_ms is None):
+    layouts = args.command == "plan" and sum(map(bool, (args.pipeline, args.tensor, args.diloco, args.fsdp)))
+    if layouts and layouts > 1:
+        parser.error("plan one layout at a time: --pipeline, --tensor, --diloco or --fsdp")
+    if args.command == "plan" and (args.pipeline or args.tensor):
+        if args.activations is None or args.compute_ms is None or args.profile:
+            parser.error("--pipeline and --tensor need --activations and --compute-ms (not a --profile)")
+        if args.pipeline and (args.hosts < 2 or args.ranks_per_host != 1):
+            parser.error("--pipeline plans one stage a host: 2 or more --hosts of one rank")
+    elif args.command == "plan" and not args.profile and (args.params is None or args.compute_ms is None):
         parser.error("plan needs --params and --compute-ms (or a saved --profile)")
+    if args.command == "plan" and (args.pin or args.plot) and (args.pipeline or args.tensor or args.diloco):
+        parser.error("--pin and --plot plan data parallelism's exchange, not --pipeline, --tensor or --diloco")
     if args.command == "plan" and (args.hsdp or args.gather) and not args.fsdp:
         parser.error("--hsdp and --gather plan FSDP2's units: give --fsdp UNITS too")
     if args.command == "plan" and args.device == "cuda":

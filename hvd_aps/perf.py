@@ -376,7 +376,7 @@ def exchange_time(elements: int, path: Path, c: Cluster, tensors: float = 1) -> 
         return _ring_with_sums(elements * path.bits / BITS_PER_BYTE, processor_time(elements, path, c), c)
     host, between = _codes_wire(elements, path.bits, c)
     return (host + processor_time(elements, path, c)
-            + _overlapped(_shared(path.codec, c), _codes_elements(elements, c), tensors, between, path))
+            + _overlapped(shared_codec(path.codec, c), _codes_elements(elements, c), tensors, between, path))
 
 
 def _ring_with_sums(nbytes: float, sums: float, c: Cluster) -> float:
@@ -438,7 +438,8 @@ def _levels(c: Cluster) -> tuple:
             Cluster(c.hosts, c.between, 1, c.inside, tree=c.tree))
 
 
-def _shared(codec: Codec, c: Cluster) -> Codec:
+def shared_codec(codec: Codec, c: Cluster) -> Codec:
+    """The codec as it runs on `c`: its calibrated times `c.sharing` times longer."""
     return dataclasses.replace(codec, fixed=codec.fixed * c.sharing, per_element=codec.per_element * c.sharing,
                                per_tensor=codec.per_tensor * c.sharing)
 
@@ -506,7 +507,7 @@ class _Timeline:
         start = max(handed, self.free)
         took = exchange_time(elements, self.path, self.c, tensors)
         if self.shared and start < self.end:
-            lost = (self.c.contention * _busy(elements, tensors, self.path, self.c)
+            lost = (self.c.contention * busy_time(elements, tensors, self.path, self.c)
                     + self.c.wire_contention * wire_time(elements, self.path, self.c))
             end = start + _slowed(self.end - start, took, lost)
             self.delay, self.end = self.delay + end - self.end, end
@@ -552,10 +553,10 @@ def _slowed(left: float, took: float, lost: float) -> float:
     return left + share * took
 
 
-def _busy(elements: float, tensors: float, path: Path, c: Cluster) -> float:
+def busy_time(elements: float, tensors: float, path: Path, c: Cluster) -> float:
     """Seconds of the processor computing the step an exchange takes: its passes outside the
     codec and the codec's own (on a device, the codec's host part only)."""
-    codec = _shared(path.codec, c).busy(_codes_elements(elements, c), tensors) if path.codes else 0.0
+    codec = shared_codec(path.codec, c).busy(_codes_elements(elements, c), tensors) if path.codes else 0.0
     return processor_time(elements, path, c) + codec
 
 
@@ -595,9 +596,9 @@ def fsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     for n in w.bucket_sizes():
         if path.codes:
             wire += metadata_allreduce(c) + alltoall(codes_bytes(n, path.bits), c)
-            codec += SCATTER_CODEC_SHARE * _shared(path.codec, c).time(n, w.tensors_in(n))
+            codec += SCATTER_CODEC_SHARE * shared_codec(path.codec, c).time(n, w.tensors_in(n))
         else:
-            wire += _native_reduce_scatter(n * path.bits / BITS_PER_BYTE, c, gloo)
+            wire += native_reduce_scatter(n * path.bits / BITS_PER_BYTE, c, gloo)
             codec += processor_time(n, path, c)
     return wire, codec
 
@@ -618,12 +619,12 @@ def hsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     host, cross = _levels(c)
     wire, codec = _gathers(w, dataclasses.replace(host, sharing=c.sharing), reshard, gather)
     for n in w.bucket_sizes():
-        wire += _native_reduce_scatter(n * (FLOAT32_BYTES if path.codes else path.bits / BITS_PER_BYTE), host, gloo)
+        wire += native_reduce_scatter(n * (FLOAT32_BYTES if path.codes else path.bits / BITS_PER_BYTE), host, gloo)
         shard = n / c.ranks_per_host
         if path.codes:  # every shard of the host's ranks together through its link
             codes = codes_bytes(n, path.bits)
             wire += metadata_allreduce(cross) + alltoall(codes, cross) + allgather(codes / c.hosts, cross)
-            codec += _shared(path.codec, c).time(shard, w.tensors_in(shard))
+            codec += shared_codec(path.codec, c).time(shard, w.tensors_in(shard))
         else:
             wire += allreduce(n * path.bits / BITS_PER_BYTE, cross)
             codec += processor_time(n, path, dataclasses.replace(host, sharing=c.sharing))
@@ -644,11 +645,11 @@ def _gathers(w: Workload, c: Cluster, reshard: bool, gather: Optional[Path] = No
                                       c)
             continue
         wire += count * allgather(codes_bytes(n, gather.bits) / c.world, c)
-        codec += count * gather_codec_share(c.world) * _shared(gather.codec, c).time(n, w.tensors_in(n))
+        codec += count * gather_codec_share(c.world) * shared_codec(gather.codec, c).time(n, w.tensors_in(n))
     return wire, codec
 
 
-def _native_reduce_scatter(nbytes: float, c: Cluster, gloo: bool) -> float:
+def native_reduce_scatter(nbytes: float, c: Cluster, gloo: bool) -> float:
     """The framework's reduce-scatter of `nbytes`: an allreduce's traffic on Gloo (torch's Gloo
     backend reduces the whole message everywhere), an alltoall's on NCCL."""
     return allreduce(nbytes, c) if gloo else alltoall(nbytes, c)
@@ -683,7 +684,7 @@ def breakdown(w: Workload, path: Path, c: Cluster) -> tuple:
     """(seconds on the links, seconds of processor: codec, passes and the entry point's per
     gradient) a step's exchanges add up to, overlaps ignored."""
     exchanges = _run(w, path, c).exchanges
-    codec = sum(_shared(path.codec, c).time(_codes_elements(n, c), t) for _, n, t in exchanges) if path.codes else 0.0
+    codec = sum(shared_codec(path.codec, c).time(_codes_elements(n, c), t) for _, n, t in exchanges) if path.codes else 0.0
     processor = sum(processor_time(n, path, c) for _, n, _ in exchanges) + path.per_gradient * w.tensor_count
     return sum(wire_time(n, path, c) for _, n, _ in exchanges), codec + processor
 

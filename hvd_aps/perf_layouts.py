@@ -1,0 +1,200 @@
+"""Step models of the layouts beside data parallelism, on hvd_aps.perf's terms (its Link, Cluster,
+Codec and Path, its alpha-beta collectives):
+
+- **a pipeline** of `stages` stages, one a host, running 1F1B (or GPipe) over `microbatches`
+  micro-batches: each micro-batch sends its activations forward and their gradients backward
+  across every boundary, in the path's bits or as BlockCodes (hvd_aps.pipelining: the sender
+  encodes, the receiver decodes, one pass each). The step is the schedule's critical path: the
+  fill and the drain (the first micro-batch's forward through every stage, the last one's
+  backward back: stages - 1 micro-batch times and a hop each way a boundary), then every
+  micro-batch at the pace of the slower of a stage's compute and one message on the link.
+- **tensor-parallel layers**: the activations' collectives of a step (all-gathers,
+  reduce-scatters, sums) over the shards, each waited for where the next layer needs it
+  (serial with compute, as FSDP2 on the CPU): the framework's in the path's bits (Gloo's
+  reduce-scatter moves an allreduce's bytes), or codes (sums through the bucket exchange,
+  reduce-scatters through its scatter half, all-gathers as BlockCodes).
+- **DiLoCo**: `sync_every` inner steps alone, then the outer exchange of every parameter (the
+  codes bucket exchange, or the framework's allreduce), cut into `fragments` exchanged in turn
+  (Streaming DiLoCo); with `delay` an exchange runs beside that many inner steps before it is
+  applied, so only what it takes beyond them shows, and on a processor shared with compute
+  (Workload.shared_processor) its processor time does in any case.
+
+Each model returns seconds a step and the bytes it sends.
+"""
+import dataclasses
+import enum
+from typing import Sequence
+
+from . import perf
+from .perf import BITS_PER_BYTE, Cluster, Path, Workload
+
+# a point-to-point message's codec: one pass over its values at each end, where the bucket
+# exchange of as many values makes 3 + 1/N (hvd_aps.perf.gather_codec_share counts alike)
+POINT_TO_POINT_PASSES = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """One step of a pipeline: `stages` stages (one a host of the cluster), `microbatches` a step,
+    `activations` values a micro-batch sends across a boundary each way (its micro-batch's
+    sequences x length x width), `compute` seconds of one stage's forward and backward of the
+    whole step (the slowest stage's), `optimizer` seconds after."""
+    stages: int
+    microbatches: int
+    activations: int
+    compute: float
+    optimizer: float = 0.0
+
+    def __post_init__(self):
+        if self.stages < 2 or self.microbatches < 1 or self.activations < 1 or min(self.compute, self.optimizer) < 0:
+            raise ValueError(f"a pipeline needs 2 or more stages, 1 or more micro-batches and activations, compute "
+                             f"and optimizer >= 0: {self}")
+
+
+def _message(elements: float, path: Path) -> float:
+    """Bytes of one message of `elements` values on `path` (codes: BlockCodes' exponents too)."""
+    return perf.codes_bytes(elements, path.bits) if path.codes else elements * path.bits / BITS_PER_BYTE
+
+
+def _hop(nbytes: float, c: Cluster) -> float:
+    return c.between.latency + nbytes / c.between.bandwidth
+
+
+def _passes(path: Path, c: Cluster, elements: float, passes: float, world: int) -> float:
+    """Seconds of `passes` codec passes over `elements` values, as a share of the calibrated
+    bucket exchange's 3 + 1/world passes over as many."""
+    if not path.codes:
+        return path.processor * elements * c.sharing
+    return passes / (3 + 1 / world) * perf.shared_codec(path.codec, c).time(elements)
+
+
+def pipeline_step(p: Pipeline, path: Path, c: Cluster) -> tuple:
+    """(seconds a step, bytes crossing each boundary each way a step) of `p` on `path`, its stages
+    one a host of `c`."""
+    if c.hosts != p.stages:
+        raise ValueError(f"the pipeline's {p.stages} stages stand one a host: the cluster has {c.hosts}")
+    message = _message(p.activations, path)
+    hop = _hop(message, c)
+    # a middle stage encodes what it sends and decodes what it receives, both ways
+    codec = 4 * _passes(path, c, p.activations, POINT_TO_POINT_PASSES, 2)
+    microbatch = p.compute / p.microbatches + codec
+    step = (p.stages - 1) * (microbatch + 2 * hop) + p.microbatches * max(microbatch, hop) + p.optimizer
+    return step, p.microbatches * message
+
+
+class Collective(enum.Enum):
+    """An activation collective of a tensor-parallel layer (hvd_aps.tensor_parallel's table)."""
+    ALL_GATHER = "all-gather"          # a sequence-sharded input gathered, a replicated output's slices
+    REDUCE_SCATTER = "reduce-scatter"  # partial outputs summed into sequence shards
+    ALL_REDUCE = "sum"                 # partial outputs summed, replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """One step of tensor-parallel layers over the cluster's ranks: `collectives` the step's
+    (Collective, values of the whole tensor) forward and backward, `compute` one rank's forward
+    and backward (its shard's), `optimizer` seconds after; `float32` collectives that stay in
+    float32 whatever the path (the ones no style replaces, e.g. an embedding output's gradient);
+    `per_collective` seconds each collective costs the step beyond its link's latency (DTensor's
+    redistribution, the autograd Function, the framework's call: fitted on a float32 step)."""
+    collectives: Sequence[tuple]
+    compute: float
+    optimizer: float = 0.0
+    float32: Sequence[tuple] = ()
+    per_collective: float = 0.0
+
+    @classmethod
+    def sequence_parallel(cls, blocks: int, activations: int, compute: float, projections: int = 3,
+                          optimizer: float = 0.0) -> "TensorParallel":
+        """Transformer blocks under sequence parallelism as torchtitan lays them out (the study's
+        tensor_plan): each column-parallel layer (`projections` for attention's inputs, the MLP's
+        up) gathers the sequence forward and reduce-scatters its input's gradient backward, each
+        row-parallel one (attention's output, the MLP's down) the other way round: activations
+        values each (a step's sequences x length x width)."""
+        columns, rows = projections + 1, 2
+        per_block = [(Collective.ALL_GATHER, activations)] * (columns + rows)
+        per_block += [(Collective.REDUCE_SCATTER, activations)] * (columns + rows)
+        return cls(tuple(per_block * blocks), compute, optimizer)
+
+
+def _native(kind: Collective, elements: float, bits: int, c: Cluster, gloo: bool) -> float:
+    nbytes = elements * bits / BITS_PER_BYTE
+    if kind is Collective.ALL_GATHER:
+        return perf.allgather(nbytes / c.world, c)
+    if kind is Collective.REDUCE_SCATTER:
+        return perf.native_reduce_scatter(nbytes, c, gloo)
+    return perf.allreduce(nbytes, c)
+
+
+def _native_bytes(kind: Collective, elements: float, bits: int, world: int, gloo: bool) -> float:
+    """Bytes a rank sends in the framework's collective: a ring's (N-1)/N of the tensor an
+    all-gather, 2(N-1)/N an allreduce (and Gloo's reduce-scatter)."""
+    share = 2 if kind is Collective.ALL_REDUCE or kind is Collective.REDUCE_SCATTER and gloo else 1
+    return share * (world - 1) / world * elements * bits / BITS_PER_BYTE
+
+
+def _coded(kind: Collective, elements: float, path: Path, c: Cluster) -> tuple:
+    """(seconds on the links, seconds of codec, bytes a rank sends) of one codes collective."""
+    n, world, codes = elements, c.world, perf.codes_bytes(elements, path.bits)
+    if kind is Collective.ALL_GATHER:
+        return (perf.allgather(codes / world, c), perf.gather_codec_share(world) * perf.shared_codec(path.codec, c).time(n),
+                (world - 1) / world * codes)
+    wire = perf.metadata_allreduce(c) + perf.alltoall(codes, c)
+    if kind is Collective.REDUCE_SCATTER:
+        return wire, perf.SCATTER_CODEC_SHARE * perf.shared_codec(path.codec, c).time(n), (world - 1) / world * codes
+    wire += perf.allgather(codes / world, c)
+    return wire, perf.shared_codec(path.codec, c).time(n), 2 * (world - 1) / world * codes
+
+
+def tensor_parallel_step(t: TensorParallel, path: Path, c: Cluster, gloo: bool = True) -> tuple:
+    """(seconds a step, bytes a rank sends a step) of `t` on `path` over `c`'s ranks (`gloo`: the
+    framework's reduce-scatter moves an allreduce's bytes, as torch's Gloo backend does)."""
+    seconds = t.compute + t.optimizer + t.per_collective * (len(t.collectives) + len(t.float32))
+    sent = 0.0
+    for kind, n in t.float32:
+        seconds += _native(kind, n, 32, c, gloo)
+        sent += _native_bytes(kind, n, 32, c.world, gloo)
+    for kind, n in t.collectives:
+        if path.codes:
+            wire, codec, nbytes = _coded(kind, n, path, c)
+        else:
+            wire, codec = _native(kind, n, path.bits, c, gloo), path.processor * n * c.sharing
+            nbytes = _native_bytes(kind, n, path.bits, c.world, gloo)
+        seconds, sent = seconds + wire + codec, sent + nbytes
+    return seconds, sent
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCo:
+    """DiLoCo's schedule: an outer exchange every `sync_every` inner steps, the parameters in
+    `fragments` exchanged in turn, each applied `delay` inner steps after it starts."""
+    sync_every: int
+    fragments: int = 1
+    delay: int = 0
+
+    def __post_init__(self):
+        if self.sync_every < 1 or not 1 <= self.fragments <= self.sync_every or not 0 <= self.delay < self.sync_every:
+            raise ValueError(f"DiLoCo needs sync_every >= 1, 1 <= fragments <= sync_every and 0 <= delay < "
+                             f"sync_every: {self}")
+
+
+def diloco_step(w: Workload, schedule: DiLoCo, path: Path, c: Cluster) -> tuple:
+    """(seconds an inner step on average, bytes a rank sends an inner step) of `w`'s inner steps
+    with DiLoCo's outer exchange on `path`: every sync_every steps each fragment's exchange
+    (perf.exchange_time of its share of the parameters) shows beyond the `delay` inner steps it
+    runs beside, and where compute shares the processor, its processor time at the cluster's
+    contention in any case."""
+    inner = w.compute + w.optimizer
+    fragment = w.parameters / schedule.fragments
+    took = perf.exchange_time(fragment, path, c)
+    busy = c.contention * perf.busy_time(fragment, 1, path, c) if w.shared_processor else 0.0
+    shows = took if schedule.delay == 0 else max(took - schedule.delay * inner, busy)
+    sent = schedule.fragments * exchange_bytes(fragment, path, c.world) / schedule.sync_every
+    return inner + schedule.fragments * shows / schedule.sync_every, sent
+
+
+def exchange_bytes(elements: float, path: Path, world: int) -> float:
+    """Bytes a rank sends in one flat exchange of `elements` values: a ring allreduce's 2(N-1)/N
+    of them, or the codes exchange's alltoall and allgather of as many codes."""
+    message = _message(elements, path)
+    return 2 * (world - 1) / world * message
