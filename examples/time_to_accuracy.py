@@ -384,6 +384,7 @@ def grid(args):
 
 def report(runs, out):
     """Tables and figures from the raw runs (also: --report on a saved runs.json)."""
+    out.mkdir(parents=True, exist_ok=True)
     summaries = {}
     for task_name in dict.fromkeys(r["task"] for r in runs):
         task, panels = TASKS[task_name].task, {}

@@ -1,23 +1,17 @@
 """Where the exchange's device work runs, and what it keeps on the device between steps.
 
-A framework hands the exchange a bucket on a stream of its own: DDP calls its comm hook on the
-stream backward runs on, FSDP2 its reduce-scatter and all-reduce hooks on streams it made for
-them. The exchange's CuPy kernels, allocations and DLPack hand-offs run on that stream and device
-(`Place`, taken where the framework calls, entered in whichever thread launches), so they are
-ordered after the gradients they read and before whatever the framework queues after the hook,
-without a host wait, and never land on device 0 from a thread whose device was never set.
+A framework hands the exchange a bucket on a stream of its own (DDP: backward's; FSDP2: those it
+made for its hooks). The exchange's CuPy kernels, allocations and DLPack hand-offs run on that
+stream and device (`Place`, taken where the framework calls, entered in whichever thread
+launches): ordered after the gradients they read and before what the framework queues after the
+hook, with no host wait, and never on device 0 from a thread whose device was never set. A thread
+that exchanges beside others (a DDP lane, Horovod's exchange threads) takes a stream of its own
+(`branch`) that first waits for the framework's: its collectives never queue behind another
+lane's on a shared stream (two ranks could queue them in opposite orders).
 
-A thread that exchanges beside others (a DDP lane, Horovod's exchange threads) takes a stream of
-its own (`branch`) that first waits for what the framework's stream has queued: its collectives
-never wait behind another lane's on a shared stream (two ranks could queue them in opposite
-orders), and its one read waits for its bucket only, not for the backward queued after it.
-
-Host arrays the stages index the device with (a table's rows and tensor column, a message's
-exponent bytes) are copied to the device once and kept as long as the host array lives
-(`on_device`): tables are made once per bucket layout, so a stage uploads nothing in steady state
-(an agreement uploads its shifts), and a one-off table's copy goes with it instead of crowding out
-a live one. The copy is made on the stream that first needs it; any other stream waits for an
-event recorded behind that copy before its first use.
+`on_device`: host arrays the stages index the device with (a table's rows, a message's exponent
+bytes) are copied once, on the stream that first needs them (others wait for an event behind the
+copy), and kept as long as the host array lives, so a stage uploads nothing in steady state.
 """
 import contextlib
 import dataclasses

@@ -1,24 +1,17 @@
 """The groups of an exchange in a Horovod job, for horovod.torch and horovod.tensorflow alike:
 flat (the global process set), or two levels (this rank's host and its cross group).
 
-With dynamic process sets (hvd.init(process_sets="dynamic")) the groups are process sets, found
-or added alike on every rank, every local set then every cross set. With a plain hvd.init()
-they are exchange.Subgroup views of the global process set (its alltoall with empty messages
-to the ranks outside the group), so two levels need nothing from the user. hvd.shutdown()
-(Horovod elastic's reset) drops every set but the global one: forget() then makes them anew.
-For horovod.torch, float32 inside a host goes through shared memory on the CPU
-(hvd_aps._host_memory), the host's group carrying CUDA tensors. An exchange on a process set
-that is not the global one stays flat on that set: its hosts' ranks are not Horovod's local
-ranks, and adding process sets is collective over every rank, which a subset cannot ask of the
-others.
+With hvd.init(process_sets="dynamic") the groups are process sets, found or added alike on every
+rank (every local set, then every cross set); with a plain hvd.init() they are exchange.Subgroup
+views of the global set (its alltoall with empty messages to the ranks outside), so two levels
+need nothing from the user. hvd.shutdown() (Horovod elastic's reset) drops every set but the
+global one: forget() makes them anew. An exchange on another process set stays flat on it: its
+hosts' ranks are not Horovod's local ranks, and adding sets is collective over every rank. For
+horovod.torch, float32 inside a host goes through shared memory on the CPU (hvd_aps._host_memory).
 
-Horovod calls compress(tensor) with the gradient alone; call_site() reads the gradient's name
-and the process set from the Horovod function that called it.
-
-A collective some rank never joins (ranks that run other models or other process sets) never
-ends in Horovod: its waits have no bound (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, which Horovod
-0.28.1 does not act on under Gloo). The codes path waits `timeout` seconds (APSConfig.timeout,
-one per Levels) and then raises no_answer().
+call_site() reads a gradient's name and process set from the Horovod function that called
+compress(t). A collective some rank never joins never ends in Horovod (its waits have no bound),
+so the codes path waits `timeout` seconds (APSConfig.timeout) and then raises no_answer().
 """
 import dataclasses
 import functools

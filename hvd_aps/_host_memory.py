@@ -1,21 +1,17 @@
 """Float32 between the ranks of one host through shared memory: the inner level of the two-level
-exchange on the CPU, in place of the framework's collectives over the host's own TCP stack
-(which copy every byte through the kernel twice, on the cores the ranks' backward passes need).
+exchange on the CPU, in place of collectives over the host's own TCP stack (which copy every byte
+through the kernel twice, on the cores backward needs).
 
-Each rank writes what it sends into its own *box*, one per collective name (exchanges of
-different buckets run at once on the compressor's threads), and publishes it with a counter;
-every peer copies its part out of the box and acknowledges; a box is written again only once
-every peer acknowledged its last message. Boxes are sparse files under /dev/shm (tmpfs keeps
-only the pages written), reserved with posix_fallocate before they are written, so a /dev/shm
-too small for a bucket (Docker's default is 64 MiB) raises an error that says so instead of a
-SIGBUS. A box's file is unlinked once every peer has mapped it (at the second message, or when
-the rank closes and every peer has read the last one), so a job leaves nothing behind however
-it ends; the files of a process that died before that are removed by the next job that opens
-boxes on the host. A rank waiting for a peer that exited raises instead of hanging, and so does
-one that waited `timeout` seconds for a peer that runs but never comes (another model).
-
-CUDA arrays never come here: they go through `fallback`, the framework's own collectives of the
-same ranks (NCCL over NVLink).
+Each rank writes what it sends into its own *box*, one per collective name (buckets exchange at
+once on the compressor's threads), and publishes it with a counter; every peer copies its part out
+and acknowledges; a box is written again only once every peer acknowledged its last message.
+Boxes are sparse files under /dev/shm, reserved with posix_fallocate, so a /dev/shm too small for
+a bucket (Docker's default is 64 MiB) raises an error that says so instead of a SIGBUS. A box's
+file is unlinked once every peer has mapped it, so a job leaves nothing behind however it ends (a
+dead process's files are removed by the next job that opens boxes on the host). A rank waiting
+for a peer that exited, or `timeout` seconds for one that never comes, raises instead of hanging.
+CUDA arrays never come here: they go through `fallback`, the framework's own collectives.
+See docs/how-it-works.md ("Two levels").
 """
 import mmap
 import os

@@ -1,18 +1,15 @@
 """Codes in a reduce-scatter (FSDP2): the stages, without collectives (hvd_aps.exchange runs them).
 
-The input is laid out (world, n): row r is what every rank contributes to rank r's shard. Every
-row is cut into blocks of BLOCK elements, and block j of row r gets its own APS shift (and, with
-hybrid precision, its own format) from one Max-allreduce of every rank's max |g| per block: a
-reduce-scatter knows no tensor boundaries (FSDP hands it one flat buffer per module), and a shift
-per block follows the gradients' magnitudes at least as closely as one per tensor would.
+The input is laid out (world, n): row r is what every rank contributes to rank r's shard. A
+reduce-scatter knows no tensor boundaries (FSDP hands it one flat buffer a module), so each row is
+cut into blocks of BLOCK elements, each with its own APS shift (and, hybrid, its own format).
 
 1. metadata: the max |g| of every (row, block), hybrid errors, the signature;   Max-allreduce
-2. agree: shifts and formats per block; each lane's blocks laid out per row (a table of blocks,
-   hvd_aps._tables, made with NumPy from the agreed formats: no loop over blocks in Python);
-3. begin: every row's blocks encoded straight into its owner's part of the message, one engine
-   call per lane;                                                                alltoall
-4. reduce: this rank's row summed from the N received copies in rank order in float32, one
-   engine call per lane over the packed bytes, divided by N for an average (one float32 rounding).
+2. agree: shifts and formats per block, each lane's blocks laid out per row (hvd_aps._tables);
+3. begin: every row's blocks encoded into its owner's part of the message;        alltoall
+4. reduce: this rank's row summed from the N copies in rank order in float32, one engine call per
+   lane, divided by N for an average (one rounding).
+
 A rank sends (N-1)/N of its codes once: half an allreduce's traffic and codec work. A block that
 held NaN/Inf on any rank is left out of the codes and comes back NaN to its owner.
 """

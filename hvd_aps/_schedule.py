@@ -1,57 +1,17 @@
 """How each bucket is exchanged, chosen at run time from measured times, alike on every rank.
 
-Chunking: a candidate is a chunk size in float32 bytes (0: the whole bucket at once). The
-numbers of the codes exchange do not depend on it (hvd_aps._layout), so trying chunkings changes
-no bit. Each bucket runs every candidate in turn for TRIALS timed steps and is judged by whole
-steps, from one commit to the next, not by its own exchange's time: buckets in flight together
-share the wire, Horovod's one background thread and the cores, which one exchange's time leaves
-out (docs/benchmarks.md). A bucket's first step, and its first with another candidate, is not
-timed (allocations, page faults, Horovod renegotiating new names). Each rank's time of a step
-rides on the bucket's next metadata Max-allreduce with the candidate it ran, so every rank
-records the slowest rank's time and makes the same choice: the least median, fixed from then on.
-Buckets met in the same step run the same candidate in every step, so one step's time speaks for
-each of them.
+Chunking: every candidate chunk size (0: the whole bucket) runs TRIALS timed steps, the least median
+kept; chunking changes no bit (hvd_aps._layout). Whole steps are timed, not the exchange (buckets in
+flight share the wire, threads and cores); each rank's time rides on the next metadata
+Max-allreduce, so all decide alike on the slowest rank's. One step's buckets run one candidate.
 
-Policy "auto" (opt-in: it changes what is sent): once every bucket's chunking is fixed, the
-schedule times whole steps with codes and whole steps with every bucket on the framework's own
-allreduce (NATIVE) in each dtype it may send (the `natives`: the compressor's fallback, or with
-fallback="auto" float32 and float16), in blocks that alternate, so that a machine whose speed
-drifts slows every path alike. Each block starts with WARMUP_STEPS untimed steps (a switch
-renegotiates names and fills new buffers). Whole steps, not exchanges: codes cost CPU that
-backward would have used, which an exchange's own time does not show. The next step's exchanges
-carry both medians on their metadata Max-allreduce, and when that step commits every rank
-decides alike, for every bucket (never within a step, whose exchanges must all run the same
-way). Steps vary by a quarter from one to the next on shared cores, so where the two fastest
-agreed medians lie within CLEAR_MARGIN of each other another round runs (up to ROUNDS), its
-steps pooled with the earlier ones; then a path is kept over a more exact one (float32 before
-16-bit, 16-bit before codes) only where it is CODES_MARGIN faster. The decisions are in the
-compressor's state_dict, so a resumed run keeps them (a decision for a dtype the resumed
-compressor does not send excepted: it times every path afresh). RECHECK_STEPS steps after a decision the
-trials run again, from a round of every path (a decision pin() gave stays); sooner where codes
-were kept and their steps drift: the median of each DRIFT_WINDOW codes steps is weighed against
-the first window's after the decision, and where one rank's lies DRIFT_MARGIN away (the link or
-the machine changed, and the framework's allreduce may now be the faster) the share rides on
-the next step's metadata like the trials' medians, so every rank starts the trials at the same
-commit. Each re-check the drift starts doubles the next window (a workload whose steps keep
-moving, a growing sequence length, re-checks ever more rarely); the thousand-step one sets it
-back. What codes steps do not feel waits for RECHECK_STEPS: a faster link under codes bound by
-the processor, and anything under a native decision (the framework's own steps, with no
-metadata to agree on).
-
-With a link to predict from (`link`: HVD_APS_LINK, hvd_aps.calfile.job_link), policy="auto"
-starts from the performance model (hvd_aps.perf): after the first block of trial steps (codes,
-at the chunking fixed), each rank predicts the framework's step in each native dtype on the
-step's own timeline, measured in those codes steps (_Timeline): every bucket's allreduce over the
-link starts where its codes exchange started after the step began, or where the one before it
-ends, and the step goes on after the last as long as the codes steps did; the next step agrees
-the predictions on its metadata (the slowest rank's). A path predicted more than PRIOR_MARGIN
-slower than the fastest is dropped; where one path is left the decision is made there, with no
-trial step of the others, else the trials go on among those left (the codes steps already timed
-kept). The model leaves out a 16-bit allreduce's processor passes (its casts and 16-bit sums),
-so a 16-bit prediction only bounds its step from below: it can drop that path, never the others.
-Both the prediction and the trials' medians are reported. policy="codes" with a link makes the
-same prediction once, and logs a warning naming policy="auto" where the framework's own step is
-predicted PRIOR_MARGIN shorter.
+policy="auto" then times codes steps against the framework's allreduce (NATIVE) in each dtype it may
+send, in alternating blocks (WARMUP_STEPS untimed each), and decides at a commit for every bucket:
+close medians (CLEAR_MARGIN) run more rounds (ROUNDS), a less exact path must be CODES_MARGIN
+faster. Decisions live in state_dict, timed again after RECHECK_STEPS or sooner where codes steps
+drift (DRIFT_WINDOW, DRIFT_MARGIN). Given a link (HVD_APS_LINK) the model (hvd_aps.perf) first drops
+paths predicted PRIOR_MARGIN slower (a 16-bit prediction, a lower bound, only its own), and
+policy="codes" warns where native is predicted PRIOR_MARGIN faster. Detail: docs/how-it-works.md.
 """
 import collections
 import copy
@@ -85,9 +45,9 @@ ROUNDS = 3  # rounds of trials at most
 # policy="auto" keeps a path over a more exact one only where its median step is this much
 # shorter: the medians of six steps that vary by a quarter differ by about that much for equal paths
 CODES_MARGIN = 0.05
-# a predicted step margin past this (a fraction of the faster step) decides without trial steps:
-# the model's median error on this project's cluster rows is 9-14 %, 81-87 % of them within 25 %
-# (docs/performance-model.md)
+# a path predicted slower than the fastest by more than this fraction of the fastest step is
+# dropped without trial steps; set beyond the model's usual error (docs/performance-model.md), so
+# that only clear calls skip the trials
 PRIOR_MARGIN = 0.25
 UNMEASURED = -1.0  # a timing entry with no measurement behind it
 # policy="auto" times its paths again this many steps after each decision (a pinned one never): a

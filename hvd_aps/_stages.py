@@ -1,28 +1,17 @@
-"""Codes on the wire: the framework-neutral stages of one bucket's exchange (no collectives here;
-hvd_aps.exchange runs them with the framework's).
+"""Codes on the wire: the framework-neutral stages of one bucket's exchange, which hvd_aps.exchange
+runs with collectives that only move bytes, as a ring allreduce would (hvd_aps._layout: geometry):
 
-Horovod and torch.distributed cannot sum codes, so a bucket is reduced as a ring allreduce would
-be, with collectives that only move bytes (hvd_aps._layout has the geometry):
-
-1. metadata: every tensor's max |g| (and size, the configuration's signature, with hybrid
-   precision each tensor's sampled narrow-format error, while tuning the last exchange's time)
-   goes into one Max-allreduce, so every rank agrees on each tensor's format and APS shift;
-2. begin (per chunk): each rank encodes its part of every owner's range, scaled by its tensor's
-   shift, straight into that owner's place in the alltoall message (packed below 8 bits);
-3. reduce: each owner sums the N copies of its range in float32 in rank order, in one pass over
-   the received bytes, and re-encodes every block of BLOCK elements at its own exponent straight
-   into the allgather message (the exponents follow the codes);
+1. metadata: every tensor's max |g| (and size, signature, hybrid errors) in one Max-allreduce, so
+   every rank agrees on each tensor's format and APS shift;
+2. begin (per chunk): each rank encodes its part of every owner's range into the alltoall message;
+3. reduce: each owner sums the N copies in float32 in rank order and re-encodes every block of
+   BLOCK elements at its own exponent into the allgather message;
 4. finish: every rank decodes every owner's range into the results, divided by N for an average.
 
-The bucket is one flat float32 array (its tensors, or with two levels this local rank's slice of
-them, end to end) and every stage is one engine call per lane over a table of its blocks
-(hvd_aps._tables), made once per bucket layout and kept in the Bucket: the cost of a stage does
-not grow with the number of tensors. Each rank sends about 2 (N-1)/N x (bits/8) bytes per
-element: 4x less than fp32, 8x for 4-bit formats. Every rank decodes the same gathered bytes
-alike, so results are identical everywhere, and the same whatever the chunking. Tensors whose
-agreed max is not finite are left out of the codes (`Agreement.fallback`) and come back NaN on
-every rank, so a NaN/Inf anywhere shows everywhere (a GradScaler skips the step) at no extra
-collective.
+The bucket is one flat float32 array; each stage is one engine call per lane over a table of its
+blocks (hvd_aps._tables) kept in the Bucket, so its cost does not grow with the number of tensors.
+Every rank decodes the same bytes, so results are identical everywhere, whatever the chunking;
+tensors whose agreed max is not finite come back NaN on every rank (`Agreement.fallback`).
 """
 import collections
 import dataclasses

@@ -3,8 +3,7 @@
 Grouped as torch's PowerSGDState is:
 - internal state: error-feedback residuals (hvd_aps._residuals: one per tensor key, side and
   segment, and the layout each was committed under), each tensor's count of finished exchanges
-  (stochastic rounding's step), the schedule's measurements and decisions (hvd_aps._schedule),
-  reusable buffers;
+  (stochastic rounding's step), the schedule's timings and decisions (hvd_aps._schedule), buffers;
 - the threads exchanges run on (created on first use, stopped by close()).
 
 Steps are transactions. An exchange reads the committed residuals and step counts and writes its

@@ -1,50 +1,17 @@
 """Codes through Horovod's own allreduce: batches of gradients, and the token Horovod reduces.
 
-Horovod calls compress(t) on every gradient, allreduces what it returns and hands the result to
-decompress(): torch's optimizer ends with `p.grad.set_(decompress(output, ctx))`, TF's allreduce
-is `decompress(_allreduce(compress(t)), ctx)`, and grouped allreduces compress every tensor first.
-So compress() puts the gradient in a *batch* and returns a one-element token of 1.0. Which
-batch: Horovod's compress(t) gets the gradient alone, so the compressor reads its name and
-process set from the Horovod function that called it (hvd_aps._horovod.call_site). A named
-gradient of horovod.torch (its optimizer's, a named allreduce's) goes to its slot in the buckets
-the ranks of its process set agreed on in their first step (a Layout, hvd_aps._agreed), so a rank
-whose graph skips a parameter, and sends its zeros at synchronize(), still exchanges the buckets
-the others do; the others (unnamed ones; TensorFlow's, whose graph fixes its exchanges when
-traced) join the open batch in the order they arrive. A batch's codes exchange (hvd_aps.exchange,
-handed to the exchanger, every collective on the gradient's process set) starts once it is full
-(torch: on the exchanger's threads, while backward goes on) or at the step's first decompress().
-
-Horovod reduces the token with the op and the pre/postscale factors it applies to a gradient
-(`gradient_predivide_factor`, Average's 1/N), so its value tells decompress() what to do with the
-exchanged sum. The token is [1, rank]: a scaled sum gives [c N, c N (N-1) / 2], and c = 1/N means
-average, c = 1 sum, anything else that factor; a reduction that is no scaled sum (Adasum, Min,
-Max, Product) breaks the ratio and is refused with an error instead of returning wrong numbers.
-
-The token comes back after the exchange, too late to fold an average's division into the decode
-tables as the codes optimizer and the DDP hook do (the same float32 division of the same decoded
-value, one rounding: the same bits, without a pass of its own over every sum on the thread that
-steps). So a batch learns it from the step before: where every token of the batch of its name
-said Average there, its exchange averages (`Reduction`). Horovod's optimizers reduce with one op
-for their whole life, so that guess holds; where a token then says otherwise (the same
-compressor used with another op), the averaged sums cannot give that reduction's bits: the step
-raises on every rank and is abandoned as after any error, and the next runs undivided again.
-TensorFlow's adapter never learns: a graph fixes its exchanges when it is traced.
-
-A step is every batch handed out until each of its gradients came back through decompress():
-then the step ends (hvd_aps.exchanger: it commits residuals, step counts, the schedule's
-timings) and the next step names its batches alike (hvd_aps._agreed.name: per process set, the
-layout's buckets first), so names repeat from step to step (Horovod's response cache, reused
-buffers) and match across the ranks of a set (the metadata allreduce catches ranks that hand
-over other tensors). A step whose exchange raises is abandoned: nothing it did is kept, its other
-gradients' decompress() raise too, and the next compress() starts a fresh step with the same
-names. One Horovod optimizer owns a compressor: a second one's first step would look like the
-end of the first's.
-With policy="auto", a batch whose schedule settled on the framework's own allreduce is not
-batched at all: its gradients go back to Horovod as they are (or cast to the fallback dtype),
-counted in the stats and bytes as every native exchange is (Exchanger.count_native).
-
-The frameworks come in through adapters (Adapter, declared below): hvd_aps.torch.adapter and
-hvd_aps.tensorflow.adapter, chosen by the tensor's type.
+Horovod allreduces what compress(t) returns and hands the result to decompress(). So compress()
+puts the gradient in a *batch* (its name and process set read from the calling Horovod function,
+hvd_aps._horovod.call_site) and returns a token, [1, rank]; the batch's codes exchange starts once
+it is full or at the step's first decompress(). Named horovod.torch gradients take their slots in
+the buckets their process set agreed on (hvd_aps._agreed), so a rank that skips a parameter still
+exchanges the others' buckets; unnamed ones (TensorFlow's) join the open batch as they come. The
+token, reduced as the gradient would be, says what to do with the sum ([c N, c N (N-1) / 2]: c = 1/N
+an average, 1 a sum); Adasum, Min, Max and Product are refused. It comes back too late to fold an
+average into the decode, so a batch averages where its name's tokens said Average the step before
+(a step whose tokens then disagree raises). A step ends once every gradient came back through
+decompress(); one that raises is abandoned, nothing of it kept. One Horovod optimizer owns a
+compressor. Adapters: hvd_aps.torch.adapter, hvd_aps.tensorflow.adapter; see docs/how-it-works.md.
 """
 import dataclasses
 import functools

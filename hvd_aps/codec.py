@@ -1,30 +1,17 @@
 """encode / decode / quantize between float32 and a FloatFormat's codes, plus sub-byte packing.
 
-Arrays on a CUDA device (CuPy arrays, CUDA torch tensors, anything exporting DLPack from a CUDA
-device) are converted zero-copy and handled by the CuPy engine, and results come back as CuPy
-arrays; everything else goes through NumPy and the compiled CPU engine.
+Arrays on a CUDA device (CuPy arrays, CUDA torch tensors, anything exporting DLPack from one) go
+zero-copy to the CuPy engine and come back as CuPy arrays; the rest go through NumPy and the
+compiled CPU engine. Every engine gives the same bits: round to nearest, ties to the even code
+(with man_bits=0 "even" is the exponent's last bit), gradual underflow, signed zero, and NaN, Inf
+and overflow exactly as ml_dtypes' `astype` treats them. The APS `shift` multiplies by 2**shift
+inside the conversion (decode by 2**-shift), so scaling never rounds on its own.
 
-Semantics (every engine, bit for bit): round to nearest with ties to the even code (also when
-man_bits=0, where "even" is the exponent's last bit), gradual underflow, signed zero, and NaN,
-Inf and overflow exactly as ml_dtypes' `astype` treats them for every format it has. The APS
-`shift` multiplies the input by 2**shift inside the conversion (and decode multiplies by
-2**-shift), so scaling never rounds on its own.
-
-Blocked runs: encode_into, decode_sum_rows and decode_row take `block`, cutting their codes into
-blocks of that many (the last may be shorter), each with its own exponent (`shift` then holds one
-per block) or its own max: the codes exchange re-encodes every block of a tensor at its own
-exponent, so its numbers do not depend on how buckets are cut into chunks and shards.
-
-The engines (_host_engine, _numpy_engine, _cupy_engine) each provide the table functions of the
-engine contract, hvd_aps._engine.Engine: one call per stage over a table of blocks, one exponent
-(and seed) per block.
-
-The public functions here make those calls over a run's table (hvd_aps._tables.run, kept per
-run), one call each for the most part: the codes of a run lie in one packed stream, which for 8-
-and 16-bit formats is the array of codes itself. The codes of other widths, one a byte (or two)
-as encode returns and decode takes them, are packed and unpacked here with array operations
-(pack, unpack), the same on every engine, so no engine has functions of its own for them; and
-float16 values are fp16's codes (table_encode of the float32 values).
+Blocked runs (encode_into, decode_sum_rows, decode_row take `block`) give each block its own
+exponent or max, so the codes exchange's numbers do not depend on how buckets are cut. Each
+function is mostly one call of the engine contract (hvd_aps._engine.Engine: _host_engine,
+_numpy_engine, _cupy_engine) over a run's table (hvd_aps._tables.run); widths other than 8 and 16
+bits are packed and unpacked here with array operations (pack, unpack), alike on every engine.
 """
 import functools
 import math

@@ -3,17 +3,14 @@
     compressor.log_to(writer, step)
 
 writes what the last step's exchanges did, as scalars under "hvd_aps/": the relative error of the
-values sent against the gradients (||q(g) - g|| / ||g|| over every tensor of the step together),
-the share of nonzero gradient values flushed to zero, the share saturated (beyond the format's
-largest value after APS's scale), the bytes this rank sent since the last call, and each bucket's
-APS shift (the median of its tensors' exponents; "hvd_aps/shift/<bucket>"). `writer` is torch's
-`torch.utils.tensorboard.SummaryWriter`, a TensorFlow summary writer
-(`tf.summary.create_file_writer`), or anything with `add_scalar(tag, value, step)`. Only rank 0
-writes by default (`every_rank=True`: each rank writes its own). Nothing is computed unless it is
-called: the statistics it reads are those the compressor keeps anyway (`stats_table()`).
-
-`hvd_aps.keras.FidelityLogger` and `hvd_aps.lightning.FidelityLogger` call it from Keras's and
-Lightning's training loops.
+values sent (||q(g) - g|| / ||g|| over every tensor of the step together), the shares of nonzero
+values flushed to zero and saturated (beyond the format's largest value after APS's scale), the
+bytes this rank sent since the last call, and each bucket's APS shift ("hvd_aps/shift/<bucket>":
+the median of its tensors'). `writer`: torch's SummaryWriter, tf.summary.create_file_writer's, or
+anything with `add_scalar(tag, value, step)`. Only rank 0 writes unless `every_rank=True`. Nothing
+is computed unless it is called: it reads the statistics the compressor keeps anyway
+(`stats_table()`). hvd_aps.keras.FidelityLogger and hvd_aps.lightning.FidelityLogger call it from
+Keras's and Lightning's training loops.
 """
 import dataclasses
 import math

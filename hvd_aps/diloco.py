@@ -1,31 +1,17 @@
 """hvd_aps.diloco: DiLoCo (Douillard et al., arXiv 2311.08105) around the user's optimizer, its
 outer exchange in APS codes; Streaming DiLoCo's fragments and overlap (arXiv 2501.18512)::
 
-    inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
     diloco = hvd_aps.diloco.DiLoCo(model, inner, sync_every=500,
                                    compression=hvd_aps.APSCompressor("e3m0", error_feedback=True))
-    for x, y in batches:
-        diloco.zero_grad()
-        loss_fn(model(x), y).backward()
-        diloco.step()   # the inner step; every sync_every steps the outer one
+    diloco.zero_grad(); loss.backward(); diloco.step()   # the inner step; every H, the outer one
 
-Each worker takes its inner steps alone. Every `sync_every` (H) steps the pseudo-gradient, what the
-parameters moved since the last sync (synced - now, the sign DiLoCo, OpenDiLoCo and torchft use),
-is averaged across the workers and an outer SGD with Nesterov momentum steps the synced
-parameters by it; every worker goes on from them, the same bits everywhere. With an
-APSCompressor the average is the codes exchange every other entry point runs (hvd_aps.exchange:
-agreed APS shifts, an exact float32 sum at each shard's owner, one rounding; with error feedback
-what the codes lost is sent with the next sync); without one, the framework's float32 allreduce.
-
-Streaming (fragments F, delay tau): the parameters in F fragments of consecutive tensors, fragment
-f synced at the steps t with t = (f + 1) H / F (mod H), so one fragment's exchange at a time crosses
-the link; it runs beside the next tau inner steps and is applied after them, the worker's progress
-of those steps weighted by `mix` (torchft's fragment_update_alpha: 0, the synced parameters alone).
-
-Ranks: torch.distributed's (the default group: two levels where hosts hold several ranks; or
-`process_group`, over which the codes go flat: across sites, FSDP2's replicate group with each
-site's shards, whose local tensors are what a worker syncs), or Horovod's. Every
-worker starts from the first rank's parameters (broadcast when the wrapper is made, as DDP does).
+Every H (`sync_every`) steps the pseudo-gradient (synced - now) is averaged across the workers, as
+codes with an APSCompressor (hvd_aps.exchange; error feedback sends what the codes lost with the
+next sync), else by the framework's float32 allreduce, and an outer SGD with Nesterov momentum
+steps the synced parameters by it: the same bits on every worker. Streaming (`fragments` F,
+`delay` tau): fragment f syncs at the steps t = (f + 1) H / F (mod H), its exchange runs beside the
+next tau inner steps and is applied after them, their progress weighted by `mix`. Ranks:
+torch.distributed's (or `process_group`) or Horovod's; all start from the first rank's parameters.
 """
 import abc
 import dataclasses

@@ -1,28 +1,17 @@
 """The outer exchanges other DiLoCo implementations run, in one process: N float32 pseudo-gradients
-(one per worker, one shape) -> the float32 average every worker applies, rounding for rounding as
-each source describes it. hvd_aps's own are hvd_aps.emulate.codes_allreduce (codes) and the
-float32 mean; hvd_aps.peers holds NCCL's rings (bf16 DiLoCo: nccl_ring_allreduce(..., "bfloat16",
-"avg")). Sources:
+-> the float32 average every worker applies, rounding for rounding as each source describes it.
+hvd_aps's own: emulate.codes_allreduce; bf16 DiLoCo: peers.nccl_ring_allreduce(..., "bfloat16", "avg").
 
-- INTELLECT-1 (PrimeIntellect-ai/prime, src/zeroband/diloco.py, C/csrc/collectives.cpp and
-  compression.cpp at 5cc57a0f): the pseudo-gradient divided by N first, then a ring allreduce of
-  uint8 codes. uniform_8bit_quantize: sigma = norm2(x) / sqrt(n - 1), scale = 6 sigma / 256,
-  q = clamp(round(x / scale) + 128, 0, 255) (std::round: halves away from zero), and a codebook
-  of 256 float32 values, each bin's mean of the x that fell in it (0 for an empty bin). The
-  tensor cut into N x 2 chunks (BUFFER_COUNT 2), each pass of N chunks a ring reduce-scatter:
-  a rank quantizes its running fp32 sum of a chunk with a fresh codebook and sends it on, the next
-  adds codebook[q] to its own values in float32; the chunk's last rank quantizes its total once
-  more and keeps codebook[q] ("to be consistent"), which the allgather then carries unchanged to
-  every rank. Here a bin's mean is taken in float64 and rounded once (the source's float
-  accumulation order is not reproduced).
-- torchft (meta-pytorch/torchft, torchft/quantization.py, collectives.py at 7eb7087): per row of a
-  2-D tensor (a 1-D tensor is n rows of 1), scale = 448 / max abs(row) (1 where it is 0),
-  q = e4m3fn(row * scale); rows cut into ceil(rows / N) per rank, an alltoall, each owner sums
-  q / scale in float32 from its own rank on (rank, rank + 1, ... mod N), requantizes its sum per
-  row the same way, an allgather, every rank decodes q / scale; the manager then divides by N.
-- Streaming DiLoCo (Douillard et al., arXiv 2501.18512): outer gradients in 4-bit floating point,
-  accumulated in float32. Its text was not retrieved here: the format (e3m0) and the per-tensor
-  scale from each worker's own max are this module's reading, not the paper's stated arithmetic.
+- INTELLECT-1 (PrimeIntellect-ai/prime at 5cc57a0f, src/zeroband/diloco.py, C/csrc/): divided by
+  N, then a ring of uint8 codes over N x 2 chunks: each hop quantizes its running fp32 sum afresh,
+  q = clamp(round(x / scale) + 128, 0, 255) (halves away from zero), scale = 6 sigma / 256, sigma =
+  norm2(x) / sqrt(n - 1), with a codebook of each bin's mean (0 if empty; here in float64), and the
+  next rank adds codebook[q]; the chunk's last rank keeps codebook[q] of its total for the allgather.
+- torchft (meta-pytorch/torchft at 7eb7087, quantization.py, collectives.py): per row (1-D: n rows
+  of 1) q = e4m3fn(row * 448 / max abs(row)); an alltoall of ceil(rows / N) rows, each owner sums
+  q / scale in float32 from its own rank on and requantizes, an allgather; then divided by N.
+- Streaming DiLoCo (arXiv 2501.18512): 4-bit outer gradients summed in float32; e3m0 at each
+  worker's own max is this module's reading, not the paper's stated arithmetic.
 """
 from typing import Sequence
 

@@ -1,24 +1,17 @@
 """What each entry point costs inside a running job beyond what the performance model
 (hvd_aps.perf) computes from the link and the codec, and how much the exchange slows compute
-where they share the cores: `python -m hvd_aps calibrate --links --entry-points` measures them
-on every rank of a horovodrun or torchrun job, for the paths its launcher offers (horovodrun:
-Horovod's optimizer with its float32 and 16-bit allreduce and the one line, and hvd_aps.torch's
-optimizer; torchrun: DDP's allreduce, its fp16_compress_hook and hvd_aps.ddp.aps_hook), each
-format's codes.
+where they share the cores. `python -m hvd_aps calibrate --links --entry-points` measures them on
+every rank of a horovodrun job (Horovod's optimizer in float32 and 16-bit, the one line,
+hvd_aps.torch's optimizer) or a torchrun one (DDP's allreduce, its fp16_compress_hook,
+hvd_aps.ddp.aps_hook), and each format's codes.
 
-How: a model of vectors holding ELEMENTS float32 between them (a gradient each, next to no
-compute) steps through the path, at FEW and at MANY tensors; two costs are solved so that the
-performance model, with the link measured in the same job and the codec's calibration, gives back
-what was measured: the cost per element (perf.EntryCost.processor: the 16-bit casts and sums, the
-codec in a job against alone; none for the float32 allreduce, on which the link itself is fitted)
-the step at FEW tensors, the cost a gradient (perf.EntryCost.per_gradient: a hook, an enqueue,
-Horovod's negotiation of a name, the compressor's work a tensor) the step at MANY. Solved through
-the model, not read off the steps' difference: where the model runs the hand-overs beside the
-exchanges (Horovod's fused allreduce), part of them is hidden under the exchanges, and a
-difference would leave the model short of the steps it came from. The contentions
-(perf.Cluster.contention, wire_contention): every rank computes matrix products alone, then
-beside a thread running codes exchanges (or the framework's float32 allreduce) all along: the
-share of the processor the compute lost to them.
+A model of vectors of ELEMENTS float32 (a gradient each, next to no compute) steps through each
+path at FEW and at MANY tensors; two costs are solved so that the model, with the link measured
+in the same job and the codec's calibration, gives back the steps: perf.EntryCost.processor (an
+element's: 16-bit casts and sums, the codec in a job) from FEW, perf.EntryCost.per_gradient (a
+hook, an enqueue, a name's negotiation) from MANY. Solved through the model, since a difference of
+steps misses what the model hides under the exchanges. Contention (perf.Cluster.contention,
+wire_contention): the share of the processor matrix products lose to exchanges running beside.
 """
 import dataclasses
 import math

@@ -1,27 +1,17 @@
 """The one exchange driver: a bucket's codes exchange, with the collectives passed in.
 
-Every codes path runs through `run`: APSCompressor inside Horovod's own optimizers (torch and TF),
-hvd_aps.torch.DistributedOptimizer, hvd_aps.tensorflow's tape, Keras 3, the DDP hook and the FSDP2
-reduce-scatter. What differs between them is a `Collectives` object per group of ranks: a few
-collectives and a way to run a host stage (a plain call for eager frameworks, tf.numpy_function
-inside a TF graph). The stages themselves are hvd_aps._stages.CodesExchange's.
+Every codes path (Horovod's optimizers, hvd_aps.torch and .tensorflow, Keras 3, DDP, FSDP2) runs
+through `run` with a `Collectives` per group of ranks: a few collectives and a way to run a host
+stage (a plain call; tf.numpy_function in a TF graph). Stages: hvd_aps._stages.CodesExchange's::
 
-Steps, for one bucket of flat float32 gradients (`Levels`: flat, or two levels where hosts hold
-several ranks: float32 inside a host, codes between hosts)::
-
-    0. two levels: the bucket cut into one slice per local rank; alltoall of the slices inside the
-       host (shared memory on the CPU: hvd_aps._host_memory), each local rank sums the host's copies
-       of its slice in local-rank order (float32);
-    1. stage: each tensor's max |g| and size, the signature;        collective: Max-allreduce (all ranks)
-    2. stage: APS shifts and formats agreed, the chunks laid out;
-    then for every chunk, pipelined (chunk k is encoded while k-1's codes travel and k-2 is decoded):
-    3. stage: encode every owner's part of the chunk;                collective: alltoall (codes group)
-    4. stage: decode-and-sum this rank's part, re-encode it;         collective: allgather
-    5. stage: decode every owner's part into the results;
-    6. two levels: allgather of the results' slices inside the host.
-
-The schedule (hvd_aps._schedule) picks each bucket's chunking, or with policy="auto" possibly the
-framework's own allreduce, from measured times.
+    0. two levels: alltoall of its slices in the host (CPU: _host_memory), summed in local-rank order
+    1. stage: each tensor's max |g| and size, the signature;     collective: Max-allreduce (all ranks)
+    2. stage: APS shifts and formats agreed, the chunks laid out
+    per chunk (hvd_aps._schedule's chunking), pipelined: k encoded while k-1 travels, k-2 is decoded
+    3. stage: encode every owner's part of the chunk;             collective: alltoall (codes group)
+    4. stage: decode-and-sum this rank's part, re-encode it;      collective: allgather
+    5. stage: decode every owner's part into the results
+    6. two levels: allgather of the results' slices inside the host
 """
 import abc
 import dataclasses

@@ -1,25 +1,17 @@
 """Exchanger: what every entry point hands its exchanges to, and the one step protocol they follow.
 
-An APSCompressor holds one. It owns the configuration, the exchange state (hvd_aps._state), the
-stats, the threads and each group's stages, and the *step* in flight, a transaction over the
-state::
+An APSCompressor holds one: the configuration, the state (hvd_aps._state), the stats, the threads,
+each group's stages, and the *step* in flight, a transaction over the state::
 
     future = exchanger.submit(fn, *args)     # an exchange on the threads (or a DDP lane's)
     future = exchanger.bucket(levels, ...)   # one bucket through the driver, the same way
     with exchanger.exchange(): ...           # an exchange in the caller's thread
-    exchanger.count_native(...)              # tensors the framework's own collective carried
-    exchanger.pass_through(label, n)         # a tensor too small for codes, the same
-    exchanger.end_step()                     # the step's last exchange is handed over
-    exchanger.abort_step()                   # the step is given up
+    exchanger.count_native(...); exchanger.pass_through(label, n)   # tensors sent without codes
+    exchanger.end_step() / abort_step()      # the step's last exchange handed over / given up
 
-A step opens with its first exchange. end_step() ends it once everything in flight has ended:
-it commits (residuals, step counts, the schedule's timings) or, where an exchange raised, rolls
-back. abort_step() waits for what is in flight (nothing may write after) and rolls back at once;
-an exchange in the caller's thread that raises aborts the step itself.
-Entry points differ only in how they know a step's last exchange was handed over: Horovod's
-compress()/decompress() at the last gradient's decompress() (hvd_aps._tokens), DDP at its last
-bucket, FSDP2 when autograd's backward ends, the codes optimizer in synchronize(), the TF tape at
-the end of its call (in a graph: an op after every bucket's results).
+A step opens with its first exchange; end_step() commits once all in flight has ended, or rolls back
+where one raised; abort_step() waits for what is in flight and rolls back. Entry points differ only
+in when they know the last exchange is handed over (Horovod: at its last decompress()).
 """
 import concurrent.futures
 import contextlib

@@ -3,35 +3,15 @@
     model = ...                                   # fully_shard() applied to its blocks and itself
     hvd_aps.fsdp.apply(model, hvd_aps.APSCompressor(hvd_aps.e4m3), params=hvd_aps.e4m3)
 
-FSDP2 calls `FSDPModule.set_custom_reduce_scatter`'s object once per module and backward with a
-flat input laid out (world, -1), row r for rank r. `APSReduceScatter` sends it as codes through
-hvd_aps.exchange.reduce_scatter (hvd_aps._scatter): each rank sends (N-1)/N of its codes once,
-half an allreduce's traffic, and averages in float32 (FSDP is told to sum and not to divide).
-
-Two levels (HSDP's shape: parameters sharded inside a host, replicated across hosts): shard the
-model over this host's ranks only (`host_mesh()`), and `apply(model, compressor,
-replicate_group=...)` leaves FSDP's reduce-scatter inside the host native (float32) and sends the
-host-summed shard across hosts as codes, from FSDP's all-reduce hook.
-
-One backward is one step of the compressor's state, however many modules it reduces (as a DDP
-step is): the first exchange of a backward opens it, and it commits when autograd's backward
-ends (a callback queued on autograd's engine, after FSDP's own), or rolls back if an exchange
-raised. With policy="auto" the schedule times these steps, codes against FSDP's own float32
-reduce-scatter (or, on two levels, all-reduce across hosts). An exchange outside a backward
-(called by hand) is a step of its own. On CUDA tensors the CuPy engine runs the codec.
-
-FSDP2 (torch 2.13) calls the reduce-scatter without `async_op` and reads its output as soon as
-it returns (on the CPU at once; on CUDA on the reduce-scatter stream, which the exchange's
-host-side collectives wait for anyway), so the call completes before returning and returns None.
-
-The parameters (`params=`, FSDPModule.set_custom_all_gather): `APSAllGather` encodes this rank's
-shard, as FSDP hands it over (in a MixedPrecisionPolicy's param_dtype where one is set), each block
-at its own power of two (hvd_aps._owned: no agreement, the shard's owner holds it exactly),
-all-gathers the codes and decodes every rank's into the unsharded copy FSDP computes with, on
-every rank alike. The sharded parameters the optimizer steps stay as they were: only the copy
-is rounded, anew at every gather. A gather over another group than the module's shard group (an
-integer reshard_after_forward regathers the backward's copy from the forward's decoded values over
-a smaller group) and a gather of mixed dtypes (FSDP then gathers raw bytes) go as FSDP sends them.
+`APSReduceScatter` (set_custom_reduce_scatter) sends FSDP's (world, -1) input as codes through
+hvd_aps.exchange.reduce_scatter: (N-1)/N of a rank's codes once, averaged in float32 (FSDP is told
+to sum). HSDP's shape: shard over this host (`host_mesh()`), `apply(..., replicate_group=...)`:
+FSDP's float32 inside the host, the host-summed shard in codes from its all-reduce hook. A
+backward is one step of the compressor's state, committed when autograd's backward ends (rolled
+back if an exchange raised); each call completes before it returns None. `APSAllGather`
+(`params=`, set_custom_all_gather) encodes this rank's shard, each block at its own power of two
+(hvd_aps._owned); every rank decodes the gathered codes into the unsharded copy alike, which alone
+is rounded, anew each gather. Gathers over another group, or of mixed dtypes, go as FSDP sends them.
 """
 import contextlib
 import weakref

@@ -1,31 +1,17 @@
-"""Exact one-process emulations of the low-precision allreduces a GPU user picks instead of hvd_aps (NCCL's
-ring and tree in bf16/fp16/FP8, torch's bf16/fp16 DDP hooks, FP8 with APS's shared scale), and hvd_aps's own
-codes exchange at any N. Each takes N float32 arrays (one per worker, one shape) and returns the float32 result
-every rank gets, rounding for rounding. Sources: NCCL master 5067397c; PyTorch 38dfbe6f / 0f57f050 (div):
+"""Exact one-process emulations of the low-precision allreduces a GPU user picks instead of hvd_aps
+(NCCL's ring and tree in bf16/fp16/FP8, torch's bf16/fp16 DDP hooks, FP8 with APS's shared scale),
+and of hvd_aps's codes exchange at any N: N float32 arrays -> the float32 result every rank gets,
+rounding for rounding, as NCCL 5067397c and PyTorch 38dfbe6f compute it (the functions cite lines).
 
-- FuncSum: half, bfloat16 (sm80+): __hadd, the exact sum rounded once (src/device/reduce_kernel.h:426, :451);
-  FP8 (sm90+): __nv_fp8_e4m3(__hadd(__half(x), __half(y))): widened to half, added in half, converted back
-  (:472, :481) by CUDA's constructors, which saturate (__NV_SATFINITE in cuda_fp8.hpp: beyond max, Inf too,
-  -> +-max; NaN stays NaN), as NCCL's device API does (src/include/nccl_device/impl/vector__funcs.h:633, :684).
-- ncclAvg on floats: FuncPreMulSum (src/enqueue.cc:2526-2566): float(1.0/N) rounded into the dtype (FP8
-  satfinite: e4m3's 2**-10 is 0), multiplied (__hmul; FP8 in half) into each rank's own input as it is read
-  (reduce_kernel.h:718-800, common_kernel.h:93, prims_simple.h:223, :257); then FuncSum (reduce_kernel.h:700);
-  the post-op is the identity (:552).
-- Ring (src/device/all_reduce.h:14-83; one channel, ring index = rank): per loop of N chunks (:34-38,
-  ceil(count/N) aligned to 16 bytes), rank r sends its chunk r-1 (:42-47), at steps j = 2..N-1 adds its own
-  to chunk r-j from rank r-1 and sends it on (:49-56), last adds its own to chunk r, the full sum (:58-64),
-  which the all-gather copies (:66-81): chunk c is summed by ranks c+1, c+2, ..., c (mod N), rounded each add.
-- Tree (all_reduce.h:86-143): each rank reduces its own input, then its children's sums in down[] order
-  (common_kernel.h:81-139), sends up; the root's sum is broadcast. A chain inside each node
-  (src/graph/connect.cc:61-62), nodes in the double binary tree (src/graph/trees.cc:32-112, connect.cc:125-175;
-  BALANCED_TREE, src/init.cc:1183); here two channels: the first half of the elements on tree 0, the rest on 1.
-- torch's bf16/fp16_compress_hook (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py:55-87):
-  buffer.to(dtype).div_(world_size) (:68): cast, then divide in the dtype, on CUDA times the float32
-  reciprocal (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu:36-49); all_reduce SUM in the dtype (:84);
-  copy_ back to float32 (:75).
-NumPy's float16 and ml_dtypes' casts round to nearest even, as __float2half_rn, __float2bfloat16_rn and cvt.rn
-do; a float32 sum of two half/bfloat16 values rounded to the dtype is the exactly rounded sum (24 >= 2p + 1
-bits: double rounding is innocuous, Figueroa 1995).
+- FuncSum (src/device/reduce_kernel.h): half and bfloat16 add exactly, rounded once (__hadd); FP8
+  adds in half, converted back saturating (__NV_SATFINITE: beyond max, Inf too, -> +-max).
+- ncclAvg (FuncPreMulSum): each input times float(1.0/N) in the dtype (FP8: e4m3's 2**-10 is 0).
+- Ring (src/device/all_reduce.h): N chunks of ceil(count/N) aligned to 16 bytes, chunk c summed by
+  ranks c+1, c+2, ..., c (mod N), rounded each add. Tree: a chain in each node, the nodes in the
+  double binary tree (src/graph/trees.cc), half the elements on each of its two trees.
+- torch's compress hooks (default_hooks.py): cast, divide in the dtype, SUM in it, back to float32.
+NumPy's and ml_dtypes' casts round to nearest even as CUDA's do, and a 16-bit sum taken in float32
+and rounded once is the exactly rounded one (24 >= 2p + 1 bits).
 """
 import enum
 import functools

@@ -1,37 +1,16 @@
 """A model of one data-parallel training step: how long it takes with each way of exchanging the
 gradients (the framework's float32 or 16-bit allreduce, or hvd_aps's codes, flat or on two
-levels), on a cluster described by a few numbers, before anything is sent.
+levels), on a cluster described by a few numbers, before anything is sent (docs/performance-model.md).
 
-Pure functions over small frozen values; no framework imports (`python -m hvd_aps plan` prints
-them; `python -m hvd_aps calibrate` measures the codes exchange's own time, `Codec`). The terms:
-
-- Collectives are alpha-beta, as NCCL's tuner and nccl-tests count them: a ring allreduce of B
-  bytes over N ranks takes 2(N-1) latencies and moves 2(N-1)/N B through each link; an alltoall or
-  allgather, N-1 latencies and (N-1)/N B a rank. With L ranks a host, the ranks of a host share its
-  link between hosts: a flat alltoall puts L(N-L)/N B a rank through it, a ring 2(N-1)/N B.
-- The codes exchange of a bucket of n float32 is a Max-allreduce of the metadata, an alltoall of
-  the codes and an allgather of the re-encoded sums, plus its own processor time, fitted on the
-  real driver as `Codec.fixed + Codec.per_element * n`. In chunks the processor and the wire
-  overlap; the run-time schedule keeps the faster chunking, and so does the model.
-- Two levels (several hosts of several ranks): float32 reduce-scatter and allgather inside the
-  host, codes between hosts on a 1/L slice a rank. Inside a GPU host that is a link (NVLink); on
-  the CPU hvd_aps runs it through the host's shared memory, so it is processor time: the copies and
-  sums HOST_COPIES counts (`Cluster.host_copies`), at the host's calibrated copy rate (`Cluster.copy`).
-- A framework's 16-bit allreduce on the CPU casts and sums 16-bit values on the processor: the
-  path's `processor` cost per element its ring reduces (fitted per framework: on this project's
-  cluster rows Horovod 0.28's float16 allreduce over Gloo costs far more than torch's). Gloo's
-  ring sums each segment of its reduce-scatter half while the next two are in flight, so those
-  sums hide behind a slower wire (`_ring_with_sums`).
-- The step is a timeline: the forward, then the backward during which the gradients become ready
-  (DDP's order: the last layers first; at the times a profile measured, `Workload.timeline`, else
-  in proportion to their elements) and are handed over past the entry point's cost a gradient,
-  each exchange starting when its bucket is handed over (Horovod's own allreduce: whatever is,
-  fused) and the one before it has ended; the optimizer after both. Where compute and the
-  exchange share one processor (training on the CPU), an exchange running beside the backward
-  takes a measured share of the processor from it (`_Timeline`).
-
-What the model leaves out (a reason for a measured step to differ): two exchanges in flight at
-once, Horovod's cycle time, stragglers, and congestion beyond the link's rate.
+Pure functions over small frozen values, no framework imports (`python -m hvd_aps plan` prints them;
+`calibrate` fits `Codec`). Collectives are alpha-beta, as NCCL's tuner counts them, a host's ranks
+sharing its link. The codes exchange: a Max-allreduce, an alltoall, an allgather and its processor
+time (`Codec.fixed + Codec.per_element * n`), chunked as the schedule would. Two levels: float32
+inside a host (on the CPU, shared-memory copies: `Cluster.host_copies`), codes between hosts. A
+16-bit allreduce on the CPU adds a fitted processor cost an element (`_ring_with_sums`). The step is
+a timeline (`_Timeline`): forward, backward handing gradients to exchanges (`Workload.timeline`)
+that start when their bucket and the one before are done (sharing the CPU with compute), optimizer.
+Left out: two exchanges in flight at once, Horovod's cycle time, stragglers, congestion.
 """
 import dataclasses
 import enum

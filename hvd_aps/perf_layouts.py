@@ -1,25 +1,14 @@
-"""Step models of the layouts beside data parallelism, on hvd_aps.perf's terms (its Link, Cluster,
-Codec and Path, its alpha-beta collectives):
+"""Step models of the layouts beside data parallelism, on hvd_aps.perf's terms (Link, Cluster,
+Codec, Path and its alpha-beta collectives); each returns seconds a step and the bytes it sends.
 
-- **a pipeline** of `stages` stages, one a host, running 1F1B (or GPipe) over `microbatches`
-  micro-batches: each micro-batch sends its activations forward and their gradients backward
-  across every boundary, in the path's bits or as BlockCodes (hvd_aps.pipelining: the sender
-  encodes, the receiver decodes, one pass each). The step is the schedule's critical path: the
-  fill and the drain (the first micro-batch's forward through every stage, the last one's
-  backward back: stages - 1 micro-batch times and a hop each way a boundary), then every
-  micro-batch at the pace of the slower of a stage's compute and one message on the link.
-- **tensor-parallel layers**: the activations' collectives of a step (all-gathers,
-  reduce-scatters, sums) over the shards, each waited for where the next layer needs it
-  (serial with compute, as FSDP2 on the CPU): the framework's in the path's bits (Gloo's
-  reduce-scatter moves an allreduce's bytes), or codes (sums through the bucket exchange,
-  reduce-scatters through its scatter half, all-gathers as BlockCodes).
-- **DiLoCo**: `sync_every` inner steps alone, then the outer exchange of every parameter (the
-  codes bucket exchange, or the framework's allreduce), cut into `fragments` exchanged in turn
-  (Streaming DiLoCo); with `delay` an exchange runs beside that many inner steps before it is
-  applied, so only what it takes beyond them shows, and on a processor shared with compute
-  (Workload.shared_processor) its processor time does in any case.
-
-Each model returns seconds a step and the bytes it sends.
+- A pipeline (one stage a host, 1F1B or GPipe): the critical path is the fill and the drain
+  (stages - 1 micro-batch times and a hop each way a boundary), then every micro-batch at the pace
+  of the slower of a stage's compute and one message; codes cost a pass at each end (BlockCodes).
+- Tensor-parallel layers: a step's activation collectives (all-gathers, reduce-scatters, sums),
+  each waited for where the next layer needs it, as on the CPU; the framework's in the path's bits,
+  or codes (the bucket exchange, its scatter half, BlockCodes gathers).
+- DiLoCo: inner steps alone, then every fragment's outer exchange, of which only what runs past
+  its `delay` inner steps shows (and, on a processor shared with compute, its processor time).
 """
 import dataclasses
 import enum

@@ -6,16 +6,12 @@ interleaved, zero bubble)::
                                                   forward="e4m3", backward="e5m2")
     schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
 
-Every tensor a stage sends (get_fwd_send_ops, get_bwd_send_ops: one micro-batch's) travels as one
-uint8 message: its codes in the direction's format, every block of 2048 values at the power of two
-its own max gives, the blocks' exponents after them (hvd_aps.BlockCodes: a point-to-point send has
-no Max-allreduce to agree on a scale, so the sender's own travels with the codes). The receiving
-stage receives the message (get_fwd_recv_ops, get_bwd_recv_ops) and decodes it into the buffer the
-stage computes from where it reads it (torch 2.13's _retrieve_recv_activations and
-_retrieve_recv_grads: the schedules have waited for the receive by then). Rounding to nearest.
-Tensors of other dtypes than float32, bfloat16 and float16 (positions, masks) go as torch sends
-them, and so do two stages on one rank (a V schedule's turn): in memory, exactly. `bytes_sent`:
-what this stage sent.
+Each float32, bfloat16 or float16 tensor a stage sends travels as one uint8 message: codes in the
+direction's format, every block of 2048 values at the power of two its own max gives, the blocks'
+exponents after them (hvd_aps.BlockCodes: a point-to-point send has no Max-allreduce to agree a
+scale). The receiver decodes where the stage reads it (_retrieve_recv_activations,
+_retrieve_recv_grads), rounding to nearest. Other dtypes (positions, masks), and two stages on one
+rank, go as torch sends them. `bytes_sent`: what this stage sent.
 """
 import enum
 from typing import Union

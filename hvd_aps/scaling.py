@@ -5,16 +5,12 @@ Max-allreduce of each rank's `codec.amax`); the output is an integer exponent, s
 unscaling are exact. No I/O here: the compressors and the emulator call these functions.
 
 The rule is CPD's (Han et al., arXiv 1911.08907) with three changes:
-- CPD scales N*max|g| up to 2**bias; that ignores where the format's max really is and wastes up
-  to 2.8 binades (e4m3fn). Here the scaled values land within one binade of the limit.
-- CPD's x N headroom keeps a sum *accumulated in the format* from overflowing. hvd_aps accumulates
-  in float16 (the stock path) or float32 (the codes path), where the sum has room of its own, so the
-  headroom is only what that accumulator needs (`sum_max`). With x N regardless, 32 ranks would
-  spend 5 binades on headroom, which is all of e3m0's range: every gradient but the largest ones
-  would flush to zero.
-- CPD takes log2(0) on an all-zero gradient and sends NaN. Here amax 0 gives shift 0 (zeros stay
-  zeros), and a non-finite amax gives 0 too: callers send such a tensor unscaled so every rank
-  ends with a non-finite result rather than finite garbage.
+- the scaled values land within one binade of the format's max (CPD scales N*max|g| up to
+  2**bias, which wastes up to 2.8 binades of e4m3fn);
+- the headroom is only what the accumulator (float16 or float32, not the format) needs
+  (`sum_max`): CPD's x N would spend 5 binades at 32 ranks, all of e3m0's range;
+- amax 0 gives shift 0 (CPD sends NaN from log2(0)), and so does a non-finite amax: callers send
+  such a tensor unscaled, so every rank ends with a non-finite result, not finite garbage.
 """
 from types import ModuleType
 from typing import Optional, Sequence, Union

@@ -1,29 +1,17 @@
 """hvd_aps.tensor_parallel: torch's tensor-parallel styles with their activations' collectives in
 APS codes, for the parallelize_plan users already write (torch.distributed.tensor.parallel)::
 
-    compressor = hvd_aps.APSCompressor(hvd_aps.e4m3)
-    parallelize_module(block, tp_mesh, {
+    parallelize_module(block, tp_mesh, {   # compressor: an hvd_aps.APSCompressor, e.g. of hvd_aps.e4m3
         "attention.q": hvd_aps.tensor_parallel.CodesColwiseParallel(compressor, input_layouts=Shard(1)),
-        "attention.out": hvd_aps.tensor_parallel.CodesRowwiseParallel(compressor, output_layouts=Shard(1)),
-        "norm": SequenceParallel()})
+        "attention.out": hvd_aps.tensor_parallel.CodesRowwiseParallel(compressor, output_layouts=Shard(1))})
 
-In place of ColwiseParallel and RowwiseParallel (the same arguments, the same sharded parameters,
-the same outputs), the collectives DTensor would run in float32 run as codes
-(hvd_aps._codes_collectives), forward and backward::
-
-    column-parallel input  Replicate: forward -,               backward: sum of the input's gradient
-                           Shard(d):  forward all-gather,      backward: reduce-scatter
-    column-parallel output Replicate: forward all-gather,      backward: -  (each rank's own slice)
-    row-parallel output    Replicate: forward sum (allreduce), backward: -
-                           Shard(d):  forward reduce-scatter,  backward: all-gather
-
-Sums and reduce-scatters go through the codes exchange (APS shifts agreed by a Max-allreduce, an
-exact float32 sum, one rounding); all-gathers carry each rank's values with its own block
-exponents (hvd_aps.BlockCodes, `gathered`: the compressor's format by default). SequenceParallel
-itself moves no activations (its LayerNorm's parameter gradients, a few thousand values, stay
-DTensor's). One compressor may serve every layer of a model, and no other entry point: each layer a
-style is applied to (a plan's wildcard applies one style to several) names its collectives by the
-order parallelize_module applies it there, alike on every rank.
+In place of ColwiseParallel and RowwiseParallel (same arguments, parameters and outputs), DTensor's
+float32 collectives run as codes (hvd_aps._codes_collectives): column-parallel, a replicated input's
+gradient sum, a sharded input's all-gather (backward: reduce-scatter) and a replicated output's
+all-gather; row-parallel, the output's sum (Replicate) or reduce-scatter (Shard; backward: all-gather).
+Sums go through the codes exchange (agreed APS shifts, an exact float32 sum); all-gathers carry each
+rank's own block exponents (hvd_aps.BlockCodes, `gathered`). One compressor may serve every layer but
+no other entry point: collectives are named by the order the styles are applied, alike on every rank.
 """
 import copy
 import itertools
