@@ -4,10 +4,10 @@ docs/cluster/model_parallel_transformer.json).
 
 Protocol, as examples/perf_model_check.py's: the codec's time from `python -m hvd_aps calibrate`
 (--calibration; e4m3's codec stands for e8m7, the rows' bf16: the codec's passes do not depend
-on the format's split), each row's compute the one its benchmark measured, each link
-rate's effective bandwidth and the cost a tensor-parallel collective adds beyond its link
-(TensorParallel.per_collective, one for every rate) fitted on the float32 rows. Every other row
-(bf16 and e4m3 codes) is predicted, bytes too.
+on the format's split), each row's compute the one its benchmark measured, each link its nominal
+rate at the efficiency examples/perf_model_check.py fits for 1 Gbit/s (LINK_EFFICIENCY); one
+figure fitted, on the tensor-parallel float32 rows: the cost a collective adds beyond its link
+(TensorParallel.per_collective). Every other row is predicted, bytes too.
 
     .venv/bin/python examples/model_parallel_check.py [--rows docs/cluster/model_parallel_transformer.json] \
         [--calibration docs/perf_model_calibration.json]
@@ -25,7 +25,9 @@ DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 VOCAB = 256  # the study's byte-level vocabulary
 BITS = {"none": 32, "bf16": 16, "e4m3": 8}
 CODEC_OF = {"bf16": "e4m3", "e4m3": "e4m3"}  # the codec calibrated for each codes setting
-BANDWIDTHS = [0.6 + 0.02 * k for k in range(60)]  # a link's effective rate x its nominal one, to fit
+# what a tc-capped link delivers to Gloo over TCP, x its nominal rate: examples/perf_model_check.py's fit
+# of 1 Gbit/s on the data-parallel float32 rows (0.94 Gbit/s), taken for every rate
+LINK_EFFICIENCY = 0.94
 PER_COLLECTIVE = [0.25e-3 * k for k in range(81)]  # seconds a collective adds, to fit
 
 
@@ -62,20 +64,16 @@ def predict(row, codecs: dict, link: perf.Link, per_collective: float) -> tuple:
     return tensor_parallel_step(tensor_layout(row, per_collective), path, c)
 
 
-def fit(rows, codecs) -> tuple:
-    """({rate: Link}, seconds a tensor-parallel collective costs) predicting the float32 rows
-    best: each rate's bandwidth between BANDWIDTHS x its nominal one, one cost for every rate."""
-    fp32 = [r for r in rows if r["compression"].endswith(":none")]
+def links_of(rows) -> dict:
+    """Each rate's link: its nominal rate at LINK_EFFICIENCY, the model's default latency."""
+    return {rate: perf.Link(LINK_EFFICIENCY * perf.Link.parse(rate).bandwidth) for rate in {r["rate"] for r in rows}}
 
-    def error(r, link, cost):
-        return abs(predict(r, codecs, link, cost)[0] / r["step_median"] - 1)
 
-    def links_for(cost):
-        return {rate: min((perf.Link(factor * perf.Link.parse(rate).bandwidth) for factor in BANDWIDTHS),
-                          key=lambda link: sum(error(r, link, cost) for r in fp32 if r["rate"] == rate))
-                for rate in {r["rate"] for r in rows}}
-    cost = min(PER_COLLECTIVE, key=lambda cost: sum(error(r, links_for(cost)[r["rate"]], cost) for r in fp32))
-    return links_for(cost), cost
+def fit_per_collective(rows, codecs, links) -> float:
+    """The cost a tensor-parallel collective adds that predicts the float32 rows best."""
+    fp32 = [r for r in rows if r["compression"] == "tp:none"]
+    return min(PER_COLLECTIVE, key=lambda cost: sum(
+        abs(predict(r, codecs, links[r["rate"]], cost)[0] / r["step_median"] - 1) for r in fp32))
 
 
 def main():
@@ -87,17 +85,18 @@ def main():
     for row in rows:  # the benchmark's arguments, as netns_cluster ran it
         row.setdefault("batch_size", 8)
     codecs = calibration.load(args.calibration).codecs
-    links, per_collective = fit(rows, codecs)
+    links = links_of(rows)
+    per_collective = fit_per_collective(rows, codecs, links)
     for rate, link in sorted(links.items()):
-        print(f"link {rate}: fitted on its float32 rows {link.bandwidth * 8 / 1e9:.3f} Gbit/s")
-    print(f"fitted on the float32 rows: {per_collective * 1e3:.2f} ms a tensor-parallel collective beyond its link")
+        print(f"link {rate}: {link.bandwidth * 8 / 1e9:.3f} Gbit/s, {link.latency * 1e6:.0f} us")
+    print(f"fitted on the tensor-parallel float32 rows: {per_collective * 1e3:.2f} ms a collective beyond its link")
     print(f"{'rate':>8} {'row':>8} {'measured s':>10} {'predicted s':>11} {'error':>7} {'MB measured':>11} "
           f"{'MB predicted':>12}")
     errors = []
     for row in rows:
         seconds, sent = predict(row, codecs, links[row["rate"]], per_collective)
         error = seconds / row["step_median"] - 1
-        fitted = row["compression"].endswith(":none")
+        fitted = row["compression"] == "tp:none"
         if not fitted:
             errors.append(abs(error))
         print(f"{row['rate']:>8} {row['compression']:>8} {row['step_median']:>10.3f} {seconds:>11.3f} "

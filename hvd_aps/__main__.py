@@ -12,8 +12,9 @@ import os
 import pathlib
 import re
 import sys
+from typing import Optional
 
-from . import calibration, codec, emulate, fidelity, perf, perf_layouts, step_profile
+from . import _diloco_schedule, calibration, codec, emulate, fidelity, perf, perf_layouts, step_profile
 from .formats import PRESETS, FloatFormat
 
 _COUNT = re.compile(r"^\s*([0-9.]+)\s*([kmb]?)\s*$", re.IGNORECASE)
@@ -140,7 +141,7 @@ def plan_command(args):
     if missing:
         raise SystemExit(f"{args.calibration} has no calibration for {', '.join(missing)}: "
                          f"run python -m hvd_aps calibrate --format {missing[0]}")
-    work = _workload(args) if args.params or args.profile else None
+    work = None if args.pipeline or args.tensor else _workload(args)
     step, split = _step_models(args)
     paths = loaded.paths(args.entry_point, formats)
     # on the CPU two levels run inside a host through its memory, at the rate calibrated (or measured now)
@@ -148,8 +149,8 @@ def plan_command(args):
     sharing = args.sharing or (1 if args.accelerator else args.ranks_per_host)
     clusters = [perf.Cluster(args.hosts, _link(rate, args, loaded), args.ranks_per_host, copy=copy, sharing=sharing,
                              **loaded.contentions()) for rate in args.links.split(",")]
-    if args.pipeline or args.tensor or args.diloco:
-        _plan_layout(args, paths, clusters)
+    if args.pipeline or args.tensor or args.diloco is not None:
+        _plan_layout(args, work, paths, clusters)
         return
     levels = " (two levels)" if clusters[0].two_levels and not args.fsdp else ""
     print(f"{work.parameters:,} parameters, {work.compute * 1e3:g} ms compute a step, {args.hosts} hosts x "
@@ -182,30 +183,33 @@ def plan_command(args):
         _plot(args.plot, work, paths, clusters[0], step)
 
 
-def _plan_layout(args, paths, clusters) -> None:
+def _plan_layout(args, work: Optional[perf.Workload], paths, clusters) -> None:
     """The predicted step of a pipeline (one stage a host), tensor-parallel layers (one shard a
-    rank) or DiLoCo's inner steps beside data parallelism's, a row a path at every link."""
-    compute, optimizer = args.compute_ms / 1e3, args.optimizer_ms / 1e3
+    rank) or DiLoCo's inner steps beside data parallelism's (`work`), a row a path at every link."""
     if args.pipeline:
-        layout = perf_layouts.Pipeline(args.hosts, args.microbatches, args.activations, compute, optimizer)
+        layout = perf_layouts.Pipeline(args.hosts, args.microbatches, args.activations, args.compute_ms / 1e3,
+                                       args.optimizer_ms / 1e3)
         models = {"": functools.partial(perf_layouts.pipeline_step, layout)}
         print(f"a pipeline of {args.hosts} stages (one a host), 1F1B over {args.microbatches} micro-batches of "
-              f"{args.activations:,} activations a boundary, {args.compute_ms:g} ms compute a stage")
+              f"{args.activations:,} activations a boundary, {args.compute_ms:g} ms compute a stage; MB: what "
+              f"crosses a boundary each way")
     elif args.tensor:
-        layout = perf_layouts.TensorParallel.sequence_parallel(args.blocks, args.activations, compute,
-                                                               optimizer=optimizer)
+        layout = perf_layouts.TensorParallel.sequence_parallel(
+            args.blocks, args.activations, args.compute_ms / 1e3, args.projections, args.optimizer_ms / 1e3,
+            args.collective_ms / 1e3)
         models = {"": functools.partial(perf_layouts.tensor_parallel_step, layout, gloo=not args.accelerator)}
         print(f"{args.blocks} transformer blocks sharded over {clusters[0].world} ranks, sequence parallel, "
-              f"{args.activations:,} activations a collective, {args.compute_ms:g} ms compute a rank")
+              f"{args.activations:,} activations a collective, {args.compute_ms:g} ms compute a rank, "
+              f"{args.collective_ms:g} ms a collective beyond its link; MB: what a rank sends")
     else:
-        work = _workload(args)
-        schedule = perf_layouts.DiLoCo(args.diloco, args.fragments, args.delay)
+        schedule = _diloco_schedule.Schedule(args.diloco, args.fragments, args.delay)
         models = {"data parallel ": lambda path, c: (perf.step_time(work, path, c),
                                                      perf_layouts.exchange_bytes(work.parameters, path, c.world)),
                   "DiLoCo ": functools.partial(perf_layouts.diloco_step, work, schedule)}
-        print(f"{work.parameters:,} parameters, {args.compute_ms:g} ms compute a step: data parallelism against "
-              f"DiLoCo syncing every {args.diloco} steps in {args.fragments} fragments, each applied {args.delay} "
-              f"steps after it starts (a DiLoCo row: an inner step on average)")
+        print(f"{work.parameters:,} parameters, {work.compute * 1e3:g} ms compute a step: data parallelism against "
+              f"DiLoCo syncing every {args.diloco} steps ({args.fragments} fragment(s), each applied {args.delay} "
+              f"steps after it starts; a DiLoCo row: an inner step on average); MB: what a rank sends a step in a "
+              f"flat exchange")
     for rate, cluster in zip(args.links.split(","), clusters):
         rows = [(kind + path.name, *model(path, cluster)) for kind, model in models.items() for path in paths]
         print(f"\n{rate}: fastest {min(rows, key=lambda row: row[1])[0]}")
@@ -340,6 +344,28 @@ def _format_arg(name):
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _check_layout(parser, args) -> None:
+    """plan's layouts: one at a time, with what each needs; the data-parallel options refused."""
+    layouts = [name for name, on in (("--pipeline", args.pipeline), ("--tensor", args.tensor),
+                                     ("--diloco", args.diloco is not None), ("--fsdp", args.fsdp)) if on]
+    if len(layouts) > 1:
+        parser.error(f"plan one layout at a time, got {' and '.join(layouts)}")
+    if not (args.pipeline or args.tensor or args.diloco is not None):
+        return
+    if args.pin or args.plot:
+        parser.error(f"--pin and --plot plan data parallelism's exchange, not {layouts[0]}")
+    if args.diloco is not None:
+        return
+    if args.activations is None or args.compute_ms is None or args.profile:
+        parser.error(f"{layouts[0]} needs --activations and --compute-ms (not a --profile)")
+    if args.entry_point != perf.EntryPoint.DDP.value:
+        parser.error(f"{layouts[0]} runs torch.distributed's collectives: --entry-point {args.entry_point} does not apply")
+    if args.pipeline and (args.hosts < 2 or args.ranks_per_host != 1):
+        parser.error("--pipeline plans one stage a host: 2 or more --hosts of one rank")
+    if args.tensor and args.hosts * args.ranks_per_host < 2:
+        parser.error("--tensor shards over 2 or more ranks")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m hvd_aps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -408,6 +434,11 @@ def main(argv=None):
     plan.add_argument("--activations", type=_count_arg, help="--pipeline: values a micro-batch sends across a "
                       "boundary; --tensor: values of a step's activation (sequences x length x width)")
     plan.add_argument("--blocks", type=int, default=1, help="--tensor: transformer blocks")
+    plan.add_argument("--projections", type=int, default=3, help="--tensor: attention's gathered inputs (3: q, k "
+                                                                  "and v apart; 1: one gather for all three)")
+    plan.add_argument("--collective-ms", type=float, default=0.0,
+                      help="--tensor: what each collective costs beyond its link (DTensor's redistribution, the "
+                           "autograd Function; examples/model_parallel_check.py fits it on a float32 step)")
     plan.add_argument("--diloco", type=int, metavar="H", help="plan DiLoCo syncing every H inner steps beside data "
                                                               "parallelism (--params: the parameters synced)")
     plan.add_argument("--fragments", type=int, default=1, help="--diloco: Streaming DiLoCo's fragments")
@@ -423,18 +454,11 @@ def main(argv=None):
         parser.error("--ranks and --size must be positive")
     if args.command == "plan" and args.profile and (args.params is not None or args.compute_ms is not None):
         parser.error("plan a step from --params and --compute-ms, or from a saved --profile (not both)")
-    layouts = args.command == "plan" and sum(map(bool, (args.pipeline, args.tensor, args.diloco, args.fsdp)))
-    if layouts and layouts > 1:
-        parser.error("plan one layout at a time: --pipeline, --tensor, --diloco or --fsdp")
-    if args.command == "plan" and (args.pipeline or args.tensor):
-        if args.activations is None or args.compute_ms is None or args.profile:
-            parser.error("--pipeline and --tensor need --activations and --compute-ms (not a --profile)")
-        if args.pipeline and (args.hosts < 2 or args.ranks_per_host != 1):
-            parser.error("--pipeline plans one stage a host: 2 or more --hosts of one rank")
-    elif args.command == "plan" and not args.profile and (args.params is None or args.compute_ms is None):
+    if args.command == "plan":
+        _check_layout(parser, args)
+    if (args.command == "plan" and not (args.pipeline or args.tensor or args.profile)
+            and (args.params is None or args.compute_ms is None)):
         parser.error("plan needs --params and --compute-ms (or a saved --profile)")
-    if args.command == "plan" and (args.pin or args.plot) and (args.pipeline or args.tensor or args.diloco):
-        parser.error("--pin and --plot plan data parallelism's exchange, not --pipeline, --tensor or --diloco")
     if args.command == "plan" and (args.hsdp or args.gather) and not args.fsdp:
         parser.error("--hsdp and --gather plan FSDP2's units: give --fsdp UNITS too")
     if args.command == "plan" and args.device == "cuda":

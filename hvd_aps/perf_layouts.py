@@ -1,9 +1,9 @@
 """Step models of the layouts beside data parallelism, on hvd_aps.perf's terms (Link, Cluster,
 Codec, Path and its alpha-beta collectives); each returns seconds a step and the bytes it sends.
 
-- A pipeline (one stage a host, 1F1B or GPipe): the critical path is the fill and the drain
-  (stages - 1 micro-batch times and a hop each way a boundary), then every micro-batch at the pace
-  of the slower of a stage's compute and one message; codes cost a pass at each end (BlockCodes).
+- A pipeline (one stage a host, 1F1B): microbatches + stages - 1 slots, each a round trip over the
+  stages (a micro-batch's compute and its hops, shared by the stages' micro-batches in flight);
+  codes cost a pass at each end of a message (BlockCodes).
 - Tensor-parallel layers: a step's activation collectives (all-gathers, reduce-scatters, sums),
   each waited for where the next layer needs it, as on the CPU; the framework's in the path's bits,
   or codes (the bucket exchange, its scatter half, BlockCodes gathers).
@@ -15,11 +15,12 @@ import enum
 from typing import Sequence
 
 from . import perf
+from ._diloco_schedule import Schedule
 from .perf import BITS_PER_BYTE, Cluster, Path, Workload
 
-# a point-to-point message's codec: one pass over its values at each end, where the bucket
-# exchange of as many values makes 3 + 1/N (hvd_aps.perf.gather_codec_share counts alike)
-POINT_TO_POINT_PASSES = 1
+# a stage's codec passes a micro-batch: it encodes what it sends and decodes what it receives,
+# each way (a middle stage; an end stage sends and receives one way)
+MIDDLE_STAGE_PASSES, END_STAGE_PASSES = 4, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,29 +47,31 @@ def _message(elements: float, path: Path) -> float:
 
 
 def _hop(nbytes: float, c: Cluster) -> float:
+    """Seconds of one message of `nbytes` between two hosts."""
     return c.between.latency + nbytes / c.between.bandwidth
 
 
-def _passes(path: Path, c: Cluster, elements: float, passes: float, world: int) -> float:
+def _passes(path: Path, c: Cluster, elements: float, passes: float) -> float:
     """Seconds of `passes` codec passes over `elements` values, as a share of the calibrated
-    bucket exchange's 3 + 1/world passes over as many."""
+    bucket exchange's 3 + 1/N passes over as many (0 for the framework's own messages)."""
     if not path.codes:
-        return path.processor * elements * c.sharing
-    return passes / (3 + 1 / world) * perf.shared_codec(path.codec, c).time(elements)
+        return 0.0
+    return passes / (3 + 1 / c.world) * perf.shared_codec(path.codec, c).time(elements)
 
 
 def pipeline_step(p: Pipeline, path: Path, c: Cluster) -> tuple:
     """(seconds a step, bytes crossing each boundary each way a step) of `p` on `path`, its stages
-    one a host of `c`."""
+    one a host of `c`. A micro-batch's round trip is its forward through every stage and its
+    backward back, a hop each way a boundary; 1F1B keeps at most `stages` micro-batches in flight,
+    so a step is microbatches + stages - 1 slots of a round trip over the stages (the link's own
+    time for a message never exceeds a slot: a round trip crosses it twice a boundary)."""
     if c.hosts != p.stages:
         raise ValueError(f"the pipeline's {p.stages} stages stand one a host: the cluster has {c.hosts}")
     message = _message(p.activations, path)
-    hop = _hop(message, c)
-    # a middle stage encodes what it sends and decodes what it receives, both ways
-    codec = 4 * _passes(path, c, p.activations, POINT_TO_POINT_PASSES, 2)
-    microbatch = p.compute / p.microbatches + codec
-    step = (p.stages - 1) * (microbatch + 2 * hop) + p.microbatches * max(microbatch, hop) + p.optimizer
-    return step, p.microbatches * message
+    passes = END_STAGE_PASSES if p.stages == 2 else MIDDLE_STAGE_PASSES
+    microbatch = p.compute / p.microbatches + _passes(path, c, p.activations, passes)
+    slot = microbatch + 2 * (p.stages - 1) / p.stages * _hop(message, c)
+    return (p.microbatches + p.stages - 1) * slot + p.optimizer, p.microbatches * message
 
 
 class Collective(enum.Enum):
@@ -92,18 +95,26 @@ class TensorParallel:
     float32: Sequence[tuple] = ()
     per_collective: float = 0.0
 
+    def __post_init__(self):
+        if not self.collectives or min(self.compute, self.optimizer, self.per_collective) < 0 or any(
+                n < 1 for _, n in (*self.collectives, *self.float32)):
+            raise ValueError(f"tensor-parallel layers need collectives of 1 or more values, compute, optimizer and "
+                             f"per_collective >= 0: {self}")
+
     @classmethod
     def sequence_parallel(cls, blocks: int, activations: int, compute: float, projections: int = 3,
-                          optimizer: float = 0.0) -> "TensorParallel":
-        """Transformer blocks under sequence parallelism as torchtitan lays them out (the study's
-        tensor_plan): each column-parallel layer (`projections` for attention's inputs, the MLP's
+                          optimizer: float = 0.0, per_collective: float = 0.0) -> "TensorParallel":
+        """Transformer blocks under sequence parallelism (hvd_aps.tensor_parallel's styles): each
+        column-parallel layer (`projections` for attention's inputs, 3 where q, k and v gather
+        apart, 1 where one gather serves them as torchtitan's PrepareModuleInput does; the MLP's
         up) gathers the sequence forward and reduce-scatters its input's gradient backward, each
-        row-parallel one (attention's output, the MLP's down) the other way round: activations
+        row-parallel one (attention's output, the MLP's down) the other way round: `activations`
         values each (a step's sequences x length x width)."""
-        columns, rows = projections + 1, 2
-        per_block = [(Collective.ALL_GATHER, activations)] * (columns + rows)
-        per_block += [(Collective.REDUCE_SCATTER, activations)] * (columns + rows)
-        return cls(tuple(per_block * blocks), compute, optimizer)
+        if blocks < 1 or projections < 1:
+            raise ValueError(f"sequence parallelism needs 1 or more blocks and projections, got {blocks}, {projections}")
+        layers = projections + 1 + 2
+        per_block = [(Collective.ALL_GATHER, activations)] * layers + [(Collective.REDUCE_SCATTER, activations)] * layers
+        return cls(tuple(per_block * blocks), compute, optimizer, per_collective=per_collective)
 
 
 def _native(kind: Collective, elements: float, bits: int, c: Cluster, gloo: bool) -> float:
@@ -118,7 +129,7 @@ def _native(kind: Collective, elements: float, bits: int, c: Cluster, gloo: bool
 def _native_bytes(kind: Collective, elements: float, bits: int, world: int, gloo: bool) -> float:
     """Bytes a rank sends in the framework's collective: a ring's (N-1)/N of the tensor an
     all-gather, 2(N-1)/N an allreduce (and Gloo's reduce-scatter)."""
-    share = 2 if kind is Collective.ALL_REDUCE or kind is Collective.REDUCE_SCATTER and gloo else 1
+    share = 2 if kind is Collective.ALL_REDUCE or (kind is Collective.REDUCE_SCATTER and gloo) else 1
     return share * (world - 1) / world * elements * bits / BITS_PER_BYTE
 
 
@@ -147,32 +158,18 @@ def tensor_parallel_step(t: TensorParallel, path: Path, c: Cluster, gloo: bool =
         if path.codes:
             wire, codec, nbytes = _coded(kind, n, path, c)
         else:
-            wire, codec = _native(kind, n, path.bits, c, gloo), path.processor * n * c.sharing
+            wire, codec = _native(kind, n, path.bits, c, gloo), perf.processor_time(n, path, c)
             nbytes = _native_bytes(kind, n, path.bits, c.world, gloo)
         seconds, sent = seconds + wire + codec, sent + nbytes
     return seconds, sent
 
 
-@dataclasses.dataclass(frozen=True)
-class DiLoCo:
-    """DiLoCo's schedule: an outer exchange every `sync_every` inner steps, the parameters in
-    `fragments` exchanged in turn, each applied `delay` inner steps after it starts."""
-    sync_every: int
-    fragments: int = 1
-    delay: int = 0
-
-    def __post_init__(self):
-        if self.sync_every < 1 or not 1 <= self.fragments <= self.sync_every or not 0 <= self.delay < self.sync_every:
-            raise ValueError(f"DiLoCo needs sync_every >= 1, 1 <= fragments <= sync_every and 0 <= delay < "
-                             f"sync_every: {self}")
-
-
-def diloco_step(w: Workload, schedule: DiLoCo, path: Path, c: Cluster) -> tuple:
+def diloco_step(w: Workload, schedule: Schedule, path: Path, c: Cluster) -> tuple:
     """(seconds an inner step on average, bytes a rank sends an inner step) of `w`'s inner steps
-    with DiLoCo's outer exchange on `path`: every sync_every steps each fragment's exchange
-    (perf.exchange_time of its share of the parameters) shows beyond the `delay` inner steps it
-    runs beside, and where compute shares the processor, its processor time at the cluster's
-    contention in any case."""
+    with DiLoCo's outer exchange on `path` (hvd_aps.diloco's Schedule: one fragment's exchange at
+    a time): every sync_every steps each fragment's exchange (perf.exchange_time of its share of
+    the parameters, flat) shows beyond the `delay` inner steps it runs beside, and where compute
+    shares the processor, its processor time at the cluster's contention in any case."""
     inner = w.compute + w.optimizer
     fragment = w.parameters / schedule.fragments
     took = perf.exchange_time(fragment, path, c)
@@ -183,7 +180,8 @@ def diloco_step(w: Workload, schedule: DiLoCo, path: Path, c: Cluster) -> tuple:
 
 
 def exchange_bytes(elements: float, path: Path, world: int) -> float:
-    """Bytes a rank sends in one flat exchange of `elements` values: a ring allreduce's 2(N-1)/N
-    of them, or the codes exchange's alltoall and allgather of as many codes."""
+    """Bytes a rank sends in one flat exchange of `elements` values (two levels send less across
+    hosts): a ring allreduce's 2(N-1)/N of them, or the codes exchange's alltoall and allgather
+    of as many codes."""
     message = _message(elements, path)
     return 2 * (world - 1) / world * message
