@@ -214,7 +214,8 @@ def _plan_layout(args, work: Optional[perf.Workload], paths, clusters) -> None:
         rows = [(kind + path.name, *model(path, cluster)) for kind, model in models.items() for path in paths]
         print(f"\n{rate}: fastest {min(rows, key=lambda row: row[1])[0]}")
         print(_table(["path", "step ms", "x float32", "MB a step"],
-                     [(name, f"{t * 1e3:.1f}", f"{t / rows[0][1]:.2f}", f"{sent / 1e6:.3f}") for name, t, sent in rows]))
+                     [(name, f"{t * 1e3:.1f}", f"{t / rows[0][1]:.2f}", f"{sent / 1e6:.3f}")
+                      for name, t, sent in rows]))
 
 
 def _say_costs(loaded: calibration.Calibration, entry: perf.EntryPoint, sharing: float) -> None:
@@ -359,7 +360,8 @@ def _check_layout(parser, args) -> None:
     if args.activations is None or args.compute_ms is None or args.profile:
         parser.error(f"{layouts[0]} needs --activations and --compute-ms (not a --profile)")
     if args.entry_point != perf.EntryPoint.DDP.value:
-        parser.error(f"{layouts[0]} runs torch.distributed's collectives: --entry-point {args.entry_point} does not apply")
+        parser.error(f"{layouts[0]} runs torch.distributed's collectives: --entry-point {args.entry_point} "
+                     f"does not apply")
     if args.pipeline and (args.hosts < 2 or args.ranks_per_host != 1):
         parser.error("--pipeline plans one stage a host: 2 or more --hosts of one rank")
     if args.tensor and args.hosts * args.ranks_per_host < 2:

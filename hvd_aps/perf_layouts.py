@@ -111,13 +111,16 @@ class TensorParallel:
         row-parallel one (attention's output, the MLP's down) the other way round: `activations`
         values each (a step's sequences x length x width)."""
         if blocks < 1 or projections < 1:
-            raise ValueError(f"sequence parallelism needs 1 or more blocks and projections, got {blocks}, {projections}")
+            raise ValueError(f"sequence parallelism needs 1 or more blocks and projections, got {blocks}, "
+                             f"{projections}")
         layers = projections + 1 + 2
-        per_block = [(Collective.ALL_GATHER, activations)] * layers + [(Collective.REDUCE_SCATTER, activations)] * layers
+        per_block = [(kind, activations) for kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
+                     for _ in range(layers)]
         return cls(tuple(per_block * blocks), compute, optimizer, per_collective=per_collective)
 
 
 def _native(kind: Collective, elements: float, bits: int, c: Cluster, gloo: bool) -> float:
+    """Seconds on the links of the framework's collective of `elements` `bits`-bit values."""
     nbytes = elements * bits / BITS_PER_BYTE
     if kind is Collective.ALL_GATHER:
         return perf.allgather(nbytes / c.world, c)
@@ -136,14 +139,14 @@ def _native_bytes(kind: Collective, elements: float, bits: int, world: int, gloo
 def _coded(kind: Collective, elements: float, path: Path, c: Cluster) -> tuple:
     """(seconds on the links, seconds of codec, bytes a rank sends) of one codes collective."""
     n, world, codes = elements, c.world, perf.codes_bytes(elements, path.bits)
+    codec = perf.shared_codec(path.codec, c).time(n)
     if kind is Collective.ALL_GATHER:
-        return (perf.allgather(codes / world, c), perf.gather_codec_share(world) * perf.shared_codec(path.codec, c).time(n),
-                (world - 1) / world * codes)
+        return perf.allgather(codes / world, c), perf.gather_codec_share(world) * codec, (world - 1) / world * codes
     wire = perf.metadata_allreduce(c) + perf.alltoall(codes, c)
     if kind is Collective.REDUCE_SCATTER:
-        return wire, perf.SCATTER_CODEC_SHARE * perf.shared_codec(path.codec, c).time(n), (world - 1) / world * codes
+        return wire, perf.SCATTER_CODEC_SHARE * codec, (world - 1) / world * codes
     wire += perf.allgather(codes / world, c)
-    return wire, perf.shared_codec(path.codec, c).time(n), 2 * (world - 1) / world * codes
+    return wire, codec, 2 * (world - 1) / world * codes
 
 
 def tensor_parallel_step(t: TensorParallel, path: Path, c: Cluster, gloo: bool = True) -> tuple:
