@@ -149,7 +149,7 @@ def plan_command(args):
     sharing = args.sharing or (1 if args.accelerator else args.ranks_per_host)
     clusters = [perf.Cluster(args.hosts, _link(rate, args, loaded), args.ranks_per_host, copy=copy, sharing=sharing,
                              **loaded.contentions()) for rate in args.links.split(",")]
-    if args.pipeline or args.tensor or args.diloco is not None:
+    if _layout_planned(args):
         _plan_layout(args, work, paths, clusters)
         return
     levels = " (two levels)" if clusters[0].two_levels and not args.fsdp else ""
@@ -345,13 +345,18 @@ def _format_arg(name):
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _layout_planned(args) -> bool:
+    """plan was asked for a pipeline, tensor-parallel layers or DiLoCo, not a data-parallel step."""
+    return args.pipeline or args.tensor or args.diloco is not None
+
+
 def _check_layout(parser, args) -> None:
     """plan's layouts: one at a time, with what each needs; the data-parallel options refused."""
     layouts = [name for name, on in (("--pipeline", args.pipeline), ("--tensor", args.tensor),
                                      ("--diloco", args.diloco is not None), ("--fsdp", args.fsdp)) if on]
     if len(layouts) > 1:
         parser.error(f"plan one layout at a time, got {' and '.join(layouts)}")
-    if not (args.pipeline or args.tensor or args.diloco is not None):
+    if not _layout_planned(args):
         return
     if args.pin or args.plot:
         parser.error(f"--pin and --plot plan data parallelism's exchange, not {layouts[0]}")

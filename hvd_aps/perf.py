@@ -544,11 +544,31 @@ def busy_time(elements: float, tensors: float, path: Path, c: Cluster) -> float:
 SCATTER_CODEC_SHARE = 0.5
 
 
+def passes_share(passes: float, world: int) -> float:
+    """The share of a bucket exchange's codec time that `passes` passes over as many elements
+    take: the bucket exchange encodes all, sums N rows of 1/N, re-encodes 1/N and decodes all
+    (3 + 1/N passes)."""
+    return passes / (3 + 1 / world)
+
+
 def gather_codec_share(world: int) -> float:
-    """A codes all-gather's share of a bucket exchange's codec time for as many elements, counted
-    in passes over them: it encodes its own 1/N and decodes all N (1 + 1/N) where the bucket
-    exchange encodes all, sums N rows of 1/N, re-encodes 1/N and decodes all (3 + 1/N)."""
-    return (1 + 1 / world) / (3 + 1 / world)
+    """A codes all-gather's share of a bucket exchange's codec time for as many elements: it
+    encodes its own 1/N and decodes all N (1 + 1/N passes)."""
+    return passes_share(1 + 1 / world, world)
+
+
+def codes_all_gather(elements: float, path: Path, c: Cluster, tensors: float = 1) -> tuple:
+    """(seconds on the links, seconds of codec) of gathering `elements` values owned 1/N a rank
+    as codes, each block at its own exponent (hvd_aps.BlockCodes)."""
+    return (allgather(codes_bytes(elements, path.bits) / c.world, c),
+            gather_codec_share(c.world) * shared_codec(path.codec, c).time(elements, tensors))
+
+
+def codes_reduce_scatter(elements: float, path: Path, c: Cluster, tensors: float = 1) -> tuple:
+    """(seconds on the links, seconds of codec) of the codes exchange's scatter half over
+    `elements` values: the metadata's Max-allreduce and one alltoall of the codes."""
+    return (metadata_allreduce(c) + alltoall(codes_bytes(elements, path.bits), c),
+            SCATTER_CODEC_SHARE * shared_codec(path.codec, c).time(elements, tensors))
 
 
 def fsdp_step_time(w: Workload, path: Path, c: Cluster, reshard: bool = True, gloo: bool = False,
@@ -574,8 +594,8 @@ def fsdp_breakdown(w: Workload, path: Path, c: Cluster, reshard: bool = True, gl
     wire, codec = _gathers(w, c, reshard, gather)
     for n in w.bucket_sizes():
         if path.codes:
-            wire += metadata_allreduce(c) + alltoall(codes_bytes(n, path.bits), c)
-            codec += SCATTER_CODEC_SHARE * shared_codec(path.codec, c).time(n, w.tensors_in(n))
+            links, passes = codes_reduce_scatter(n, path, c, w.tensors_in(n))
+            wire, codec = wire + links, codec + passes
         else:
             wire += native_reduce_scatter(n * path.bits / BITS_PER_BYTE, c, gloo)
             codec += processor_time(n, path, c)
@@ -623,8 +643,8 @@ def _gathers(w: Workload, c: Cluster, reshard: bool, gather: Optional[Path] = No
             wire += count * allgather(n * (FLOAT32_BYTES if gather is None else gather.bits / BITS_PER_BYTE) / c.world,
                                       c)
             continue
-        wire += count * allgather(codes_bytes(n, gather.bits) / c.world, c)
-        codec += count * gather_codec_share(c.world) * shared_codec(gather.codec, c).time(n, w.tensors_in(n))
+        links, passes = codes_all_gather(n, gather, c, w.tensors_in(n))  # count is 1 or 2: exact scaling
+        wire, codec = wire + count * links, codec + count * passes
     return wire, codec
 
 

@@ -56,7 +56,7 @@ def _passes(path: Path, c: Cluster, elements: float, passes: float) -> float:
     bucket exchange's 3 + 1/N passes over as many (0 for the framework's own messages)."""
     if not path.codes:
         return 0.0
-    return passes / (3 + 1 / c.world) * perf.shared_codec(path.codec, c).time(elements)
+    return perf.passes_share(passes, c.world) * perf.shared_codec(path.codec, c).time(elements)
 
 
 def pipeline_step(p: Pipeline, path: Path, c: Cluster) -> tuple:
@@ -137,16 +137,18 @@ def _native_bytes(kind: Collective, elements: float, bits: int, world: int, gloo
 
 
 def _coded(kind: Collective, elements: float, path: Path, c: Cluster) -> tuple:
-    """(seconds on the links, seconds of codec, bytes a rank sends) of one codes collective."""
-    n, world, codes = elements, c.world, perf.codes_bytes(elements, path.bits)
-    codec = perf.shared_codec(path.codec, c).time(n)
+    """(seconds on the links, seconds of codec, bytes a rank sends) of one codes collective: an
+    all-gather as BlockCodes, a reduce-scatter as the exchange's scatter half, a sum as the whole
+    bucket exchange."""
+    codes = perf.codes_bytes(elements, path.bits)
+    share = (c.world - 1) / c.world * codes
     if kind is Collective.ALL_GATHER:
-        return perf.allgather(codes / world, c), perf.gather_codec_share(world) * codec, (world - 1) / world * codes
-    wire = perf.metadata_allreduce(c) + perf.alltoall(codes, c)
+        return (*perf.codes_all_gather(elements, path, c), share)
+    scatter, codec = perf.codes_reduce_scatter(elements, path, c)
     if kind is Collective.REDUCE_SCATTER:
-        return wire, perf.SCATTER_CODEC_SHARE * codec, (world - 1) / world * codes
-    wire += perf.allgather(codes / world, c)
-    return wire, codec, 2 * (world - 1) / world * codes
+        return scatter, codec, share
+    # a sum, flat: the scatter half, then the allgather of the re-encoded sums
+    return scatter + perf.allgather(codes / c.world, c), perf.shared_codec(path.codec, c).time(elements), 2 * share
 
 
 def tensor_parallel_step(t: TensorParallel, path: Path, c: Cluster, gloo: bool = True) -> tuple:
