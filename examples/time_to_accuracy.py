@@ -19,8 +19,9 @@ Peers: ddp:none (DDP's allreduce), ddp:allreduce, ddp:fp16, ddp:bf16 (torch's ho
 ddp:powersgd4 (torch's powerSGD_hook at that rank, plain allreduce for the first tenth of the
 steps: its documented warm-up), ddp:<recipe> (hvd_aps.ddp.aps_hook); hvd:none, hvd:fp16,
 hvd:<recipe> (horovod.torch.DistributedOptimizer with Horovod's or hvd_aps's compression, after
-a plain hvd.init()); diloco:none and diloco:<recipe> (hvd_aps.diloco.DiLoCo over torch.distributed,
-its outer exchange in float32 or the recipe's codes, every --sync-every steps) and streaming:<...>
+a plain hvd.init()); diloco:none, diloco:<recipe> and diloco:intellect1-int8 (hvd_aps.diloco.DiLoCo
+over torch.distributed, its outer exchange in float32, the recipe's codes or INTELLECT-1's uint8
+ring, hvd_aps.diloco_peers.Intellect1Int8Ring, every --sync-every steps) and streaming:<...>
 (the same with --fragments fragments, each exchange applied --delay steps later, --mix of those
 steps' progress kept). Recipes: hvd_aps.RECIPES (aps-e4m3, aps-e3m0-ef, aps-e3m0-hybrid,
 aps-e4m3-auto, ...). Threads are the framework's own. Evaluation pauses the clock on every rank;
@@ -55,6 +56,7 @@ DDP_PEERS = ["ddp:none", "ddp:fp16", "ddp:powersgd1", "ddp:powersgd4", "ddp:aps-
 # or a hang at the first compressed step). One bucket keeps one order.
 ONE_BUCKET_MB = 1024
 PANELS_PER_ROW = 3  # the figures' panels (one a cluster and link), in rows of this many
+INT8_RING = "intellect1-int8"  # diloco:intellect1-int8: INTELLECT-1's outer exchange, on the wire
 HOROVOD_PEERS = ["hvd:none", "hvd:fp16", "hvd:aps-e4m3", "hvd:aps-e3m0-ef", "hvd:aps-e3m0-hybrid", "hvd:aps-e4m3-auto"]
 
 
@@ -217,7 +219,11 @@ class DiLoCoRun:
 
     def wrap(self, opt, named_parameters):
         import hvd_aps.diloco
-        compression = None if self.peer == "none" else recipes.compression(self.peer)
+        import hvd_aps.diloco_peers
+        if self.peer == INT8_RING:
+            compression = hvd_aps.diloco_peers.Intellect1Int8Ring()
+        else:
+            compression = None if self.peer == "none" else recipes.compression(self.peer)
         return hvd_aps.diloco.DiLoCo(self.model, opt, compression=compression, **self.options)
 
     gather, close = DDPRun.gather, DDPRun.close

@@ -7,7 +7,8 @@ outer exchange in APS codes; Streaming DiLoCo's fragments and overlap (arXiv 250
 
 Every H (`sync_every`) steps the pseudo-gradient (synced - now) is averaged across the workers, as
 codes with an APSCompressor (hvd_aps.exchange; error feedback sends what the codes lost with the
-next sync), else by the framework's float32 allreduce, and an outer SGD with Nesterov momentum
+next sync), by another implementation's OuterAverage (hvd_aps.diloco_peers: INTELLECT-1's int8
+ring), else by the framework's float32 allreduce, and an outer SGD with Nesterov momentum
 steps the synced parameters by it: the same bits on every worker. Streaming (`fragments` F,
 `delay` tau): fragment f syncs at the steps t = (f + 1) H / F (mod H), its exchange runs beside the
 next tau inner steps and is applied after them, their progress weighted by `mix`. Ranks:
@@ -47,9 +48,10 @@ class Backend(enum.Enum):
             raise ValueError(f"backend must be one of {[b.value for b in cls]} or None, got {backend!r}") from None
 
 
-class _Exchange(abc.ABC):
+class OuterAverage(abc.ABC):
     """The outer average of a fragment's flat pseudo-gradient across the workers: start() hands
-    it over, wait() gives the average (in the same tensor)."""
+    it over, wait() gives the average (in the same tensor). DiLoCo(compression=...) takes one
+    in place of a compressor: another implementation's exchange, stateless, alike on every rank."""
 
     @abc.abstractmethod
     def start(self, flat: torch.Tensor, bucket: Bucket) -> tuple:
@@ -60,7 +62,7 @@ class _Exchange(abc.ABC):
         """The average of every worker's flat."""
 
 
-class _CodesAverage(_Exchange):
+class _CodesAverage(OuterAverage):
     """Through the compressor's codes exchange, each sync one step of its state."""
 
     def __init__(self, compressor: APSCompressor, levels_of):
@@ -79,7 +81,7 @@ class _CodesAverage(_Exchange):
         return flat
 
 
-class _TorchFloat32(_Exchange):
+class _TorchFloat32(OuterAverage):
     """torch.distributed's float32 allreduce, divided by the group's size."""
 
     def __init__(self, group):
@@ -94,7 +96,7 @@ class _TorchFloat32(_Exchange):
         return flat.div_(dist.get_world_size(self.group))
 
 
-class _HorovodFloat32(_Exchange):
+class _HorovodFloat32(OuterAverage):
     """Horovod's float32 allreduce, averaged."""
 
     def start(self, flat, bucket):
@@ -132,7 +134,8 @@ class DiLoCo:
         inner: its optimizer; its state (Adam's moments) stays each worker's own.
         sync_every: H, inner steps between a fragment's syncs.
         compression: an hvd_aps.APSCompressor sending codes (e.g. "e3m0" with error_feedback=True),
-            or None: the framework's float32 allreduce.
+            an OuterAverage (another implementation's exchange), or None: the framework's
+            float32 allreduce.
         outer_lr, outer_momentum: the outer SGD's (Nesterov), DiLoCo's 0.7 and 0.9 by default.
         fragments, delay, mix: Streaming DiLoCo's fragments, the inner steps an exchange runs
             beside before it is applied, and the weight of those steps' progress kept.
@@ -144,15 +147,17 @@ class DiLoCo:
     """
 
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, sync_every: int,
-                 compression: Optional[APSCompressor] = None, outer_lr: float = OUTER_LR,
+                 compression: "APSCompressor | OuterAverage | None" = None, outer_lr: float = OUTER_LR,
                  outer_momentum: float = OUTER_MOMENTUM, fragments: int = 1, delay: int = 0, mix: float = 0.0,
                  process_group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None):
         if not 0.0 <= mix < 1.0:
             raise ValueError(f"mix must lie in [0, 1) (1: the workers would never take the outer step), got {mix!r}")
-        if compression is not None and (not isinstance(compression, APSCompressor)
-                                        or compression.config.wire is not Wire.CODES):
-            raise TypeError(f"compression must be an hvd_aps.APSCompressor sending codes or None, got {compression!r}")
-        self.model, self.inner, self.compression = model, inner, compression
+        codes = isinstance(compression, APSCompressor) and compression.config.wire is Wire.CODES
+        if not (codes or compression is None or isinstance(compression, OuterAverage)):
+            raise TypeError(f"compression must be an hvd_aps.APSCompressor sending codes, an OuterAverage or None, "
+                            f"got {compression!r}")
+        self.model, self.inner = model, inner
+        self.compression = compression if codes else None  # the compressor, whose state is DiLoCo's to keep
         self.schedule, self.mix = Schedule(sync_every, fragments, delay), float(mix)
         self.backend, self.process_group = Backend.parse(backend), process_group
         if self.backend is Backend.HOROVOD and process_group is not None:
@@ -161,9 +166,9 @@ class DiLoCo:
         if not named:
             raise ValueError("the model has no parameters that require gradients")
         parts = _cut(named, fragments)  # refused before anything is claimed or made
-        self._check_alike(named, outer_lr, outer_momentum)
+        self._check_alike(named, outer_lr, outer_momentum, compression)
         self._broadcast([p for _, p in named])
-        self._exchange = self._exchange_for(compression)
+        self._exchange = compression if isinstance(compression, OuterAverage) else self._exchange_for(compression)
         self._fragments = [self._fragment(f, part, outer_lr, outer_momentum) for f, part in enumerate(parts)]
         self.inner_steps = 0
 
@@ -253,7 +258,7 @@ class DiLoCo:
         flat = torch.empty(sum(bucket.sizes), dtype=torch.float32, device=synced[0].device)
         return _Fragment(index, bucket, params, synced, outer, flat)
 
-    def _exchange_for(self, compression) -> _Exchange:
+    def _exchange_for(self, compression) -> OuterAverage:
         if compression is None:
             return _TorchFloat32(self.process_group) if self.backend is Backend.TORCH else _HorovodFloat32()
         compression.claim("an hvd_aps.diloco.DiLoCo")
@@ -275,13 +280,13 @@ class DiLoCo:
             return made[str(device)]
         return _CodesAverage(compression, levels_of)
 
-    def _check_alike(self, named: list, outer_lr: float, outer_momentum: float) -> None:
+    def _check_alike(self, named: list, outer_lr: float, outer_momentum: float, compression) -> None:
         """Every worker's settings and parameter shapes, gathered: the same everywhere, or every
         worker raises naming what differs."""
         mine = {"sync_every": self.schedule.sync_every, "fragments": self.schedule.fragments,
                 "delay": self.schedule.delay, "mix": self.mix, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                 # the rest of a compressor's settings: checked by its first exchange
-                "compression": "float32" if self.compression is None else str(self.compression.config.fmt),
+                "compression": _outer_name(compression),
                 "parameters": tuple(tuple(_local(p).shape) for _, p in named)}
         _metadata.check_same_settings(self._gathered(mine))
 
@@ -303,6 +308,13 @@ class DiLoCo:
         gathered = [None] * dist.get_world_size(self.process_group)
         dist.all_gather_object(gathered, obj, group=self.process_group)
         return gathered
+
+
+def _outer_name(compression) -> str:
+    """What the workers compare of the outer exchange (a compressor's other settings: its first exchange)."""
+    if compression is None:
+        return "float32"
+    return str(compression.config.fmt) if isinstance(compression, APSCompressor) else type(compression).__name__
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

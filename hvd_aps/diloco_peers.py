@@ -1,6 +1,7 @@
 """The outer exchanges other DiLoCo implementations run, in one process: N float32 pseudo-gradients
 -> the float32 average every worker applies, rounding for rounding as each source describes it.
 hvd_aps's own: emulate.codes_allreduce; bf16 DiLoCo: peers.nccl_ring_allreduce(..., "bfloat16", "avg").
+Intellect1Int8Ring runs INTELLECT-1's on real ranks (torch.distributed), its bytes on the wire.
 
 - INTELLECT-1 (PrimeIntellect-ai/prime at 5cc57a0f, src/zeroband/diloco.py, C/csrc/): divided by
   N, then a ring of uint8 codes over N x 2 chunks: each hop quantizes its running fp32 sum afresh,
@@ -17,8 +18,11 @@ from typing import Sequence
 
 import ml_dtypes
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from . import codec, scaling
+from .diloco import OuterAverage
 
 INT8_BINS, INT8_ZERO, INT8_SPAN = 256, 128, 6.0  # INTELLECT-1's uniform 8-bit: +-3 sigma in 256 bins
 RING_BUFFERS = 2  # INTELLECT-1's ring: N x 2 chunks
@@ -74,6 +78,63 @@ def intellect1_int8_allreduce(arrays: Sequence[np.ndarray]) -> np.ndarray:
             total = chunk[(c + hop) % n] + _int8_round_trip(total)
         out[lo:lo + size] = _int8_round_trip(total)  # the owner's own total, as the allgather carries it
     return out.reshape(shape)
+
+
+class Intellect1Int8Ring(OuterAverage):
+    """INTELLECT-1's outer allreduce over torch.distributed (`group`: every rank by default): the
+    bits of intellect1_int8_allreduce, each hop's uint8 codes and float32 codebook sent point to
+    point, then every owner's chunks allgathered. Synchronous: start() returns once it is done."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def start(self, flat, bucket):
+        n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        held = flat.detach().cpu().numpy().astype(np.float32) / np.float32(n)
+        size = max(1, -(-held.size // (n * RING_BUFFERS)))
+        chunks = [slice(lo, min(lo + size, held.size)) for lo in range(0, held.size, size)]
+        running = {c: held[s] for c, s in enumerate(chunks) if (c + 1) % n == rank}
+        for hop in range(1, n):  # chunk c is at rank (c + hop) % n and goes on to the next rank
+            sent = {c: _int8_message(running.pop(c)) for c in list(running)}
+            got = {c: torch.empty(_message_bytes(s.stop - s.start), dtype=torch.uint8)
+                   for c, s in enumerate(chunks) if (c + hop + 1) % n == rank}
+            ops = [dist.P2POp(dist.isend, m, dist.get_global_rank(self.group or dist.group.WORLD, (rank + 1) % n),
+                              self.group, tag=c) for c, m in sent.items()]
+            ops += [dist.P2POp(dist.irecv, m, dist.get_global_rank(self.group or dist.group.WORLD, (rank - 1) % n),
+                               self.group, tag=c) for c, m in got.items()]
+            for work in dist.batch_isend_irecv(ops) if ops else ():
+                work.wait()
+            running = {c: held[chunks[c]] + _int8_decoded(m) for c, m in got.items()}
+        mine = torch.zeros(RING_BUFFERS * _message_bytes(size), dtype=torch.uint8)
+        for k, c in enumerate(sorted(running)):  # the owner's chunks c = rank, rank + n, ...
+            message = _int8_message(running[c])
+            mine[k * _message_bytes(size):k * _message_bytes(size) + message.numel()] = message
+        every = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(every, mine, group=self.group)
+        out = np.empty(held.size, np.float32)
+        for c, s in enumerate(chunks):
+            at = (c // n) * _message_bytes(size)
+            out[s] = _int8_decoded(every[c % n][at:at + _message_bytes(s.stop - s.start)])
+        flat.copy_(torch.from_numpy(out).reshape(flat.shape))
+        return flat
+
+    def wait(self, handle):
+        return handle
+
+
+def _message_bytes(elements: int) -> int:
+    """A chunk's message: its uint8 codes, then its float32 codebook."""
+    return elements + 4 * INT8_BINS
+
+
+def _int8_message(x: np.ndarray) -> torch.Tensor:
+    codes, book = _int8_quantize(x)
+    return torch.from_numpy(np.concatenate([codes, book.view(np.uint8)]))
+
+
+def _int8_decoded(message: torch.Tensor) -> np.ndarray:
+    raw = message.numpy()
+    return raw[-4 * INT8_BINS:].view(np.float32)[raw[:-4 * INT8_BINS]]
 
 
 def torchft_fp8_allreduce(arrays: Sequence[np.ndarray]) -> np.ndarray:

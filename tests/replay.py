@@ -14,7 +14,7 @@ import numpy as np
 
 import hvd_aps
 import model
-from hvd_aps import emulate
+from hvd_aps import diloco_peers, emulate
 
 STEPS, WIDTH, LAYERS, BATCH, LR, MOMENTUM = 8, 256, 6, 8, 0.05, 0.9
 
@@ -135,9 +135,9 @@ def diloco(options: dict, fragments: list) -> list:
     model, AdamW and batches (tests/workers/common.py) on one replica per rank; fragment f (its
     parameters' indices in fragments[f]) synced after the steps t with t = (f + 1) H / F (mod H),
     its pseudo-gradients (synced - now) averaged (float32: (a + b) / 2; codes: the in-process
-    driver under DiLoCo's names) and applied `delay` steps later by Nesterov SGD (0.7, 0.9) on
-    the synced values, the parameters set to lerp(synced, now, mix). -> per rank, the parameters
-    after every step."""
+    driver under DiLoCo's names; int8: INTELLECT-1's ring in one process) and applied `delay`
+    steps later by Nesterov SGD (0.7, 0.9) on the synced values, the parameters set to
+    lerp(synced, now, mix). -> per rank, the parameters after every step."""
     import torch
     from workers.common import DILOCO_STEPS, diloco_batch, diloco_compressor, diloco_model
     sync_every, delay, mix = options["sync_every"], options.get("delay", 0), options.get("mix", 0.0)
@@ -151,7 +151,8 @@ def diloco(options: dict, fragments: list) -> list:
         inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
         synced = [[[params[r][i].detach().clone() for i in part] for part in fragments] for r in range(ranks)]
         outers = [[torch.optim.SGD(s, lr=0.7, momentum=0.9, nesterov=True) for s in mine] for mine in synced]
-        compressors = [diloco_compressor(options["compression"]) for _ in range(ranks)]
+        compressors = [None if options["compression"] == "int8" else diloco_compressor(options["compression"])
+                       for _ in range(ranks)]
         pending, after = {}, [[] for _ in range(ranks)]
 
         def apply(f):
@@ -176,7 +177,10 @@ def diloco(options: dict, fragments: list) -> list:
                 f = (step // every - 1) % len(fragments)
                 pseudo = [[(s - params[r][i]).detach().numpy().ravel().copy() for s, i in zip(synced[r][f], fragments[f])]
                           for r in range(ranks)]
-                if compressors[0] is None:  # a sum of two float32 is one rounding, in either order
+                if options["compression"] == "int8":  # INTELLECT-1's ring over the fragment's flat vector
+                    flat = diloco_peers.intellect1_int8_allreduce([np.concatenate(p) for p in pseudo])
+                    averaged = np.split(flat, np.cumsum([a.size for a in pseudo[0]])[:-1])
+                elif compressors[0] is None:  # a sum of two float32 is one rounding, in either order
                     averaged = [(a + b) / np.float32(2) for a, b in zip(*pseudo)]
                 else:
                     averaged = emulate.codes_allreduce(compressors, pseudo, f"diloco.fragment{f}", 1,

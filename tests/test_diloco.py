@@ -2,13 +2,15 @@
 every step's parameters those of DiLoCo written again in this process (tests/replay.py), float32,
 codes with error feedback and streaming fragments; identical on every worker after each sync; a
 fresh process resumed from a checkpoint taken while an exchange was under way ends on the same
-bits; workers that disagree on the settings are refused, naming what differs."""
+bits; workers that disagree on the settings are refused, naming what differs; INTELLECT-1's int8
+ring (hvd_aps.diloco_peers) on real ranks gives the bits of its arithmetic in one process."""
 import numpy as np
 import pytest
 
 import replay
 from horovod_run import horovodrun, load, torchrun, worker_env
-from workers.common import DILOCO_SETTINGS, DILOCO_STEPS
+from hvd_aps import diloco_peers
+from workers.common import DILOCO_SETTINGS, DILOCO_STEPS, RING_SIZES, diloco_settings, ring_input
 
 SAVED_AFTER = 6  # diloco_checks.py's checkpoint
 FRAGMENTS = {1: [[0, 1, 2, 3, 4, 5]], 2: [[0, 1], [2, 3, 4, 5]]}  # sizes 2048, 64, 4096, 64, 512, 8: halves
@@ -68,6 +70,13 @@ def test_a_resumed_worker_ends_on_the_bits_of_one_never_stopped(torch_runs, sett
         assert second[setting].tobytes() == straight[setting][SAVED_AFTER:].tobytes(), setting
 
 
+@pytest.mark.parametrize("size", RING_SIZES)
+def test_intellect1s_ring_on_real_ranks_gives_the_bits_of_its_arithmetic_in_one_process(torch_runs, size):
+    want = diloco_peers.intellect1_int8_allreduce([ring_input(size, r) for r in range(RANKS)])
+    for r in torch_runs["straight"]:
+        assert r[f"ring{size}"].tobytes() == want.tobytes(), size
+
+
 def test_workers_that_disagree_on_the_settings_are_refused_on_every_rank(torch_runs):
     for r in torch_runs["straight"]:
         assert "sync_every: 4 on rank 0, 5 on rank 1" in str(r["mismatch"])
@@ -75,7 +84,8 @@ def test_workers_that_disagree_on_the_settings_are_refused_on_every_rank(torch_r
 
 def test_horovod_workers_take_the_same_steps_as_torch_distributeds(tmp_path):
     runs = launched(tmp_path, "horovod")
-    for setting, options in DILOCO_SETTINGS.items():
+    for setting in diloco_settings("horovod"):
+        options = DILOCO_SETTINGS[setting]
         want = replay.diloco(options, FRAGMENTS[options.get("fragments", 1)])
         for r, got in enumerate(runs["straight"]):
             assert got[setting].tobytes() == want[r].tobytes(), (setting, r)
@@ -114,7 +124,7 @@ def test_diloco_refuses_bad_settings_before_it_claims_or_communicates():
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="mix must lie in \\[0, 1\\)"):
         hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, mix=1.0)
-    with pytest.raises(TypeError, match="an hvd_aps.APSCompressor sending codes or None"):
+    with pytest.raises(TypeError, match="an hvd_aps.APSCompressor sending codes, an OuterAverage or None"):
         hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, compression="e4m3")
     compressor = hvd_aps.APSCompressor("e4m3")
     with pytest.raises(ValueError, match="must not exceed the model's 2 parameters"):

@@ -74,13 +74,28 @@ def gather_shard(rank, n):
 # where "codes", None for float32), its steps, its model and each rank's batches
 DILOCO_SETTINGS = {"float32": dict(compression=None, sync_every=4),
                    "codes": dict(compression="codes", sync_every=4),
-                   "streaming": dict(compression="codes", sync_every=4, fragments=2, delay=1, mix=0.5)}
+                   "streaming": dict(compression="codes", sync_every=4, fragments=2, delay=1, mix=0.5),
+                   "int8": dict(compression="int8", sync_every=4)}  # INTELLECT-1's ring: torch.distributed's
 DILOCO_STEPS = 16
+RING_SIZES = (1, 3, 5, 6, 4099)  # elements of the int8 ring's bits checks: fewer than its chunks, uneven, even
+
+
+def diloco_settings(backend: str) -> list:
+    """The settings a backend runs (INTELLECT-1's ring is torch.distributed's)."""
+    return [s for s, o in DILOCO_SETTINGS.items() if backend == "torch" or o["compression"] != "int8"]
 
 
 def diloco_compressor(kind):
     import hvd_aps
+    if kind == "int8":
+        from hvd_aps.diloco_peers import Intellect1Int8Ring
+        return Intellect1Int8Ring()
     return None if kind is None else hvd_aps.APSCompressor("e3m0", error_feedback=True, seed=9)
+
+
+def ring_input(size, rank):
+    """A pseudo-gradient of `size` elements for the int8 ring's bits checks."""
+    return np.random.default_rng(100 * size + rank).standard_normal(size).astype(np.float32)
 
 
 def diloco_model():

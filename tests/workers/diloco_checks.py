@@ -2,7 +2,8 @@
 (Gloo on loopback) or `horovodrun -np 2 --gloo` (HVD_APS_BACKEND=horovod), twice (HVD_APS_MODE:
 straight, second). `straight` trains every setting STEPS steps and saves a checkpoint (model, inner
 optimizer, DiLoCo) after step SAVED_AFTER, while a streaming fragment's exchange is under way;
-`second`, a fresh process, loads it and trains the rest. Each rank saves
+`second`, a fresh process, loads it and trains the rest; under torchrun INTELLECT-1's int8 ring
+also averages vectors of RING_SIZES alone. Each rank saves
 OUTDIR/diloco_<backend>_<mode>_rank<r>.npz: per setting the parameters after every step it took,
 and what a mismatched setting raised."""
 import os
@@ -13,7 +14,8 @@ import torch
 
 import hvd_aps
 import hvd_aps.diloco
-from common import DILOCO_SETTINGS, DILOCO_STEPS as STEPS, diloco_batch, diloco_model, diloco_compressor
+from common import (DILOCO_SETTINGS, DILOCO_STEPS as STEPS, RING_SIZES, diloco_batch, diloco_compressor, diloco_model,
+                    diloco_settings, ring_input)
 
 SAVED_AFTER = 6
 backend = os.environ.get("HVD_APS_BACKEND", "torch")
@@ -60,7 +62,11 @@ def train(setting):
     return np.stack(after)
 
 
-out = {setting: train(setting) for setting in DILOCO_SETTINGS}
+out = {setting: train(setting) for setting in diloco_settings(backend)}
+if backend == "torch":  # INTELLECT-1's ring on its own, on sizes the model's fragments do not have
+    ring = diloco_compressor("int8")
+    for size in RING_SIZES:
+        out[f"ring{size}"] = ring.wait(ring.start(torch.from_numpy(ring_input(size, rank)), None)).numpy()
 try:  # rank 1 syncs every 5 steps: every rank refuses at construction
     hvd_aps.diloco.DiLoCo(diloco_model(), torch.optim.SGD(diloco_model().parameters(), lr=0.1),
                           sync_every=4 + rank, backend=backend)
