@@ -20,6 +20,8 @@ WORKERS = pathlib.Path(__file__).parent / "workers"
 BIN = os.path.dirname(sys.executable)  # .venv/bin: horovodrun, and mpirun where MPICH came from PyPI
 STACKS_S = 5  # how long a job's processes get to print their stacks, and its launcher to pass them on
 TAIL = 12_000  # characters of a failed job's output and error shown
+FRAMES = 80     # lines of the frames digest a hung job's failure ends with
+_OURS = re.compile(r'(\[\d+\]<std\w+>:)?\s*File "[^"]*(hvd_aps|horovod|workers)[^"]*", line \d+ in \w+')
 
 
 def worker_env(**extra) -> dict:
@@ -44,13 +46,20 @@ def bounded(cmd, timeout: float, env: dict = None, check: bool = True, cwd=None)
     except subprocess.TimeoutExpired:
         out, err = (_quiet(text) for text in _stacks_then_kill(proc))
         pytest.fail(f"{' '.join(map(str, cmd))} ran past its bound of {timeout:.0f} s; each process's stacks:\n"
-                    f"{out[-TAIL:]}\n{err[-TAIL:]}")
+                    f"{out[-TAIL:]}\n{err[-TAIL:]}\n{_frames(out + err)}")
     run = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     run.pid = proc.pid  # what the job may have named things it made after
     if check:
         assert run.returncode == 0, (f"{' '.join(map(str, cmd))} failed (rc {run.returncode}, "
                                      f"{time.monotonic() - started:.0f} s):\n{out[-TAIL:]}\n{err[-TAIL:]}")
     return run
+
+
+def _frames(text: str) -> str:
+    """The frames of hvd_aps, Horovod and the workers in the stacks, each once: last in a hung
+    job's failure, where a log cut in its middle still shows where the job waited."""
+    seen = list(dict.fromkeys(m.group(0) for m in _OURS.finditer(text)))
+    return "frames of hvd_aps, Horovod and the workers in those stacks:\n" + "\n".join(seen[-FRAMES:])
 
 
 def _stacks_then_kill(proc: subprocess.Popen) -> tuple:
