@@ -25,14 +25,13 @@ import time
 import numpy as np
 
 from . import perf
+from .config import NATIVE_PATHS, Path
 
 NATIVE = -1
-CODES = "codes"
-# the framework's allreduce in each dtype policy="auto" may send, and the bytes of an element
-NATIVE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-PATHS = (CODES,) + tuple(NATIVE_BYTES)  # one timing entry each on the metadata vector, in this order
+CODES = Path.CODES
+PATHS = tuple(Path)  # one timing entry each on the metadata vector, in this order
 # predictions that bound a step from below only: the model leaves out 16-bit casts and sums
-LOWER_BOUNDS = ("float16", "bfloat16")
+LOWER_BOUNDS = (Path.FLOAT16, Path.BFLOAT16)
 ENTRIES = 2 + len(PATHS)  # timing entries on the metadata vector (Schedule.entries)
 TRIALS = 2        # timed steps per chunking
 BLOCKS = 2        # policy="auto"'s blocks of trial steps per path and round, alternating
@@ -77,7 +76,7 @@ def trial_steps(paths: tuple) -> int:
     return len(trial_order(paths)) * (WARMUP_STEPS + BLOCK_STEPS) + 1
 
 
-def max_trial_steps(natives: tuple = ("float32",)) -> int:
+def max_trial_steps(natives: tuple = (Path.FLOAT32,)) -> int:
     """The steps policy="auto" may take to decide: every round of trials and its deciding step,
     and one more where a link's prediction could not settle it (its agreement takes a step of
     its own before the trials go on)."""
@@ -189,7 +188,7 @@ class _Policy:
     in the order given: the more exact first), then the agreed decision."""
 
     def __init__(self, natives: tuple, drift_window: int = DRIFT_WINDOW):
-        self.paths = (CODES,) + tuple(natives)
+        self.paths = (CODES,) + tuple(natives)  # Paths
         self.phase, self.chosen = Phase.CHUNKING, None  # chosen: a path
         self.steps = {path: [] for path in self.paths}  # this rank's timed steps on each path
         self.order = trial_order(self.paths)  # the blocks of the round under way
@@ -204,25 +203,26 @@ class _Policy:
         self.drift = _Drift(drift_window)  # codes kept: their steps since the decision
 
     @property
-    def trying(self) -> "str | None":
+    def trying(self) -> "Path | None":
         """The path the trial steps run now, None outside the trials."""
         return self.order[self.block] if self.phase is Phase.TRIALS else None
 
     @property
-    def native(self) -> "str | None":
-        """The dtype of the framework's allreduce this step sends every bucket in (a trial
-        block's, or the decision), None where codes go."""
+    def native(self) -> "Path | None":
+        """The native path this step sends every bucket on (a trial block's, or the decision),
+        None where codes go."""
         path = self.trying or self.chosen
-        return path if path in NATIVE_BYTES else None
+        return path if path is not None and path.native else None
 
     def weighing(self) -> tuple:
         """The paths this round's trials weigh, in preference order."""
         return tuple(path for path in self.paths if path in self.order)
 
     def load(self, saved: dict) -> None:
-        """A state_dict()'s policy: "native" of an earlier release's fixed fallback read as the first native."""
+        """A state_dict()'s policy (its paths by name): "native" of an earlier release's fixed
+        fallback read as the first native."""
         def path(name):
-            return self.paths[1] if name == "native" else name
+            return None if name is None else self.paths[1] if name == _OLD_NATIVE else Path(name)
 
         def paths(values):
             if values is None or isinstance(values, dict):
@@ -251,15 +251,17 @@ class _Policy:
         else:
             predicting = saved.get("predicting")
             named = {*saved.get("order", ()), *(predicting if isinstance(predicting, dict) else ())}
-        return named - {None, "native"} <= set(self.paths)
+        return {Path(name) for name in named - {None, _OLD_NATIVE}} <= set(self.paths)
 
     def state(self) -> dict:
-        return {"phase": self.phase.value, "chosen": self.chosen, "block": self.block, "timed": self.timed,
-                "warming": self.warming, "rounds": self.rounds, "order": list(self.order),
-                "medians": self.medians if self.phase is Phase.DECIDED else None,
-                "steps": {k: list(v) for k, v in self.steps.items()},
-                "predicting": self.predicting, "prediction": self.prediction, "since": self.since,
-                "pinned": self.pinned, "drift": self.drift.state()}
+        """Plain values: paths by name."""
+        return {"phase": self.phase.value, "chosen": _named(self.chosen), "block": self.block,
+                "timed": self.timed, "warming": self.warming, "rounds": self.rounds,
+                "order": [path.value for path in self.order],
+                "medians": _by_name(self.medians) if self.phase is Phase.DECIDED else None,
+                "steps": _by_name({k: list(v) for k, v in self.steps.items()}),
+                "predicting": _by_name(self.predicting), "prediction": _by_name(self.prediction),
+                "since": self.since, "pinned": self.pinned, "drift": self.drift.state()}
 
 
     # decisions ------------------------------------------------------------------------------------
@@ -291,7 +293,7 @@ class _Policy:
             self.block, self.timed, self.warming = self.block + 1, 0, WARMUP_STEPS
             if self.block == len(self.order):
                 self.phase = Phase.DECIDING
-            elif self.rounds == 1 and self.block == 1 and self.order[0] == CODES:
+            elif self.rounds == 1 and self.block == 1 and self.order[0] is CODES:
                 natives = predict()  # the first block timed codes: the model may settle it here
                 if natives is not None:
                     self.predicting = {CODES: statistics.median(self.steps[CODES]), **natives}
@@ -300,7 +302,7 @@ class _Policy:
     @property
     def watching_drift(self) -> bool:
         """Codes kept by trials or a prediction (not by pin()): their steps are watched for drift."""
-        return self.phase is Phase.DECIDED and self.chosen == CODES and not self.pinned
+        return self.phase is Phase.DECIDED and self.chosen is CODES and not self.pinned
 
     @property
     def recheck_due(self) -> bool:
@@ -366,8 +368,7 @@ class _Predictor:
 
     def estimate(self, name: str, elements: int, hosts: int, ranks_per_host: int) -> None:
         cluster = perf.Cluster(hosts, self.link, ranks_per_host)
-        self.estimates[name] = {dtype: perf.allreduce(NATIVE_BYTES[dtype] * elements, cluster)
-                                for dtype in self.natives}
+        self.estimates[name] = {path: perf.allreduce(path.itemsize * elements, cluster) for path in self.natives}
 
     def natives_step(self, buckets) -> "dict | None":
         """The framework's step in each native dtype the model predicts: its allreduce of every
@@ -404,13 +405,14 @@ class Schedule:
     the step trials between codes and the framework's own allreduce in each of `natives`."""
 
     def __init__(self, candidates: tuple, auto: bool = False, link: "perf.Link | None" = None,
-                 natives: tuple = ("float32",)):
+                 natives: tuple = (Path.FLOAT32,)):
         if not candidates:
             raise ValueError("a schedule needs at least one candidate")
-        unknown = set(natives) - set(NATIVE_BYTES)
-        if not natives or unknown:
-            raise ValueError(f"natives must be some of {list(NATIVE_BYTES)}, got {list(natives)}")
-        self.candidates, self.auto, self.link, self.natives = tuple(candidates), bool(auto), link, tuple(natives)
+        names = {p.value for p in NATIVE_PATHS}
+        if not natives or any(str(n) not in names for n in natives):
+            raise ValueError(f"natives must be some of {sorted(names)}, got {[str(n) for n in natives]}")
+        self.candidates, self.auto, self.link = tuple(candidates), bool(auto), link
+        self.natives = tuple(Path(str(n)) for n in natives)  # names parsed once
         self._buckets, self._lock = {}, threading.Lock()
         self._began = None  # when this step began: the last commit (None: not a clean measurement)
         self._pins = []  # the decisions pin() was given: kept through reset() and under a load
@@ -448,15 +450,14 @@ class Schedule:
             if b.chosen is None:
                 b.chosen = 0
 
-    def native_dtype(self) -> "str | None":
-        """The dtype of the framework's own allreduce every exchange of this step goes through
-        (policy="auto": a trial block's or the decision; it changes only at a step's commit),
-        None where codes go."""
+    def native_dtype(self) -> "Path | None":
+        """The native path every exchange of this step goes through (policy="auto": a trial
+        block's or the decision; it changes only at a step's commit), None where codes go."""
         with self._lock:
             return None if self._policy is None else self._policy.native
 
     def _policy_native(self) -> bool:
-        return self._policy is not None and self._policy.chosen in NATIVE_BYTES
+        return self._policy is not None and self._policy.chosen is not None and self._policy.chosen.native
 
     def entries(self, name: str) -> list:
         """This rank's timing entries for the metadata vector (ENTRIES of them, UNMEASURED where
@@ -608,7 +609,7 @@ class Schedule:
                     k: statistics.median(v) for k, v in p.steps.items() if v}
                 seconds = {f"{_path_text(k)} step": v for k, v in medians.items()}
                 seconds.update({f"{_path_text(k)} step (predicted)": v for k, v in (p.prediction or {}).items()
-                                if k != CODES})
+                                if k is not CODES})
                 seconds.update({f"codes step ({when})": v for when, v in (("settled", p.drift.settled),
                                                                          ("latest", p.drift.latest)) if v is not None})
                 chosen = None if p.chosen is None else _path_text(p.chosen)
@@ -623,9 +624,9 @@ class Schedule:
             out = {"chunk_bytes": {name: b.chosen for name, b in self._buckets.items() if b.chosen is not None}}
             if self._policy is not None:
                 chosen = self._policy.chosen
-                out["policy"] = "native" if chosen in NATIVE_BYTES else chosen
-                if chosen in NATIVE_BYTES:
-                    out["native_dtype"] = chosen
+                out["policy"] = None if chosen is None else PinnedPolicy.NATIVE.value if chosen.native else chosen.value
+                if chosen is not None and chosen.native:
+                    out["native_dtype"] = chosen.value
             return out
 
     def pin(self, decisions: dict) -> None:
@@ -651,7 +652,7 @@ class Schedule:
             if not undecided_only or self._bucket(name).chosen is None:
                 self._bucket(name).chosen = value
         if policy is not None and not (undecided_only and self._policy.phase is Phase.DECIDED):
-            self._policy.chosen = dtype if policy == "native" else policy
+            self._policy.chosen = dtype if policy is PinnedPolicy.NATIVE else CODES
             self._policy.phase, self._policy.pinned = Phase.DECIDED, True
 
     def _chosen_text(self, b: _Bucket):
@@ -690,8 +691,26 @@ class Schedule:
                 self._apply_pins(decisions, undecided_only=True)
 
 
+class PinnedPolicy(str, enum.Enum):
+    """What pin() and decisions() name a policy decision by."""
+    CODES = "codes"
+    NATIVE = "native"  # the framework's allreduce, in "native_dtype"
+
+
+_OLD_NATIVE = PinnedPolicy.NATIVE.value  # an earlier release's state named its one native path so
+
+
+def _named(path: "Path | None") -> "str | None":
+    return None if path is None else path.value
+
+
+def _by_name(paths: "dict | None") -> "dict | None":
+    """{Path: value} -> {name: value}, as a state_dict keeps it."""
+    return None if paths is None else {path.value: v for path, v in paths.items()}
+
+
 def _pinned(decisions: dict, natives: tuple, auto: bool) -> tuple:
-    """pin()'s decisions checked -> (chunk_bytes by bucket, the policy or None, the native dtype)."""
+    """pin()'s decisions checked -> (chunk_bytes by bucket, the PinnedPolicy or None, the native Path)."""
     unknown = set(decisions) - {"chunk_bytes", "policy", "native_dtype"}
     if unknown:
         raise ValueError(f"pin() takes 'chunk_bytes', 'policy' and 'native_dtype', got {sorted(unknown)}")
@@ -700,13 +719,14 @@ def _pinned(decisions: dict, natives: tuple, auto: bool) -> tuple:
     for name, value in chunks.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"chunk_bytes of {name!r} must be an int >= 0, got {value!r}")
-    if policy not in (None, "codes", "native"):
+    if policy is not None and policy not in {p.value for p in PinnedPolicy}:
         raise ValueError(f"policy must be 'codes', 'native' or None, got {policy!r}")
     if policy is not None and not auto:
         raise ValueError("a policy is pinned only on a compressor made with policy='auto' (the others send codes)")
-    if dtype not in natives:
-        raise ValueError(f"native_dtype must be one of this compressor's {list(natives)} (its fallback), got {dtype!r}")
-    return chunks, policy, dtype
+    if dtype not in {n.value for n in natives}:
+        raise ValueError(f"native_dtype must be one of this compressor's {[n.value for n in natives]} (its fallback), "
+                         f"got {dtype!r}")
+    return chunks, None if policy is None else PinnedPolicy(policy), Path(dtype)
 
 
 def describe(candidate: int) -> str:
@@ -715,8 +735,8 @@ def describe(candidate: int) -> str:
     return "unchunked codes" if candidate == 0 else f"codes in {candidate >> 10} KiB chunks"
 
 
-def _path_text(path: str) -> str:
-    return path if path == CODES else f"native {path}"
+def _path_text(path: Path) -> str:
+    return f"native {path}" if path.native else str(path)
 
 
 def _steps_text(steps: dict) -> str:

@@ -164,7 +164,8 @@ class ExchangeState:
 
     def __getstate__(self) -> dict:
         return {"state": self.state_dict(), "candidates": self.schedule.candidates, "auto": self.schedule.auto,
-                "link": self.schedule.link, "natives": self.schedule.natives, "pins": self.schedule.pins}
+                "link": self.schedule.link, "natives": [n.value for n in self.schedule.natives],
+                "pins": self.schedule.pins}
 
     def __setstate__(self, saved: dict) -> None:
         schedule = Schedule(saved["candidates"], saved["auto"], saved.get("link"), saved.get("natives", ("float32",)))

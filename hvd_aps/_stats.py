@@ -11,7 +11,7 @@ import threading
 import numpy as np
 
 from . import _arrays, _device
-from ._schedule import NATIVE_BYTES
+from .config import Path
 
 STATS_SAMPLE = 1 << 12  # elements per tensor the stats look at by default
 STATS_COLUMNS = ["tensor", "format", "elements", "measured", "shift", "flushed", "saturated", "relative_error",
@@ -229,11 +229,11 @@ class StatsRecorder:
         with self._lock:
             self.bytes_sent += nbytes
 
-    def passed_through(self, label: str, elements: int, dtype: str = "float32") -> None:
-        """A tensor the framework's own allreduce carried (too small for codes, or a fallback) in
-        `dtype`, a name of NATIVE_BYTES (bfloat16 too, which NumPy alone does not know)."""
+    def passed_through(self, label: str, elements: int, path: Path = Path.FLOAT32) -> None:
+        """A tensor the framework's own allreduce carried (too small for codes, or a fallback) on
+        the native `path`."""
         self.record(label, TensorStats(elements=elements, bytes_in=4 * elements,
-                                       bytes_carried=NATIVE_BYTES[dtype] * elements, measured=elements, fmt=dtype))
+                                       bytes_carried=path.itemsize * elements, measured=elements, fmt=path.value))
 
     def table(self, csv: bool = False) -> str:
         """The last stats of every tensor label as an aligned table, or CSV with a header."""

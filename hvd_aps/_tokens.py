@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _agreed, _horovod, _metadata, exchange
 from ._stages import Bucket
-from .config import Fallback, Policy
+from .config import Fallback, Path, Policy
 
 # The token's reduced value is 1 or N up to a few float32 roundings of the scale factors.
 TOKEN_TOLERANCE = 1e-4
@@ -561,7 +561,7 @@ def _keys(name: str, count: int) -> tuple:
 def check_fallback(config, adapter: Adapter, tensor) -> None:
     """Refuse a fallback Horovod's allreduce cannot carry at the first exchange, not after the
     trials, when policy="auto" first sends a step that way."""
-    if config.policy == Policy.AUTO and config.fallback == Fallback.BFLOAT16 and not adapter.carries_bfloat16(tensor):
+    if config.policy is Policy.AUTO and config.fallback is Fallback.BFLOAT16 and not adapter.carries_bfloat16(tensor):
         raise ValueError("APSCompressor(policy='auto', fallback='bfloat16'): Horovod's own allreduce does not "
                          "carry bfloat16 here (horovod.torch only for CUDA tensors on NCCL, horovod.tensorflow "
                          "never): use fallback='float16' or 'float32', or bfloat16 with the DDP hook or FSDP2")
@@ -572,7 +572,7 @@ def pass_through(adapter: Adapter, tensor, exchanger) -> tuple:
     the codes' tokens are (Horovod's grouped allreduce takes one dtype, its Gloo no bfloat16),
     and decompress() gives it back in its dtype -> (wire, Cast context)."""
     exchanger.pass_through(adapter.label(tensor), adapter.numel(tensor))
-    return adapter.native_wire(tensor, Fallback.FLOAT32), Cast(tensor)
+    return adapter.native_wire(tensor, Path.FLOAT32), Cast(tensor)
 
 
 class Cast:

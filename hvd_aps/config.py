@@ -53,6 +53,29 @@ class Fallback(_Choice):
     AUTO = "auto"
 
 
+class Path(_Choice):
+    """What a step sends every bucket in: the format's codes, or the framework's own allreduce
+    in one dtype (policy="auto"'s paths: the schedule's, the native hooks' and the stats' keys)."""
+    CODES = "codes"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def native(self) -> bool:
+        return self is not Path.CODES
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one element on a native path's allreduce."""
+        if not self.native:
+            raise ValueError("codes have no fixed element size: it is the format's")
+        return 4 if self is Path.FLOAT32 else 2
+
+
+NATIVE_PATHS = tuple(path for path in Path if path.native)  # the more exact first
+
+
 AUTO = "auto"  # chunk_bytes tuned at run time
 DEFAULT_BUCKET_BYTES = 16 << 20  # float32 gradient bytes fused into one codes exchange
 DEFAULT_MIN_ELEMENTS = 4096      # smaller tensors take the framework's plain allreduce on the codes path
@@ -170,11 +193,10 @@ class APSConfig:
 
     @property
     def natives(self) -> tuple:
-        """The dtypes of the framework's allreduce policy="auto" weighs against codes (the more
-        exact first)."""
-        if self.fallback == Fallback.AUTO:
-            return (Fallback.FLOAT32.value, Fallback.FLOAT16.value)
-        return (self.fallback.value,)
+        """The native Paths policy="auto" weighs against codes (the more exact first)."""
+        if self.fallback is Fallback.AUTO:
+            return (Path.FLOAT32, Path.FLOAT16)
+        return (Path(self.fallback.value),)
 
     @property
     def graph_chunk_bytes(self) -> int:

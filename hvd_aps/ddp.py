@@ -23,7 +23,7 @@ from . import _arrays, _device, _host_memory, _metadata, _threads, exchange
 from ._stages import Bucket
 from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
-from .config import Wire
+from .config import Path, Wire
 
 
 class TorchDistributedCollectives(exchange.AsyncEager):
@@ -290,12 +290,12 @@ def _labels(name: str, count: int) -> tuple:
     return tuple(f"{name}[{i}]" for i in range(count))
 
 
-_NATIVE_HOOKS = {"float32": default_hooks.allreduce_hook, "float16": default_hooks.fp16_compress_hook,
-                 "bfloat16": default_hooks.bf16_compress_hook}
+_NATIVE_HOOKS = {Path.FLOAT32: default_hooks.allreduce_hook, Path.FLOAT16: default_hooks.fp16_compress_hook,
+                 Path.BFLOAT16: default_hooks.bf16_compress_hook}
 
 
 def _native(state: APSState, bucket: dist.GradBucket, spec: Bucket,
-            fallback: str) -> torch.futures.Future[torch.Tensor]:
+            fallback: Path) -> torch.futures.Future[torch.Tensor]:
     """policy="auto" sends this bucket through the framework's own allreduce in `fallback`:
     torch's own hook for that dtype (in place, no copies), in flight in the step and counted as
     every native exchange is."""

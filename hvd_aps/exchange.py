@@ -25,10 +25,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import _arrays, _layout, _metadata
-from ._schedule import NATIVE, NATIVE_BYTES
+from ._schedule import NATIVE
 from ._stages import Bucket
 from ._residuals import OWNER, SEND
-from .config import Policy
+from .config import Path, Policy
 
 
 class Collectives(abc.ABC):
@@ -477,11 +477,11 @@ def _gather(bucket: Bucket, cuts: list, result, local: Collectives, out, message
     return whole
 
 
-def _native(stages, bucket: Bucket, flat, world: Collectives, out, divisor: int, dtype: str):
-    """policy="auto" where codes do not pay: the framework's own allreduce of the bucket in
-    `dtype`, counted in the stats and the bytes. The casts run as stages, so the arrays are
+def _native(stages, bucket: Bucket, flat, world: Collectives, out, divisor: int, path: Path):
+    """policy="auto" where codes do not pay: the framework's own allreduce of the bucket on the
+    native `path`, counted in the stats and the bytes. The casts run as stages, so the arrays are
     NumPy or CuPy there even where the framework's are tensors (TensorFlow)."""
-    dtype = np.dtype(dtype)
+    dtype = np.dtype(path.value)
 
     def cast(array):
         return (array.astype(dtype),)
@@ -497,7 +497,7 @@ def _native(stages, bucket: Bucket, flat, world: Collectives, out, divisor: int,
     wire, = world.stage(cast, [flat], [dtype])
     total = world.allreduce(wire, f"{bucket.name}.native")
     result, = world.stage(back, [total], [np.float32])
-    count_native(stages.stats, stages.state, bucket.keys, zip(bucket.labels, bucket.sizes), dtype.name, world.world)
+    count_native(stages.stats, stages.state, bucket.keys, zip(bucket.labels, bucket.sizes), path, world.world)
     return result
 
 
@@ -507,21 +507,21 @@ class Native(enum.Enum):
     REDUCE_SCATTER = 1  # FSDP2's
 
 
-def native_bytes(dtype: str, elements: int, world: int, collective: Native = Native.ALLREDUCE) -> float:
-    """What one rank sends in the framework's ring `collective` of `elements` in `dtype` (a name of
-    NATIVE_BYTES) over `world` ranks: (N - 1) / N of the data a pass."""
-    return collective.value * (world - 1) / world * NATIVE_BYTES[dtype] * elements
+def native_bytes(path: Path, elements: int, world: int, collective: Native = Native.ALLREDUCE) -> float:
+    """What one rank sends in the framework's ring `collective` of `elements` on the native `path`
+    over `world` ranks: (N - 1) / N of the data a pass."""
+    return collective.value * (world - 1) / world * path.itemsize * elements
 
 
-def count_native(stats, state, keys, labelled_sizes, dtype: str, world: int,
+def count_native(stats, state, keys, labelled_sizes, path: Path, world: int,
                  collective: Native = Native.ALLREDUCE) -> None:
     """A native exchange (the framework's own collective where policy="auto" chose it) counted as
-    a codes exchange is, wherever it is sent: every tensor as passed through in `dtype`, the bytes
+    a codes exchange is, wherever it is sent: every tensor as passed through on `path`, the bytes
     a rank sent (native_bytes), and the tensors' step done."""
     labelled_sizes = list(labelled_sizes)
     for label, n in labelled_sizes:
-        stats.passed_through(label, n, dtype)
-    stats.record_sent(int(native_bytes(dtype, sum(n for _, n in labelled_sizes), world, collective)))
+        stats.passed_through(label, n, path)
+    stats.record_sent(int(native_bytes(path, sum(n for _, n in labelled_sizes), world, collective)))
     state.exchanged(keys)
 
 

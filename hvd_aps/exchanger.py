@@ -23,7 +23,7 @@ from ._scatter import ScatterExchange
 from ._stages import Bucket, CodesExchange
 from ._state import ExchangeState
 from ._stats import StatsRecorder
-from .config import APSConfig
+from .config import APSConfig, Path
 
 
 class Exchanger:
@@ -116,19 +116,19 @@ class Exchanger:
         """A tensor too small for codes that the framework's own allreduce carried, in the stats."""
         self.recorder.passed_through(label, elements)
 
-    def count_native(self, keys, labelled_sizes, dtype: str, world: int,
+    def count_native(self, keys, labelled_sizes, path: Path, world: int,
                      collective: "exchange.Native" = None) -> None:
         """Tensors the framework's own collective carried (policy="auto" chose it) over `world`
         ranks, counted as every native exchange is (hvd_aps.exchange.count_native)."""
-        exchange.count_native(self.recorder, self.state, keys, labelled_sizes, dtype, world,
+        exchange.count_native(self.recorder, self.state, keys, labelled_sizes, path, world,
                               collective or exchange.Native.ALLREDUCE)
 
-    def native_dtype(self) -> Optional[str]:
-        """The schedule's path for the next exchange (None: codes; else the dtype of the framework's
-        own allreduce), read once the step before has committed: its commit may change it, and an
-        entry point whose framework goes on before its callbacks have run (DDP: a torch Future's
-        waiters wake before its callbacks) would read the old path on one rank and the new on
-        another, and their collectives would never meet."""
+    def native_dtype(self) -> Optional[Path]:
+        """The schedule's native path for the next exchange (None: codes), read once the step
+        before has committed: its commit may change it, and an entry point whose framework goes
+        on before its callbacks have run (DDP: a torch Future's waiters wake before its
+        callbacks) would read the old path on one rank and the new on another, and their
+        collectives would never meet."""
         with self._step:
             self._step.wait_for(lambda: not self._ending)
             return self.state.schedule.native_dtype()

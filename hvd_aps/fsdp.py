@@ -28,7 +28,7 @@ from ._stages import Bucket
 from ._topology import Topology, launcher_place
 from .compressor import APSCompressor
 from .ddp import TorchDistributedCollectives, _all_gather_object
-from .config import Wire
+from .config import Path, Wire
 from .formats import FloatFormat
 
 try:
@@ -82,10 +82,10 @@ class APSReduceScatter(ReduceScatter):
             self._exchanges[key] = coll, self.compressor.exchanger.scatter_stages(coll.world, coll.rank)
         return self._exchanges[key]
 
-    def _native(self, rows: torch.Tensor, out: torch.Tensor, group, fallback: str) -> None:
-        """FSDP's own reduce-scatter of the rows in `fallback`, averaged in float32, counted as a
-        passed-through tensor."""
-        dtype = getattr(torch, fallback)
+    def _native(self, rows: torch.Tensor, out: torch.Tensor, group, fallback: Path) -> None:
+        """FSDP's own reduce-scatter of the rows on the native path `fallback`, averaged in float32,
+        counted as a passed-through tensor."""
+        dtype = getattr(torch, fallback.value)
         world = rows.shape[0]
         shard = torch.empty(out.numel(), dtype=dtype, device=out.device)
         dist.reduce_scatter_tensor(shard, rows.to(dtype).reshape(-1), op=dist.ReduceOp.SUM, group=group)

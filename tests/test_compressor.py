@@ -11,6 +11,7 @@ import pytest
 import hvd_aps
 from hvd_aps import _tokens, _values
 from hvd_aps._stats import STATS_SAMPLE
+from hvd_aps.config import Path
 from support import WAIT_S
 
 
@@ -327,6 +328,11 @@ def test_chunkings_are_judged_by_whole_steps_not_after_a_switch(monkeypatch):
     assert all(ran.count(c) >= 1 + _schedule.TRIALS for c in step_seconds)
 
 
+def by_path(named: dict) -> dict:
+    """{path name: value} -> {Path: value}, as the schedule's internals hold them."""
+    return {Path(name): value for name, value in named.items()}
+
+
 def _commits(schedule, steps: int) -> list:
     """The native dtype each of `steps` steps runs (None: codes), committing each."""
     phases = []
@@ -591,13 +597,13 @@ def test_max_trial_steps_bounds_a_prediction_that_could_not_settle():
     """With a link, a prediction within PRIOR_MARGIN agrees on a step of its own, then the trials
     go on; with every round close, the decision still comes within max_trial_steps()."""
     from hvd_aps._schedule import Phase, _Policy, max_trial_steps
-    policy = _Policy(("float32",))
+    policy = _Policy((Path.FLOAT32,))
     policy.step_ended(0.1, True, lambda: None)  # the chunking fixed: the trials begin
     steps = 0
     while policy.phase is not Phase.DECIDED:
         if policy.phase is Phase.DECIDING:  # the step's metadata agrees every rank's figures
-            policy.medians = {"codes": 0.1, "float32": 0.1}
-        policy.step_ended(0.1, True, lambda: {"float32": 0.1})
+            policy.medians = {Path.CODES: 0.1, Path.FLOAT32: 0.1}
+        policy.step_ended(0.1, True, lambda: {Path.FLOAT32: 0.1})
         steps += 1
     assert policy.rounds == 3 and steps <= max_trial_steps()
 
@@ -666,7 +672,7 @@ def test_policy_auto_keeps_a_less_exact_path_only_where_it_is_clearly_faster(med
     from hvd_aps._schedule import ROUNDS, Schedule
     schedule = Schedule((0,), auto=True, natives=tuple(k for k in ("float32", "float16") if k in medians))
     schedule._policy.rounds = ROUNDS
-    schedule._policy.decide(medians)
+    schedule._policy.decide(by_path(medians))
     assert schedule.state_dict()["(policy)"]["chosen"] == chosen
 
 
@@ -677,7 +683,7 @@ def test_policy_auto_runs_another_round_on_a_close_call():
     from hvd_aps._schedule import CLEAR_MARGIN, STEP_TRIALS, UNMEASURED, Schedule, trial_order, trial_steps
     for codes, chosen in ((1 - 2 * CLEAR_MARGIN, "codes"), (1 + 2 * CLEAR_MARGIN, "native float32")):
         clear = Schedule((0,), auto=True)
-        clear._policy.decide({"codes": codes, "float32": 1.0})
+        clear._policy.decide({Path.CODES: codes, Path.FLOAT32: 1.0})
         assert clear.report()[-1]["chosen"] == chosen
     schedule = Schedule((0,), auto=True)
     schedule.candidate("b")
@@ -707,8 +713,8 @@ def test_policy_auto_runs_another_round_on_a_close_call():
 def test_a_predicted_margin_past_prior_margin_drops_a_path_and_the_rest_are_timed(predicted, natives, left):
     from hvd_aps._schedule import CODES, Schedule, trial_order
     schedule = Schedule((0,), auto=True, natives=natives)
-    schedule._policy.predicting = dict(predicted)  # this rank's; the agreed ones decide
-    schedule._policy.decide(predicted)
+    schedule._policy.predicting = by_path(predicted)  # this rank's; the agreed ones decide
+    schedule._policy.decide(by_path(predicted))
     policy = schedule.state_dict()["(policy)"]
     assert policy["phase"] == ("trials" if len(left) > 1 else "decided")
     assert policy["prediction"] == predicted

@@ -13,6 +13,7 @@ from hvd_aps import _host_engine, _metadata, exchange
 from hvd_aps._inprocess import flat_levels, host_levels, run_ranks, subgroup_levels
 from hvd_aps._schedule import BLOCK_STEPS, STEP_TRIALS, _path_text, max_trial_steps
 from hvd_aps._stages import HYBRID_SAMPLE, Bucket
+from hvd_aps.config import Path
 import model
 from support import WAIT_S, rank_grads, same_format, simulate
 
@@ -323,7 +324,7 @@ def test_policy_auto_times_whole_steps_and_decides_alike():
     assert policy[0]["chosen"] == policy[1]["chosen"] in ("codes", "native float32")
     assert set(policy[0]["seconds"]) == {"codes step", "native float32 step"}
     assert natives >= STEP_TRIALS  # the native trial steps, and every step after if native won
-    assert _path_text(compressors[0].state_dict()["schedule"]["(policy)"]["chosen"]) == policy[0]["chosen"]
+    assert _path_text(Path(compressors[0].state_dict()["schedule"]["(policy)"]["chosen"])) == policy[0]["chosen"]
 
 
 def test_fallback_auto_sends_each_native_dtype_as_the_framework_would():

@@ -192,7 +192,7 @@ def carries_bfloat16(tensor):
 
 
 def native_wire(tensor, fallback):
-    return tf.cast(tensor, tf.as_dtype(str(fallback)))
+    return tf.cast(tensor, tf.as_dtype(fallback.value))
 
 
 def native_result(reduced, like):

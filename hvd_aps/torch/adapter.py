@@ -215,7 +215,7 @@ def at_step_end(out, end_step, results):
 
 
 def native_wire(tensor, fallback):
-    return _as_dtype(tensor, getattr(torch, str(fallback)))
+    return _as_dtype(tensor, getattr(torch, fallback.value))
 
 
 def native_result(reduced, like):

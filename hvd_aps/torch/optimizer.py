@@ -23,7 +23,7 @@ from .. import _arrays, _device, _layout
 from .._stages import Bucket
 from ..compressor import APSCompressor
 from .adapter import label, levels, reducible, wait
-from ..config import Fallback, Policy, Wire
+from ..config import Fallback, Path, Policy, Wire
 
 
 class _Allreduce(NamedTuple):
@@ -95,7 +95,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self._buckets[b]]
-        if self._compression.exchanger.native_dtype() == Fallback.FLOAT32 and all(g.dtype == torch.float32 for g in grads):
+        if self._compression.exchanger.native_dtype() is Path.FLOAT32 and all(g.dtype == torch.float32 for g in grads):
             self._launch_native(b, grads)
             return
         # one float32 copy of the bucket's gradients end to end, exchanged in place; synchronize()
@@ -150,7 +150,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._reset()
             raise
         for keys, labelled_sizes in self._native.values():  # counted once sent, in this step's bytes
-            self._compression.exchanger.count_native(keys, labelled_sizes, Fallback.FLOAT32.value, hvd.size())
+            self._compression.exchanger.count_native(keys, labelled_sizes, Path.FLOAT32, hvd.size())
         for b, flat in self._targets.items():
             grads = [p.grad for p in self._buckets[b]]
             torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
