@@ -100,22 +100,25 @@ def included(process_set) -> bool:
 
 
 class NoAnswer(TimeoutError, _Reset):
-    """A collective of the codes path got no answer within APSConfig.timeout: a TimeoutError, and
+    """An exchange of the codes path got no answer within APSConfig.timeout: a TimeoutError, and
     Horovod's HorovodInternalError, so that Horovod elastic resets the job (shutdown and init, the
     remedy the message names) instead of the worker dying with the request still held."""
 
 
-def no_answer(seconds: float, what: str, process_set, rank: int) -> NoAnswer:
+def no_answer(seconds: float, what: str, process_set, rank: int, reset: bool = True) -> TimeoutError:
     """The error every rank raises where its wait for the others in a collective ran out: what it
     waited for and where, what may differ, and that Horovod keeps the request (its background
-    thread has no way to drop one), so nothing later in this Horovod session can be trusted."""
+    thread has no way to drop one), so nothing later in this Horovod session can be trusted.
+    `reset`: NoAnswer, which Horovod elastic resets on (an exchange); else a plain TimeoutError
+    (the ranks' agreement on settings and buckets: ranks that disagree would disagree again)."""
     ranks = list(process_set.ranks)
     where = "the global process set" if is_global(process_set) else f"process set {process_set.process_set_id}"
-    return NoAnswer(f"hvd_aps: rank {rank} had no answer from the other ranks for {seconds:g} s in {what} on "
-                        f"{where} (ranks {ranks}): do all ranks run the same model and optimizer on the same "
-                        "process set, with equal APSCompressor settings? Horovod still holds this rank's request, "
-                        "so the job cannot go on as it is: restart it, or hvd.shutdown() and hvd.init() on every "
-                        "rank (APSCompressor(timeout=...) sets this wait)")
+    error = NoAnswer if reset else TimeoutError
+    return error(f"hvd_aps: rank {rank} had no answer from the other ranks for {seconds:g} s in {what} on "
+                 f"{where} (ranks {ranks}): do all ranks run the same model and optimizer on the same "
+                 "process set, with equal APSCompressor settings? Horovod still holds this rank's request, "
+                 "so the job cannot go on as it is: restart it, or hvd.shutdown() and hvd.init() on every "
+                 "rank (APSCompressor(timeout=...) sets this wait)")
 
 
 def set_key(process_set):

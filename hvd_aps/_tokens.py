@@ -151,7 +151,7 @@ class Reduction:
 class _Batch:
     name: str
     adapter: Adapter     # the framework adapter of every tensor in the batch
-    native: Optional[str] = None  # the dtype of the framework's allreduce the schedule sends it in, else codes
+    native: Optional[Path] = None  # the dtype of the framework's allreduce the schedule sends it in, else codes
     process_set: object = None    # the Horovod process set its gradients are reduced on (None: every rank)
     flats: list = dataclasses.field(default_factory=list)   # codes batches: the gradients (None: not yet in)
     labels: list = dataclasses.field(default_factory=list)

@@ -51,7 +51,8 @@ class Backend(enum.Enum):
 class OuterAverage(abc.ABC):
     """The outer average of a fragment's flat pseudo-gradient across the workers: start() hands
     it over, wait() gives the average (in the same tensor). DiLoCo(compression=...) takes one
-    in place of a compressor: another implementation's exchange, stateless, alike on every rank."""
+    in place of a compressor (backend="torch"): another implementation's exchange, stateless,
+    alike on every rank."""
 
     @abc.abstractmethod
     def start(self, flat: torch.Tensor, bucket: Bucket) -> tuple:
@@ -162,11 +163,14 @@ class DiLoCo:
         self.backend, self.process_group = Backend.parse(backend), process_group
         if self.backend is Backend.HOROVOD and process_group is not None:
             raise ValueError("process_group is torch.distributed's: Horovod's workers are every rank")
+        if self.backend is Backend.HOROVOD and isinstance(compression, OuterAverage):
+            raise TypeError("an OuterAverage exchanges over torch.distributed: use backend='torch'")
+        self._outer = _outer_name(compression)  # what a checkpoint must be resumed with
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameters that require gradients")
         parts = _cut(named, fragments)  # refused before anything is claimed or made
-        self._check_alike(named, outer_lr, outer_momentum, compression)
+        self._check_alike(named, outer_lr, outer_momentum)
         self._broadcast([p for _, p in named])
         self._exchange = compression if isinstance(compression, OuterAverage) else self._exchange_for(compression)
         self._fragments = [self._fragment(f, part, outer_lr, outer_momentum) for f, part in enumerate(parts)]
@@ -200,7 +204,8 @@ class DiLoCo:
         return {"inner_steps": self.inner_steps, "schedule": dataclasses.asdict(self.schedule), "mix": self.mix,
                 "fragments": [{"synced": [s.clone() for s in f.synced], "outer": f.outer.state_dict(),
                                "started": f.started, "averaged": f.averaged} for f in self._fragments],
-                "compressor": None if self.compression is None else self.compression.state_dict()}
+                "compressor": None if self.compression is None else self.compression.state_dict(),
+                "outer": self._outer}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from this worker's state_dict(), on every worker, before the same step."""
@@ -208,10 +213,11 @@ class DiLoCo:
         if saved != self.schedule or state["mix"] != self.mix or len(state["fragments"]) != len(self._fragments):
             raise ValueError(f"this state_dict was saved under {saved}, mix {state['mix']} and is loaded under "
                              f"{self.schedule}, mix {self.mix}: resume with the settings it was saved with")
-        if (state["compressor"] is None) != (self.compression is None):
-            raise ValueError("this state_dict was saved " + ("without" if state["compressor"] is None else "with")
-                             + " a compressor and is loaded " + ("with" if state["compressor"] is None else "without")
-                             + " one: resume with the compression it was saved with")
+        outer = state.get("outer")  # an earlier release's state names none
+        if (outer is not None and outer != self._outer) or (state["compressor"] is None) != (self.compression is None):
+            outer = outer or ("float32" if state["compressor"] is None else "codes")
+            raise ValueError(f"this state_dict was saved with the outer exchange {outer} and is "
+                             f"loaded with {self._outer}: resume with the compression it was saved with")
         for fragment, kept in zip(self._fragments, state["fragments"]):
             if [s.shape for s in kept["synced"]] != [s.shape for s in fragment.synced]:
                 raise ValueError(f"fragment {fragment.index} was saved for other parameters")
@@ -280,13 +286,13 @@ class DiLoCo:
             return made[str(device)]
         return _CodesAverage(compression, levels_of)
 
-    def _check_alike(self, named: list, outer_lr: float, outer_momentum: float, compression) -> None:
+    def _check_alike(self, named: list, outer_lr: float, outer_momentum: float) -> None:
         """Every worker's settings and parameter shapes, gathered: the same everywhere, or every
         worker raises naming what differs."""
         mine = {"sync_every": self.schedule.sync_every, "fragments": self.schedule.fragments,
                 "delay": self.schedule.delay, "mix": self.mix, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                 # the rest of a compressor's settings: checked by its first exchange
-                "compression": _outer_name(compression),
+                "compression": self._outer,
                 "parameters": tuple(tuple(_local(p).shape) for _, p in named)}
         _metadata.check_same_settings(self._gathered(mine))
 

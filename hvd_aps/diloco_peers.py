@@ -81,9 +81,10 @@ def intellect1_int8_allreduce(arrays: Sequence[np.ndarray]) -> np.ndarray:
 
 
 class Intellect1Int8Ring(OuterAverage):
-    """INTELLECT-1's outer allreduce over torch.distributed (`group`: every rank by default): the
-    bits of intellect1_int8_allreduce, each hop's uint8 codes and float32 codebook sent point to
-    point, then every owner's chunks allgathered. Synchronous: start() returns once it is done."""
+    """INTELLECT-1's outer allreduce over torch.distributed: the bits of intellect1_int8_allreduce,
+    each hop's uint8 codes and float32 codebook sent point to point, then every owner's chunks
+    allgathered. Synchronous: start() returns once it is done. `group`: DiLoCo's process_group
+    (every rank by default), one that carries CPU tensors (Gloo): the messages are on the CPU."""
 
     def __init__(self, group=None):
         self.group = group

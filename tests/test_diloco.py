@@ -77,6 +77,12 @@ def test_intellect1s_ring_on_real_ranks_gives_the_bits_of_its_arithmetic_in_one_
         assert r[f"ring{size}"].tobytes() == want.tobytes(), size
 
 
+def test_a_checkpoint_resumes_only_under_the_outer_exchange_it_was_saved_with(torch_runs):
+    for r in torch_runs["straight"]:
+        assert str(r["outer_mismatch"]).startswith("this state_dict was saved with the outer exchange float32 and is "
+                                                   "loaded with Intellect1Int8Ring"), r["outer_mismatch"]
+
+
 def test_workers_that_disagree_on_the_settings_are_refused_on_every_rank(torch_runs):
     for r in torch_runs["straight"]:
         assert "sync_every: 4 on rank 0, 5 on rank 1" in str(r["mismatch"])
@@ -126,6 +132,9 @@ def test_diloco_refuses_bad_settings_before_it_claims_or_communicates():
         hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, mix=1.0)
     with pytest.raises(TypeError, match="an hvd_aps.APSCompressor sending codes, an OuterAverage or None"):
         hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, compression="e4m3")
+    with pytest.raises(TypeError, match="an OuterAverage exchanges over torch.distributed: use backend='torch'"):
+        hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, compression=diloco_peers.Intellect1Int8Ring(),
+                              backend="horovod")
     compressor = hvd_aps.APSCompressor("e4m3")
     with pytest.raises(ValueError, match="must not exceed the model's 2 parameters"):
         hvd_aps.diloco.DiLoCo(model, inner, sync_every=4, fragments=4, compression=compressor, backend="torch")

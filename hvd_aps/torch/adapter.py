@@ -28,12 +28,13 @@ _TOKENS = {}  # (rank, device) -> the token token() copies
 
 class HorovodCollectives(exchange.AsyncEager):
     """horovod.torch collectives on NumPy/CuPy arrays, within one process set, each waited for
-    `timeout` seconds at most. A handle is (Horovod's handle, what the wait names)."""
+    `timeout` seconds at most. A handle is (Horovod's handle, what the wait names). `reset`: a
+    wait that runs out raises NoAnswer, which Horovod elastic resets on (hvd_aps._horovod.no_answer)."""
 
     equal_allgather = False  # Horovod gathers messages of any sizes
 
-    def __init__(self, process_set=hvd.global_process_set, timeout: float = DEFAULT_TIMEOUT):
-        self.process_set, self.timeout = process_set, timeout
+    def __init__(self, process_set=hvd.global_process_set, timeout: float = DEFAULT_TIMEOUT, reset: bool = True):
+        self.process_set, self.timeout, self.reset = process_set, timeout, reset
         self.world, self.rank = process_set.size(), process_set.rank()
 
     def max_allreduce(self, vector, name):
@@ -53,17 +54,17 @@ class HorovodCollectives(exchange.AsyncEager):
                                    process_set=self.process_set), f"the allgather {name}"
 
     def wait(self, handle):
-        out = wait(*handle, self.process_set, self.timeout)  # alltoall: (received, received splits)
+        out = wait(*handle, self.process_set, self.timeout, self.reset)  # alltoall: (received, received splits)
         return _arrays.as_array(out[0] if isinstance(out, tuple) else out)
 
 
-def wait(handle, what, process_set, timeout):
+def wait(handle, what, process_set, timeout, reset: bool = True):
     """hvd.synchronize(handle) without its spinning (POLL_FIRST), and not for ever: `what` (the
-    collective) waited for `timeout` seconds at most."""
+    collective) waited for `timeout` seconds at most (`reset`: hvd_aps._horovod.no_answer's)."""
     delay, deadline = POLL_FIRST, time.monotonic() + timeout
     while not hvd.poll(handle):
         if time.monotonic() >= deadline:
-            raise _horovod.no_answer(timeout, what, process_set, hvd.rank())
+            raise _horovod.no_answer(timeout, what, process_set, hvd.rank(), reset)
         time.sleep(delay)
         delay = min(2 * delay, POLL_MAX)
     return hvd.synchronize(handle)
@@ -73,7 +74,7 @@ def gather(obj, process_set, name, timeout=DEFAULT_TIMEOUT):
     """Every rank's `obj` (picklable), in rank order of the process set: Horovod's own
     allgather_object spans every rank (a process set's ranks cannot ask the others) and waits
     without a bound."""
-    coll = HorovodCollectives(process_set or hvd.global_process_set, timeout)
+    coll = HorovodCollectives(process_set or hvd.global_process_set, timeout, reset=False)
     data = np.frombuffer(bytearray(pickle.dumps(obj)), np.uint8)
     sizes = coll.allgather(np.array([data.size]), f"{name}.sizes")
     blob = coll.allgather(data, name)
