@@ -21,11 +21,6 @@ import threading
 import warnings
 from typing import NamedTuple, Optional
 
-try:  # what Horovod elastic resets on (hvd.elastic.run: restore the last commit, shutdown, init)
-    from horovod.common.exceptions import HorovodInternalError as _Reset
-except ImportError:  # no Horovod: torch.distributed users never meet NoAnswer
-    _Reset = RuntimeError
-
 from . import _host_memory, exchange
 from ._topology import Topology
 from .config import DEFAULT_TIMEOUT
@@ -99,21 +94,13 @@ def included(process_set) -> bool:
     return is_global(process_set) or process_set.included()
 
 
-class NoAnswer(TimeoutError, _Reset):
-    """An exchange of the codes path got no answer within APSConfig.timeout: a TimeoutError, and
-    Horovod's HorovodInternalError, so that Horovod elastic resets the job (shutdown and init, the
-    remedy the message names) instead of the worker dying with the request still held."""
-
-
-def no_answer(seconds: float, what: str, process_set, rank: int, reset: bool = True) -> TimeoutError:
+def no_answer(seconds: float, what: str, process_set, rank: int, error: type = TimeoutError) -> TimeoutError:
     """The error every rank raises where its wait for the others in a collective ran out: what it
     waited for and where, what may differ, and that Horovod keeps the request (its background
     thread has no way to drop one), so nothing later in this Horovod session can be trusted.
-    `reset`: NoAnswer, which Horovod elastic resets on (an exchange); else a plain TimeoutError
-    (the ranks' agreement on settings and buckets: ranks that disagree would disagree again)."""
+    `error`: its class, a TimeoutError (hvd_aps.torch.adapter.NoAnswer where a reset can help)."""
     ranks = list(process_set.ranks)
     where = "the global process set" if is_global(process_set) else f"process set {process_set.process_set_id}"
-    error = NoAnswer if reset else TimeoutError
     return error(f"hvd_aps: rank {rank} had no answer from the other ranks for {seconds:g} s in {what} on "
                  f"{where} (ranks {ranks}): do all ranks run the same model and optimizer on the same "
                  "process set, with equal APSCompressor settings? Horovod still holds this rank's request, "

@@ -7,6 +7,7 @@ import pickle
 import time
 
 import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
 import numpy as np
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -26,10 +27,18 @@ _METADATA = "hvd_aps.metadata"
 _TOKENS = {}  # (rank, device) -> the token token() copies
 
 
+class NoAnswer(TimeoutError, HorovodInternalError):
+    """An exchange of the codes path got no answer within APSConfig.timeout: a TimeoutError, and
+    Horovod's HorovodInternalError, so that Horovod elastic resets the job (shutdown and init, the
+    remedy the message names) instead of the worker dying with the request still held. The ranks'
+    agreement on settings and buckets raises a plain TimeoutError: ranks that disagree would
+    disagree again after a reset."""
+
+
 class HorovodCollectives(exchange.AsyncEager):
     """horovod.torch collectives on NumPy/CuPy arrays, within one process set, each waited for
     `timeout` seconds at most. A handle is (Horovod's handle, what the wait names). `reset`: a
-    wait that runs out raises NoAnswer, which Horovod elastic resets on (hvd_aps._horovod.no_answer)."""
+    wait that runs out raises NoAnswer, which Horovod elastic resets on, else a TimeoutError."""
 
     equal_allgather = False  # Horovod gathers messages of any sizes
 
@@ -60,11 +69,11 @@ class HorovodCollectives(exchange.AsyncEager):
 
 def wait(handle, what, process_set, timeout, reset: bool = True):
     """hvd.synchronize(handle) without its spinning (POLL_FIRST), and not for ever: `what` (the
-    collective) waited for `timeout` seconds at most (`reset`: hvd_aps._horovod.no_answer's)."""
+    collective) waited for `timeout` seconds at most (`reset`: NoAnswer past it, else TimeoutError)."""
     delay, deadline = POLL_FIRST, time.monotonic() + timeout
     while not hvd.poll(handle):
         if time.monotonic() >= deadline:
-            raise _horovod.no_answer(timeout, what, process_set, hvd.rank(), reset)
+            raise _horovod.no_answer(timeout, what, process_set, hvd.rank(), NoAnswer if reset else TimeoutError)
         time.sleep(delay)
         delay = min(2 * delay, POLL_MAX)
     return hvd.synchronize(handle)
