@@ -70,14 +70,19 @@ def intellect1_int8_allreduce(arrays: Sequence[np.ndarray]) -> np.ndarray:
     n, shape = len(arrays), np.shape(arrays[0])
     held = np.stack([np.asarray(a, np.float32).ravel() / np.float32(n) for a in arrays])
     out = np.empty(held.shape[1], np.float32)
-    size = -(-held.shape[1] // (n * RING_BUFFERS))
-    for c, lo in enumerate(range(0, held.shape[1], size)):
-        chunk = held[:, lo:lo + size]
+    for c, span in enumerate(_ring_chunks(held.shape[1], n)):
+        chunk = held[:, span]
         total = chunk[(c + 1) % n]
         for hop in range(2, n + 1):  # what arrives is the sender's running sum, quantized afresh
             total = chunk[(c + hop) % n] + _int8_round_trip(total)
-        out[lo:lo + size] = _int8_round_trip(total)  # the owner's own total, as the allgather carries it
+        out[span] = _int8_round_trip(total)  # the owner's own total, as the allgather carries it
     return out.reshape(shape)
+
+
+def _ring_chunks(elements: int, n: int) -> list:
+    """The ring's chunks of a vector over n ranks: N x RING_BUFFERS slices of equal size (the last shorter)."""
+    size = max(1, -(-elements // (n * RING_BUFFERS)))
+    return [slice(lo, min(lo + size, elements)) for lo in range(0, elements, size)]
 
 
 class Intellect1Int8Ring(OuterAverage):
@@ -92,32 +97,36 @@ class Intellect1Int8Ring(OuterAverage):
     def start(self, flat, bucket):
         n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         held = flat.detach().cpu().numpy().astype(np.float32) / np.float32(n)
-        size = max(1, -(-held.size // (n * RING_BUFFERS)))
-        chunks = [slice(lo, min(lo + size, held.size)) for lo in range(0, held.size, size)]
+        chunks = _ring_chunks(held.size, n)
+        world = self.group or dist.group.WORLD
+        after, before = (dist.get_global_rank(world, (rank + step) % n) for step in (1, -1))
         running = {c: held[s] for c, s in enumerate(chunks) if (c + 1) % n == rank}
         for hop in range(1, n):  # chunk c is at rank (c + hop) % n and goes on to the next rank
             sent = {c: _int8_message(running.pop(c)) for c in list(running)}
             got = {c: torch.empty(_message_bytes(s.stop - s.start), dtype=torch.uint8)
                    for c, s in enumerate(chunks) if (c + hop + 1) % n == rank}
-            ops = [dist.P2POp(dist.isend, m, dist.get_global_rank(self.group or dist.group.WORLD, (rank + 1) % n),
-                              self.group, tag=c) for c, m in sent.items()]
-            ops += [dist.P2POp(dist.irecv, m, dist.get_global_rank(self.group or dist.group.WORLD, (rank - 1) % n),
-                               self.group, tag=c) for c, m in got.items()]
+            ops = [dist.P2POp(dist.isend, m, after, self.group, tag=c) for c, m in sent.items()]
+            ops += [dist.P2POp(dist.irecv, m, before, self.group, tag=c) for c, m in got.items()]
             for work in dist.batch_isend_irecv(ops) if ops else ():
                 work.wait()
             running = {c: held[chunks[c]] + _int8_decoded(m) for c, m in got.items()}
-        mine = torch.zeros(RING_BUFFERS * _message_bytes(size), dtype=torch.uint8)
-        for k, c in enumerate(sorted(running)):  # the owner's chunks c = rank, rank + n, ...
-            message = _int8_message(running[c])
-            mine[k * _message_bytes(size):k * _message_bytes(size) + message.numel()] = message
+        flat.copy_(torch.from_numpy(self._gathered(running, chunks, n)).reshape(flat.shape))
+        return flat
+
+    def _gathered(self, owned: dict, chunks: list, n: int) -> np.ndarray:
+        """Every owner's totals (chunk c's at rank c % n, slot c // n of its message) allgathered
+        as codes -> the whole vector every rank decodes alike, the owner's own chunks too."""
+        slot = _message_bytes(chunks[0].stop - chunks[0].start) if chunks else 0
+        mine = torch.zeros(RING_BUFFERS * slot, dtype=torch.uint8)
+        for c, total in owned.items():
+            message = _int8_message(total)
+            mine[(c // n) * slot:(c // n) * slot + message.numel()] = message
         every = [torch.empty_like(mine) for _ in range(n)]
         dist.all_gather(every, mine, group=self.group)
-        out = np.empty(held.size, np.float32)
+        out = np.empty(chunks[-1].stop if chunks else 0, np.float32)
         for c, s in enumerate(chunks):
-            at = (c // n) * _message_bytes(size)
-            out[s] = _int8_decoded(every[c % n][at:at + _message_bytes(s.stop - s.start)])
-        flat.copy_(torch.from_numpy(out).reshape(flat.shape))
-        return flat
+            out[s] = _int8_decoded(every[c % n][(c // n) * slot:(c // n) * slot + _message_bytes(s.stop - s.start)])
+        return out
 
     def wait(self, handle):
         return handle
