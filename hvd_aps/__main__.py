@@ -132,7 +132,7 @@ def _print_costs(costs: dict) -> None:
 
 def plan_command(args):
     formats = [str(f) for f in args.format]
-    if args.device == "cuda" and not args.calibration:
+    if args.device is calibration.Device.CUDA and not args.calibration:
         args.calibration = calibration.GPU_PROJECTION
     loaded = calibration.load(args.calibration) if args.calibration else calibration.Calibration(
         {fmt: calibration.fit_codec(fmt, args.hosts * args.ranks_per_host)[0] for fmt in formats})
@@ -164,7 +164,7 @@ def plan_command(args):
           f"{fidelity.nearest_world(args.hosts * args.ranks_per_host)} workers (docs/accuracy.md)")
     if not args.fsdp:
         _say_costs(loaded, args.entry_point, clusters[0].sharing)
-    if args.device == "cuda":
+    if args.device is calibration.Device.CUDA:
         print(f"(on a GPU: {loaded.describe()})")
     for rate, cluster in zip(args.links.split(","), clusters):
         rows = perf.table(work, paths, cluster, step)
@@ -350,6 +350,27 @@ def _layout_planned(args) -> bool:
     return args.pipeline or args.tensor or args.diloco is not None
 
 
+def _check_probe(parser, args) -> None:
+    if args.ranks < 1 or args.size < 1:
+        parser.error("--ranks and --size must be positive")
+
+
+def _check_plan(parser, args) -> None:
+    """plan's options together: one step to plan, and what each option needs."""
+    if args.profile and (args.params is not None or args.compute_ms is not None):
+        parser.error("plan a step from --params and --compute-ms, or from a saved --profile (not both)")
+    _check_layout(parser, args)
+    if not (args.pipeline or args.tensor or args.profile) and (args.params is None or args.compute_ms is None):
+        parser.error("plan needs --params and --compute-ms (or a saved --profile)")
+    if (args.hsdp or args.gather) and not args.fsdp:
+        parser.error("--hsdp and --gather plan FSDP2's units: give --fsdp UNITS too")
+    if args.device is calibration.Device.CUDA:
+        args.accelerator = True
+    if args.entry_point is not perf.EntryPoint.DDP and args.fsdp:
+        parser.error(f"--entry-point {args.entry_point.value} plans a Horovod job; FSDP2 (--fsdp) runs on "
+                     f"torch.distributed")
+
+
 def _check_layout(parser, args) -> None:
     """plan's layouts: one at a time, with what each needs; the data-parallel options refused."""
     layouts = [name for name, on in (("--pipeline", args.pipeline), ("--tensor", args.tensor),
@@ -364,8 +385,8 @@ def _check_layout(parser, args) -> None:
         return
     if args.activations is None or args.compute_ms is None or args.profile:
         parser.error(f"{layouts[0]} needs --activations and --compute-ms (not a --profile)")
-    if args.entry_point != perf.EntryPoint.DDP.value:
-        parser.error(f"{layouts[0]} runs torch.distributed's collectives: --entry-point {args.entry_point} "
+    if args.entry_point is not perf.EntryPoint.DDP:
+        parser.error(f"{layouts[0]} runs torch.distributed's collectives: --entry-point {args.entry_point.value} "
                      f"does not apply")
     if args.pipeline and (args.hosts < 2 or args.ranks_per_host != 1):
         parser.error("--pipeline plans one stage a host: 2 or more --hosts of one rank")
@@ -384,11 +405,12 @@ def main(argv=None):
     probe.add_argument("--size", type=int, default=100_000)
     probe.add_argument("--sigma", type=float, default=1e-4)
     probe.add_argument("--seed", type=int, default=0)
-    probe.set_defaults(run=probe_command)
+    probe.set_defaults(run=probe_command, check=_check_probe)
     cal = sub.add_parser("calibrate", help="time the codes exchange on this machine for the performance model")
     cal.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3 and e3m0")
     cal.add_argument("--world", type=int, default=2, help="ranks the timed rank stands among")
-    cal.add_argument("--device", choices=calibration.DEVICES, default="cpu",
+    cal.add_argument("--device", type=calibration.Device, choices=list(calibration.Device),
+                     default=calibration.Device.CPU,
                      help="where the codec runs: cuda times the CuPy engine's kernels on this GPU")
     cal.add_argument("--out", default="hvd_aps_calibration.json")
     cal.add_argument("--links", action="store_true", help="inside a horovodrun or torchrun job: measure the link the "
@@ -414,7 +436,8 @@ def main(argv=None):
     plan.add_argument("--latency-us", type=float, default=perf.DEFAULT_LATENCY * 1e6, help="between hosts, us")
     plan.add_argument("--format", action="append", type=_format_arg, help="format (repeatable); default e4m3, e3m0")
     plan.add_argument("--calibration", help="a file from python -m hvd_aps calibrate (default: calibrate now)")
-    plan.add_argument("--entry-point", choices=[e.value for e in perf.EntryPoint], default=perf.EntryPoint.DDP.value,
+    plan.add_argument("--entry-point", type=perf.EntryPoint, choices=list(perf.EntryPoint), default=perf.EntryPoint.DDP,
+                      metavar="{" + ",".join(e.value for e in perf.EntryPoint) + "}",
                       help="where gradients are handed over: horovod (hvd.DistributedOptimizer: Horovod's fused "
                            "allreduce, the one line's codes one collective at a time), codes "
                            "(hvd_aps.torch.DistributedOptimizer), ddp (DDP and its hooks; default); with its costs "
@@ -422,7 +445,8 @@ def main(argv=None):
     plan.add_argument("--sharing", type=float, help="ranks sharing one machine's cores (default: the ranks a host; "
                                                     "1 with --accelerator)")
     plan.add_argument("--accelerator", action="store_true", help="compute runs on an accelerator, not the codec's CPU")
-    plan.add_argument("--device", choices=calibration.DEVICES, default="cpu",
+    plan.add_argument("--device", type=calibration.Device, choices=list(calibration.Device),
+                      default=calibration.Device.CPU,
                       help="where the codec runs: cuda plans it on a GPU (compute there too) with the GPU "
                            "codec projected from its kernels' work, or --calibration's measured one")
     plan.add_argument("--fsdp", type=_count_arg, help="plan FSDP2 with this many units of equal size (reduce-scatters "
@@ -453,28 +477,12 @@ def main(argv=None):
     plan.add_argument("--plot", help="draw the predicted step against link speed into this file (matplotlib)")
     plan.add_argument("--pin", help="write policy='auto''s decision here where the prediction is clear "
                                     "(for APSCompressor.pin), else an empty pin: the trials decide")
-    plan.set_defaults(run=plan_command)
+    plan.set_defaults(run=plan_command, check=_check_plan)
     args = parser.parse_args(argv)
-    if args.command in ("probe", "calibrate", "plan"):
+    if "format" in vars(args):
         args.format = args.format or [FloatFormat.parse("e4m3"), FloatFormat.parse("e3m0")]
-    if args.command == "probe" and (args.ranks < 1 or args.size < 1):
-        parser.error("--ranks and --size must be positive")
-    if args.command == "plan" and args.profile and (args.params is not None or args.compute_ms is not None):
-        parser.error("plan a step from --params and --compute-ms, or from a saved --profile (not both)")
-    if args.command == "plan":
-        _check_layout(parser, args)
-    if (args.command == "plan" and not (args.pipeline or args.tensor or args.profile)
-            and (args.params is None or args.compute_ms is None)):
-        parser.error("plan needs --params and --compute-ms (or a saved --profile)")
-    if args.command == "plan" and (args.hsdp or args.gather) and not args.fsdp:
-        parser.error("--hsdp and --gather plan FSDP2's units: give --fsdp UNITS too")
-    if args.command == "plan" and args.device == "cuda":
-        args.accelerator = True
-    if args.command == "plan":
-        args.entry_point = perf.EntryPoint(args.entry_point)
-    if args.command == "plan" and args.entry_point is not perf.EntryPoint.DDP and args.fsdp:
-        parser.error(f"--entry-point {args.entry_point.value} plans a Horovod job; FSDP2 (--fsdp) runs on "
-                     f"torch.distributed")
+    if "check" in vars(args):
+        args.check(parser, args)
     try:
         args.run(args)
     except (ValueError, OSError) as bad:  # a link rate, a cluster shape or a calibration file

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from . import codec, exchange, perf
 from ._arrays import array_module
+from ._choice import Choice
 from ._stages import Bucket
 from .calfile import (FORMAT, GPU_PROJECTION, LINK_ENV, Calibration, Kind, add_links, job_link, links_entry, load,
                       save)
@@ -34,7 +35,7 @@ from .perf import Codec
 # and per element, so sizes and tensor counts both vary
 # the calibration files' API (hvd_aps.calfile) is this module's too
 __all__ = ["FORMAT", "GPU_PROJECTION", "LINK_ENV", "Calibration", "Kind", "add_links", "job_link", "links_entry",
-           "load", "save", "BUCKETS", "DEVICE_BUCKETS", "DEVICES", "REPEATS", "LINK_ELEMENTS", "Mirror",
+           "load", "save", "BUCKETS", "DEVICE_BUCKETS", "Device", "DEVICES", "REPEATS", "LINK_ELEMENTS", "Mirror",
            "engine_name", "device_name", "exchange_runner", "time_exchange", "fit_codec", "fit_rows", "time_copy", "fit_link",
            "time_links", "calibrate"]
 
@@ -43,7 +44,13 @@ BUCKETS = ((1 << 14, 1), (1 << 18, 1), (1 << 22, 1), (1 << 14, 16), (1 << 18, 16
 # a GPU's kernels pass 4M elements in tens of microseconds: its fit also takes 256 MiB buckets, as
 # a large model's are, so the cost per element is measured where it is not hidden by launches
 DEVICE_BUCKETS = BUCKETS + ((1 << 26, 1), (1 << 26, 16))
-DEVICES = ("cpu", "cuda")
+class Device(Choice):
+    """Where the codec is calibrated."""
+    CPU = "cpu"    # the host's engine
+    CUDA = "cuda"  # CuPy's kernels on the current CUDA device
+
+
+DEVICES = tuple(d.value for d in Device)
 REPEATS = 5  # timed exchanges per bucket (after one untimed): the median is fitted
 COPY_ELEMENTS = 1 << 23  # float32 a core copies per timed copy: 32 MiB, past the caches as gradients are
 # float32 elements of the framework's allreduces timed for the link fit: latency-bound to bandwidth-bound
@@ -73,12 +80,10 @@ class Mirror(exchange.Eager):
         return xp.concatenate([message, xp.zeros(message.size * (self.world - 1), message.dtype)])
 
 
-def _device(device: str) -> tuple:
+def _device(device: Device) -> tuple:
     """(array module, wait): where the timed gradients live, and what waits for its work to end."""
-    if device == "cpu":
+    if device is Device.CPU:
         return np, lambda: None
-    if device != "cuda":
-        raise ValueError(f"device is one of {DEVICES}, got {device!r}")
     try:
         import cupy
         cupy.cuda.runtime.getDeviceCount()
@@ -88,25 +93,33 @@ def _device(device: str) -> tuple:
     return cupy, cupy.cuda.Device().synchronize
 
 
-def engine_name(device: str) -> str:
+def _parsed(device) -> Device:
+    """A device given by name (or a Device) -> a Device; the error names the choices."""
+    if device not in DEVICES:
+        raise ValueError(f"device is one of {DEVICES}, got {device!r}")
+    return Device(device)
+
+
+def engine_name(device: "Device | str") -> str:
     """The codec's engine on `device`: the CPU's (codec.engine_name()), or "cupy" on a GPU."""
-    return codec.engine_name() if device == "cpu" else "cupy"
+    return codec.engine_name() if _parsed(device) is Device.CPU else "cupy"
 
 
-def device_name(device: str) -> str:
+def device_name(device: "Device | str") -> str:
     """The processor the codec ran on, for the calibration file: the GPU's name, or "cpu"."""
-    if device == "cpu":
-        return "cpu"
+    device = _parsed(device)
+    if device is Device.CPU:
+        return Device.CPU.value
     cupy, _ = _device(device)
     return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
 
 
 @contextlib.contextmanager
-def exchange_runner(fmt: str, world: int, elements: int, tensors: int, device: str = "cpu"):
+def exchange_runner(fmt: str, world: int, elements: int, tensors: int, device: "Device | str" = Device.CPU):
     """A function that runs one codes exchange of a bucket of `elements` float32 in `tensors`
     equal tensors, as rank 0 of `world` ranks runs it, unchunked, on `device` ("cpu" or
     "cuda"), to its end; its compressor's threads stop on leaving the context."""
-    xp, wait = _device(device)
+    xp, wait = _device(_parsed(device))
     comp = APSCompressor(fmt, chunk_bytes=0)
     stages = comp.exchanger.stages(world, 0)
     sizes = [elements // tensors] * tensors
@@ -126,7 +139,7 @@ def exchange_runner(fmt: str, world: int, elements: int, tensors: int, device: s
 
 
 def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: int = REPEATS,
-                  device: str = "cpu") -> float:
+                  device: "Device | str" = Device.CPU) -> float:
     """Median seconds of one exchange_runner() exchange, after one untimed."""
     times = []
     with exchange_runner(fmt, world, elements, tensors, device) as run:
@@ -138,13 +151,14 @@ def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: in
 
 
 def fit_codec(fmt: str, world: int, buckets: Sequence = BUCKETS, repeats: int = REPEATS,
-              device: str = "cpu") -> tuple:
+              device: "Device | str" = Device.CPU) -> tuple:
     """(Codec, [(elements, tensors, seconds)]): least squares of the measured times, relative to
     each (the buckets span three orders of magnitude), on a cost per exchange, per tensor and per
     element (none below zero); a Codec of a GPU is a `device` one (perf.Codec.busy)."""
+    device = _parsed(device)
     rows = [(n, t, time_exchange(fmt, world, n, t, repeats, device))
             for n, t in tqdm(buckets, desc=f"calibrate {fmt} on {device}", unit="bucket", leave=False)]
-    return fit_rows(rows, device=device != "cpu"), rows
+    return fit_rows(rows, device=device is not Device.CPU), rows
 
 
 def fit_rows(rows: Sequence, device: bool) -> Codec:
@@ -214,10 +228,11 @@ def time_links(allreduce: Callable[[np.ndarray], object], cluster: perf.Cluster,
 
 
 def calibrate(formats: Sequence[str], world: int, buckets: Optional[Sequence] = None, repeats: int = REPEATS,
-              device: str = "cpu") -> dict:
+              device: "Device | str" = Device.CPU) -> dict:
     """The calibration file's contents for these formats at `world` ranks, the codec on `device`
     (its buckets by default BUCKETS, DEVICE_BUCKETS on a GPU); the date says when it was measured."""
-    buckets = buckets or (BUCKETS if device == "cpu" else DEVICE_BUCKETS)
+    device = _parsed(device)
+    buckets = buckets or (BUCKETS if device is Device.CPU else DEVICE_BUCKETS)
     codecs, measured = {}, {}
     for fmt in formats:
         fitted, rows = fit_codec(fmt, world, buckets, repeats, device)

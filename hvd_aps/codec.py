@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from . import _host_engine, _numpy_engine, _tables
 from ._arrays import array_module, as_array, to_numpy
+from ._choice import Choice
 from ._engine import Array, Engine
 from ._tables import Blocks
 from .config import Rounding
@@ -52,13 +53,18 @@ def engine_for(a: Array) -> Engine:
     return _engine()
 
 
+class EngineChoice(Choice):
+    """HVD_APS_ENGINE: the CPU's engine."""
+    AUTO = "auto"    # the compiled host engine, else NumPy's with a warning
+    HOST = "host"    # the compiled host engine, or an error
+    NUMPY = "numpy"  # NumPy's
+
+
 def _engine() -> Engine:
-    choice = os.environ.get("HVD_APS_ENGINE", "auto")
-    if choice not in ("auto", "host", "numpy"):
-        raise ValueError(f"HVD_APS_ENGINE must be auto, host or numpy, got {choice!r}")
-    if choice == "numpy":
+    choice = EngineChoice.parse(os.environ.get("HVD_APS_ENGINE", EngineChoice.AUTO.value), "HVD_APS_ENGINE")
+    if choice is EngineChoice.NUMPY:
         return _numpy_engine
-    if choice == "auto" and not _host_engine.available:
+    if choice is EngineChoice.AUTO and not _host_engine.available:
         _warn_numpy_fallback()
         return _numpy_engine
     if not _host_engine.available:

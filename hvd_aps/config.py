@@ -5,46 +5,37 @@ Configuration is kept apart from state (residuals, step counts, the schedule, st
 torchao's float8 config is: every rank must build an equal APSConfig, and the exchange checks
 that through `signature`.
 """
+import contextlib
 import dataclasses
-import enum
 import hashlib
 import math
 from typing import Optional, Union
 
+from ._choice import Choice
 from .formats import FloatFormat
 
 
-class _Choice(str, enum.Enum):
-    """A string choice: compares equal to its value, prints as it, on every Python."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-class Rounding(_Choice):
+class Rounding(Choice):
     NEAREST = "nearest"        # to nearest, ties to the even code
     STOCHASTIC = "stochastic"  # up with probability equal to the discarded fraction
 
 
-class Scaling(_Choice):
+class Scaling(Choice):
     APS = "aps"    # Auto-Precision Scaling
     NONE = "none"  # the naive cast, for comparison
 
 
-class Wire(_Choice):
+class Wire(Choice):
     CODES = "codes"    # the format's codes themselves, through an alltoall/allgather exchange
     VALUES = "values"  # values on the format's grid, carried by the framework's allreduce in float16
 
 
-class Policy(_Choice):
+class Policy(Choice):
     CODES = "codes"  # every bucket sends codes
     AUTO = "auto"    # whole steps timed both ways; every bucket sends codes only if their steps are clearly shorter
 
 
-class Fallback(_Choice):
+class Fallback(Choice):
     """What policy="auto" sends where codes do not pay: the framework's allreduce in one dtype,
     or AUTO: in float32 or float16, whichever steps are faster."""
     FLOAT32 = "float32"
@@ -53,7 +44,7 @@ class Fallback(_Choice):
     AUTO = "auto"
 
 
-class Path(_Choice):
+class Path(Choice):
     """What a step sends every bucket in: the format's codes, or the framework's own allreduce
     in one dtype (policy="auto"'s paths: the schedule's, the native hooks' and the stats' keys)."""
     CODES = "codes"
@@ -76,7 +67,11 @@ class Path(_Choice):
 NATIVE_PATHS = tuple(path for path in Path if path.native)  # the more exact first
 
 
-AUTO = "auto"  # chunk_bytes tuned at run time
+class Tuned(Choice):
+    AUTO = "auto"  # chunk_bytes chosen at run time from the steps' times
+
+
+AUTO = Tuned.AUTO
 DEFAULT_BUCKET_BYTES = 16 << 20  # float32 gradient bytes fused into one codes exchange
 DEFAULT_MIN_ELEMENTS = 4096      # smaller tensors take the framework's plain allreduce on the codes path
 DEFAULT_HYBRID_THRESHOLD = 0.75  # sampled elementwise relative error above which a tensor goes wide
@@ -148,7 +143,7 @@ class APSConfig:
     error_feedback: bool = False
     hybrid: Optional[FloatFormat] = None
     hybrid_threshold: float = DEFAULT_HYBRID_THRESHOLD
-    chunk_bytes: Union[int, str] = AUTO
+    chunk_bytes: Union[int, Tuned] = AUTO
     hierarchical: Optional[bool] = None
     policy: Policy = Policy.CODES
     fallback: Fallback = Fallback.FLOAT32
@@ -158,10 +153,10 @@ class APSConfig:
         object.__setattr__(self, "fmt", FloatFormat.parse(self.fmt))
         for field, choice in (("rounding", Rounding), ("scaling", Scaling), ("wire", Wire), ("policy", Policy),
                               ("fallback", Fallback)):
-            value = getattr(self, field)
-            if value not in [c.value for c in choice]:
-                raise ValueError(f"{field} must be one of {[c.value for c in choice]}, got {value!r}")
-            object.__setattr__(self, field, choice(value))
+            object.__setattr__(self, field, choice.parse(getattr(self, field), field))
+        if isinstance(self.chunk_bytes, str) and not isinstance(self.chunk_bytes, Tuned):
+            with contextlib.suppress(ValueError):  # other text fails the int check below
+                object.__setattr__(self, "chunk_bytes", Tuned(self.chunk_bytes))
         if self.hybrid is not None:
             object.__setattr__(self, "hybrid", FloatFormat.parse(self.hybrid))
             if self.hybrid.bits <= self.fmt.bits:
@@ -174,10 +169,10 @@ class APSConfig:
         if self.hierarchical not in (None, True, False):
             raise TypeError(f"hierarchical must be None, True or False, got {self.hierarchical!r}")
         for field in ("error_feedback", "hybrid"):
-            if getattr(self, field) and self.wire != Wire.CODES:
+            if getattr(self, field) and self.wire is not Wire.CODES:
                 raise ValueError(f"{field} needs wire='codes': the framework's allreduce of values carries one "
                                  "format and keeps no residual")
-        for field in ("bucket_bytes", "min_elements") + (() if self.chunk_bytes == AUTO else ("chunk_bytes",)):
+        for field in ("bucket_bytes", "min_elements") + (() if self.chunk_bytes is AUTO else ("chunk_bytes",)):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{field} must be an int >= 0{' or auto' if field == 'chunk_bytes' else ''}, "
@@ -189,7 +184,7 @@ class APSConfig:
     @property
     def candidates(self) -> tuple:
         """The chunkings a bucket may run (hvd_aps._schedule)."""
-        return CHUNK_CANDIDATES if self.chunk_bytes == AUTO else (self.chunk_bytes,)
+        return CHUNK_CANDIDATES if self.chunk_bytes is AUTO else (self.chunk_bytes,)
 
     @property
     def natives(self) -> tuple:
@@ -201,7 +196,7 @@ class APSConfig:
     @property
     def graph_chunk_bytes(self) -> int:
         """The chunking of an exchange inside a graph, fixed when it is traced."""
-        return GRAPH_CHUNK_BYTES if self.chunk_bytes == AUTO else self.chunk_bytes
+        return GRAPH_CHUNK_BYTES if self.chunk_bytes is AUTO else self.chunk_bytes
 
     def settings(self) -> dict:
         """Every field as text, by name: what `signature` hashes, and what ranks whose signatures

@@ -5,11 +5,16 @@ import numpy as np
 
 from . import _arrays, _inprocess, codec, exchange
 from . import scaling as scaling_math
+from ._choice import Choice
 from ._stages import Bucket
 from .config import Scaling
 from .formats import FloatFormat
 
-_ACCUMULATE = ("fp32", "format")
+
+class Accumulate(Choice):
+    """Where an emulated allreduce sums its terms."""
+    FP32 = "fp32"      # in float32, in rank order: what hvd_aps's wire paths do
+    FORMAT = "format"  # rounded to the format after every addition: the paper's low-precision ring
 
 
 def _validated(arrays):
@@ -21,11 +26,9 @@ def _validated(arrays):
     return [codec._as_float32(a) for a in arrays]
 
 
-def _summer(accumulate, fmt, kahan):
+def _summer(accumulate: Accumulate, fmt, kahan):
     """acc, term -> new acc (and compensation) in fp32 or rounded to the format after each add."""
-    if accumulate not in _ACCUMULATE:
-        raise ValueError(f"accumulate must be one of {_ACCUMULATE}, got {accumulate!r}")
-    rnd = (lambda v: v) if accumulate == "fp32" else (lambda v: codec.quantize(v, fmt))
+    rnd = (lambda v: v) if accumulate is Accumulate.FP32 else (lambda v: codec.quantize(v, fmt))
 
     def add(acc, comp, term):
         if not kahan:
@@ -51,6 +54,7 @@ def allreduce(arrays, fmt, scaling="aps", accumulate="fp32", kahan=False, roundi
     Stochastic rounding draws from (seed, flat index in the stacked workers' arrays).
     """
     fmt = FloatFormat.parse(fmt)
+    scaling, accumulate = Scaling.parse(scaling, "scaling"), Accumulate.parse(accumulate, "accumulate")
     stack = np.stack(_validated(arrays))  # (workers, ...): one codec call for all of them
     add = _summer(accumulate, fmt, kahan)
     n = len(stack)
@@ -58,10 +62,10 @@ def allreduce(arrays, fmt, scaling="aps", accumulate="fp32", kahan=False, roundi
     if not np.isfinite(amax):
         return (np.sum(stack, axis=0, dtype=np.float32) / np.float32(n)).astype(np.float32)
     # headroom for the sum where it is accumulated: x N in the format, none needed in float32
-    sum_max = fmt.max if accumulate == "format" else float(np.finfo(np.float32).max)
-    shift = scaling_math.shift_for(amax, n, fmt, sum_max) if scaling == "aps" else 0
+    sum_max = fmt.max if accumulate is Accumulate.FORMAT else float(np.finfo(np.float32).max)
+    shift = scaling_math.shift_for(amax, n, fmt, sum_max) if scaling is Scaling.APS else 0
     codes = codec.encode(stack, fmt, rounding, seed, shift=shift)
-    if accumulate == "fp32" and not kahan:
+    if accumulate is Accumulate.FP32 and not kahan:
         total = codec.decode_sum(codes, fmt)  # decode and add in rank order, one pass per worker
     else:
         total = comp = np.zeros(stack.shape[1:], np.float32)
@@ -144,8 +148,8 @@ def probe(fmt, ranks=8, size=100_000, sigma=1e-4, seed=0):
     rng = np.random.default_rng(seed)
     arrays = [rng.normal(0.0, sigma, size).astype(np.float32) for _ in range(ranks)]
     rows = []
-    for scaling in (s.value for s in Scaling):
-        for accumulate in _ACCUMULATE:
+    for scaling in Scaling:
+        for accumulate in Accumulate:
             result = allreduce(arrays, fmt, scaling=scaling, accumulate=accumulate)
-            rows.append((str(FloatFormat.parse(fmt)), scaling, accumulate, relative_error(result, arrays)))
+            rows.append((str(FloatFormat.parse(fmt)), str(scaling), str(accumulate), relative_error(result, arrays)))
     return rows

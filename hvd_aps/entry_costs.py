@@ -25,7 +25,7 @@ import torch
 
 from . import calibration, perf
 from .formats import FloatFormat
-from .perf import FLOAT32_PATH as FLOAT32, HALF_PATH as HALF, EntryCost, EntryPoint, codes_path
+from .perf import FLOAT32_PATH as FLOAT32, HALF_PATH as HALF, EntryCost, EntryPoint, NativePath, codes_path
 
 ELEMENTS = 1 << 22     # float32 of the timed model: 16 MiB, as a DDP bucket or a Horovod fusion buffer
 FEW, MANY = 4, 512     # its tensors: the cost per element solved at FEW, the cost a gradient at MANY
@@ -120,8 +120,8 @@ class HorovodJob(Job):
         from .torch import DistributedOptimizer
         named = [(f"{label}.{k}", p) for k, p in enumerate(model.parameters())]
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        if path in (FLOAT32, HALF):
-            compression = self.hvd.Compression.none if path == FLOAT32 else self.hvd.Compression.fp16
+        if isinstance(path, NativePath):
+            compression = self.hvd.Compression.none if path is FLOAT32 else self.hvd.Compression.fp16
             return Trainer(model, self.hvd.DistributedOptimizer(opt, named_parameters=named, compression=compression))
         compressor = APSCompressor(fmt)
         wrap = DistributedOptimizer if entry is EntryPoint.CODES else self.hvd.DistributedOptimizer
@@ -144,8 +144,9 @@ class TorchJob(Job):
         import torch.distributed as dist
         from ._topology import launcher_place
         from .ddp import TorchDistributedCollectives
-        self.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-        dist.init_process_group("nccl" if self.device != "cpu" else "gloo")
+        accelerated = torch.cuda.is_available()
+        self.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if accelerated else "cpu"
+        dist.init_process_group("nccl" if accelerated else "gloo")
         self.dist, self.name = dist, "torch.distributed"
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.hosts = len(set(self.allgather_object(launcher_place()[0])))
@@ -160,9 +161,9 @@ class TorchJob(Job):
         from . import APSCompressor, ddp
         wrapped = DistributedDataParallel(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        if path == HALF:
+        if path is HALF:
             wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        if path != codes_path(fmt):
+        if isinstance(path, NativePath):
             return Trainer(wrapped, opt)
         compressor = APSCompressor(fmt)
         state = ddp.APSState(compressor)
@@ -258,7 +259,7 @@ def entry_cost(job: Job, entry: EntryPoint, path: str, fmt: str, codec: Optional
     def model(tensors, cost):
         return perf.step_time(work[tensors], perf.entry_path(path, bits, codec, entry, cost), cluster)
     # the float32 allreduce's link is fitted on it: nothing per element beyond it
-    return solve_costs(model, steps, per_element=path != FLOAT32), steps
+    return solve_costs(model, steps, per_element=path is not FLOAT32), steps
 
 
 def time_contention(work: Callable[[], None], job: Job, products: int = CONTENTION_PRODUCTS) -> float:

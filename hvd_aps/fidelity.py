@@ -9,10 +9,12 @@ import math
 import pathlib
 from typing import Optional
 
+from . import perf
+
 FILE = pathlib.Path(__file__).parent / "fidelity.json"
 # what each of plan's paths is in the measurement (its paths' names in examples/fidelity_at_scale.py)
-MEASURED_AS = {"16-bit": "NCCL ring bf16", "codes e4m3": "hvd_aps e4m3", "codes e5m2": "hvd_aps e5m2",
-               "codes e3m0": "hvd_aps e3m0 + EF (1 step)"}
+MEASURED_AS = {perf.HALF_PATH: "NCCL ring bf16", perf.codes_path("e4m3"): "hvd_aps e4m3",
+               perf.codes_path("e5m2"): "hvd_aps e5m2", perf.codes_path("e3m0"): "hvd_aps e3m0 + EF (1 step)"}
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,7 +8,14 @@ import math
 import re
 from typing import Optional, Union
 
-_VARIANTS = ("ieee", "fn")
+from ._choice import Choice
+
+
+class Variant(Choice):
+    """What a format's top codes hold."""
+    IEEE = "ieee"  # Inf and NaN in the top exponent (IEEE 754)
+    FN = "fn"      # finite only (OCP): one NaN code at 8 bits or more, none below
+
 _NAME = re.compile(r"^e(\d+)m(\d+)(fn)?$")
 _ALIASES = {"fp16": "e5m10", "bf16": "e8m7"}
 
@@ -29,9 +36,10 @@ class FloatFormat:
 
     exp_bits: int
     man_bits: int
-    variant: str = "ieee"
+    variant: Variant = Variant.IEEE
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "variant", Variant.parse(self.variant, "variant"))
         for name in ("exp_bits", "man_bits"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
@@ -41,8 +49,6 @@ class FloatFormat:
             raise ValueError(f"man_bits must be in 0..23, got {self.man_bits}")
         if self.bits > 16:
             raise ValueError(f"a format has at most 16 bits (1 sign + exp + man), {self} has {self.bits}")
-        if self.variant not in _VARIANTS:
-            raise ValueError(f"variant must be one of {_VARIANTS}, got {self.variant!r}")
         if self.max_code <= 0:
             raise ValueError(f"{self} has no finite nonzero value")
 
@@ -58,10 +64,10 @@ class FloatFormat:
         if match is None:
             raise ValueError(f"unknown format {name!r}: expected 'e<exp>m<man>' with optional 'fn' "
                              f"suffix (e.g. e4m3, e4m3fn, e3m0) or one of {sorted(_ALIASES)}")
-        return cls(int(match[1]), int(match[2]), "fn" if match[3] else "ieee")
+        return cls(int(match[1]), int(match[2]), Variant.FN if match[3] else Variant.IEEE)
 
     def __str__(self) -> str:
-        return f"e{self.exp_bits}m{self.man_bits}{'fn' if self.variant == 'fn' else ''}"
+        return f"e{self.exp_bits}m{self.man_bits}{'fn' if self.variant is Variant.FN else ''}"
 
     @property
     def bits(self) -> int:
@@ -88,7 +94,7 @@ class FloatFormat:
     @property
     def policy(self) -> int:
         """Special-value policy number used by the kernels (IEEE, FN_NAN or FINITE)."""
-        if self.variant == "ieee":
+        if self.variant is Variant.IEEE:
             return IEEE
         return FN_NAN if self.bits >= 8 else FINITE
 

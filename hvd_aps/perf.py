@@ -19,6 +19,7 @@ import math
 import re
 from typing import Callable, Optional, Sequence
 
+from ._choice import Choice
 from .config import DEFAULT_BUCKET_BYTES
 
 FLOAT32_BYTES = 4
@@ -275,7 +276,13 @@ class Path:
         return self.codec is not None
 
 
-FLOAT32_PATH, HALF_PATH = "float32", "16-bit"  # the framework's allreduce, as plan and the calibration name it
+class NativePath(Choice):
+    """The framework's allreduce, as plan and the calibration name it (codes paths: codes_path)."""
+    FLOAT32 = "float32"
+    HALF = "16-bit"
+
+
+FLOAT32_PATH, HALF_PATH = NativePath.FLOAT32, NativePath.HALF
 
 
 def codes_path(fmt: str) -> str:

@@ -85,7 +85,7 @@ def test_codec_threads_share_the_cores_between_the_ranks_on_a_machine(monkeypatc
     ("HVD_APS_THREADS", "abc", "HVD_APS_THREADS must be a number of threads"),
     ("HVD_APS_THREADS", "0", "HVD_APS_THREADS must be a number of threads"),
     ("HVD_APS_HOST_MEMORY", "2", "HVD_APS_HOST_MEMORY must be 0"),
-    ("HVD_APS_ENGINE", "fast", "HVD_APS_ENGINE must be auto, host or numpy"),
+    ("HVD_APS_ENGINE", "fast", "HVD_APS_ENGINE must be one of .'auto', 'host', 'numpy'."),
     ("HVD_APS_LINK", "fast", "HVD_APS_LINK is a link rate")])
 def test_environment_variables_with_bad_values_are_refused_by_name(monkeypatch, var, value, words):
     from hvd_aps import _host_engine, _host_memory, calibration, codec
