@@ -45,8 +45,8 @@ class ScatterAgreement:
     seed: object
 
 
-class ScatterExchange:
-    """The reduce-scatter's stages for one rank; collaborators as CodesExchange's."""
+class ScatterStages:
+    """The reduce-scatter's stages for one rank; collaborators as CodesStages'."""
 
     def __init__(self, config, state, stats, world: int, rank: int):
         self.config, self.state, self.stats, self.world, self.rank = config, state, stats, world, rank

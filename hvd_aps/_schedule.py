@@ -175,6 +175,68 @@ class _Bucket:
     pending: tuple = None         # (candidate, seconds) agreed this step, recorded at commit
 
 
+class _Chunkings:
+    """Per bucket name, the chunkings tried (TRIALS timed steps each, in turn) and the one chosen
+    (the least median); the Schedule holds the lock."""
+
+    def __init__(self, candidates: tuple):
+        self.candidates, self.buckets = tuple(candidates), {}
+
+    @property
+    def tuning(self) -> bool:
+        """Whether there is a chunking to choose."""
+        return len(self.candidates) > 1
+
+    @property
+    def fixed(self) -> bool:
+        """Every bucket seen has its chunking."""
+        return bool(self.buckets) and all(b.chosen is not None for b in self.buckets.values())
+
+    def bucket(self, name: str) -> _Bucket:
+        return self.buckets.setdefault(name, _Bucket(chosen=None if self.tuning else self.candidates[0]))
+
+    def candidate(self, name: str) -> int:
+        """The chunking decided, else the candidate on trial."""
+        b = self.bucket(name)
+        if b.chosen is not None:
+            return b.chosen
+        return next((c for c in self.candidates if len(b.times.get(c, ())) < TRIALS), self.candidates[-1])
+
+    def commit(self, took: "float | None") -> None:
+        """A step ended after `took` seconds (None: not a clean measurement): each bucket's agreed
+        time recorded, its own time kept to send where the step ran as the one before."""
+        for name, b in self.buckets.items():
+            if b.pending is not None and b.chosen is None:
+                self._record(name, b, *b.pending)
+            b.pending = None
+            timed = b.ran is not None and b.ran == b.before and took is not None and b.chosen is None
+            b.last = (b.ran, took) if timed else None  # a step like the one before it; sent next step
+            b.before, b.ran = b.ran, None
+
+    def rollback(self) -> None:
+        for b in self.buckets.values():
+            b.pending, b.ran, b.before = None, None, None
+
+    def _record(self, name: str, b: _Bucket, candidate: int, seconds: float) -> None:
+        b.times.setdefault(candidate, []).append(seconds)
+        if all(len(b.times.get(c, ())) >= TRIALS for c in self.candidates):
+            b.chosen = min(self.candidates, key=lambda c: (statistics.median(b.times[c]), self.candidates.index(c)))
+            log.info("hvd_aps schedule: bucket %s runs %s (%s)", name, describe(b.chosen), _times_text(b.times))
+
+    def pin(self, chunks: dict, undecided_only: bool) -> None:
+        for name, value in chunks.items():
+            if not undecided_only or self.bucket(name).chosen is None:
+                self.bucket(name).chosen = value
+
+    def state(self) -> dict:
+        return {name: {"times": {str(c): list(t) for c, t in b.times.items()}, "chosen": b.chosen}
+                for name, b in self.buckets.items()}
+
+    def load(self, state: dict) -> None:
+        self.buckets = {name: _Bucket({int(c): list(t) for c, t in s["times"].items()}, s["chosen"])
+                        for name, s in state.items()}
+
+
 class Phase(str, enum.Enum):
     """Where policy="auto" stands (its value is what a state_dict holds)."""
     CHUNKING = "chunking"  # the buckets' chunkings still tried: no policy trial yet
@@ -217,6 +279,50 @@ class _Policy:
     def weighing(self) -> tuple:
         """The paths this round's trials weigh, in preference order."""
         return tuple(path for path in self.paths if path in self.order)
+
+    def entries(self) -> dict:
+        """What this rank says on the metadata vector, by path: while deciding its median steps
+        on the paths weighed (or its prediction); with codes kept, in the codes entry the share
+        their steps drifted (a fraction, not seconds)."""
+        if self.phase is Phase.DECIDING:
+            return self.predicting or {k: statistics.median(self.steps[k]) for k in self.weighing()}
+        if self.watching_drift and self.drift.share is not None:
+            return {CODES: self.drift.share}
+        return {}
+
+    def agreed(self, medians: dict) -> None:
+        """The slowest rank's entries, applied at commit alike on every rank: a decision's
+        medians, or the most drifted rank's share."""
+        if self.phase is Phase.DECIDING and medians:
+            self.medians = medians  # decided at commit: a step's exchanges all run alike
+        elif self.watching_drift and CODES in medians:
+            self.drift.agreed = medians[CODES]
+
+    def rolled_back(self) -> None:
+        """A failed step: what its metadata agreed is not applied."""
+        if self.phase is Phase.DECIDING:
+            self.medians = None
+        self.drift.agreed = None
+
+    def report(self) -> dict:
+        """Schedule.report()'s row of the policy."""
+        medians = self.medians if self.phase is Phase.DECIDED and self.medians else {
+            k: statistics.median(v) for k, v in self.steps.items() if v}
+        seconds = {f"{_path_text(k)} step": v for k, v in medians.items()}
+        seconds.update({f"{_path_text(k)} step (predicted)": v for k, v in (self.prediction or {}).items()
+                        if k is not CODES})
+        seconds.update({f"codes step ({when})": v for when, v in (("settled", self.drift.settled),
+                                                                 ("latest", self.drift.latest)) if v is not None})
+        chosen = None if self.chosen is None else _path_text(self.chosen)
+        return {"bucket": "(policy: every bucket)", "chosen": chosen, "seconds": seconds}
+
+    def decision(self) -> dict:
+        """Schedule.decisions()'s policy entries, in the names pin() takes."""
+        if self.chosen is None:
+            return {"policy": None}
+        if self.chosen.native:
+            return {"policy": PinnedPolicy.NATIVE.value, "native_dtype": self.chosen.value}
+        return {"policy": self.chosen.value}
 
     def load(self, saved: dict) -> None:
         """A state_dict()'s policy (its paths by name): "native" of an earlier release's fixed
@@ -411,9 +517,9 @@ class Schedule:
         names = {p.value for p in NATIVE_PATHS}
         if not natives or any(str(n) not in names for n in natives):
             raise ValueError(f"natives must be some of {sorted(names)}, got {[str(n) for n in natives]}")
-        self.candidates, self.auto, self.link = tuple(candidates), bool(auto), link
+        self.auto, self.link = bool(auto), link
         self.natives = tuple(Path(str(n)) for n in natives)  # names parsed once
-        self._buckets, self._lock = {}, threading.Lock()
+        self._chunkings, self._lock = _Chunkings(candidates), threading.Lock()
         self._began = None  # when this step began: the last commit (None: not a clean measurement)
         self._pins = []  # the decisions pin() was given: kept through reset() and under a load
         self._start()
@@ -423,30 +529,29 @@ class Schedule:
         self._model = _Predictor(self.link, self.natives, watch=not self.auto and self.link is not None)
 
     @property
+    def candidates(self) -> tuple:
+        return self._chunkings.candidates
+
+    @property
     def tuning(self) -> bool:
         """Whether there is a chunking to choose."""
-        return len(self.candidates) > 1
-
-    def _bucket(self, name: str) -> _Bucket:
-        return self._buckets.setdefault(name, _Bucket(chosen=None if self.tuning else self.candidates[0]))
+        return self._chunkings.tuning
 
     # per exchange --------------------------------------------------------------------------------
     def candidate(self, name: str) -> int:
         """How this exchange of bucket `name` runs: NATIVE (the framework's own allreduce, no
         metadata), the chunking decided, else the candidate on trial (each TRIALS steps in turn)."""
         with self._lock:
-            b = self._bucket(name)
             if self._policy is not None and self._policy.native is not None:
+                self._chunkings.bucket(name)  # seen: the policy's step trials wait for its chunking
                 return NATIVE
-            if b.chosen is not None:
-                return b.chosen
-            return next((c for c in self.candidates if len(b.times.get(c, ())) < TRIALS), self.candidates[-1])
+            return self._chunkings.candidate(name)
 
     def unchunked(self, name: str) -> None:
         """Bucket `name` has no chunking to choose (a reduce-scatter sends each row whole): it
         counts as decided, so policy="auto"'s step trials may start."""
         with self._lock:
-            b = self._bucket(name)
+            b = self._chunkings.bucket(name)
             if b.chosen is None:
                 b.chosen = 0
 
@@ -467,14 +572,9 @@ class Schedule:
         median step (or its prediction) on each path weighed, in PATHS' order; once it has kept
         codes, in the codes entry the share their steps drifted (a fraction, not seconds)."""
         with self._lock:
-            last = self._bucket(name).last
+            last = self._chunkings.bucket(name).last
             exchange = [UNMEASURED, UNMEASURED] if last is None else [last[1], float(last[0])]
-            p = self._policy
-            steps = {}
-            if p is not None and p.phase is Phase.DECIDING:
-                steps = p.predicting or {k: statistics.median(p.steps[k]) for k in p.weighing()}
-            elif p is not None and p.watching_drift and p.drift.share is not None:
-                steps = {CODES: p.drift.share}  # codes kept: how far their steps drifted
+            steps = {} if self._policy is None else self._policy.entries()
         return exchange + [steps.get(path, UNMEASURED) for path in PATHS]
 
     @property
@@ -497,7 +597,7 @@ class Schedule:
         """This step's exchange of `name` ran as `candidate`: the step's time counts for it."""
         if self.tuning:
             with self._lock:
-                self._bucket(name).ran = candidate
+                self._chunkings.bucket(name).ran = candidate
 
     def placed(self, name: str, started: float, ended: float) -> None:
         """While predicting: this step's exchange of `name` ran from `started` to `ended`
@@ -514,27 +614,17 @@ class Schedule:
         seconds, candidate, *steps = (float(v) for v in np.asarray(entries, np.float64))
         with self._lock:
             if self.tuning and seconds != UNMEASURED:
-                self._bucket(name).pending = (int(candidate), seconds)
-            medians = {path: v for path, v in zip(PATHS, steps) if v != UNMEASURED}
-            p = self._policy
-            if p is not None and p.phase is Phase.DECIDING and medians:
-                p.medians = medians  # decided at commit: a step's exchanges all run alike
-            elif p is not None and p.watching_drift and CODES in medians:
-                p.drift.agreed = medians[CODES]  # applied at commit, alike on every rank
+                self._chunkings.bucket(name).pending = (int(candidate), seconds)
+            if self._policy is not None:
+                self._policy.agreed({path: v for path, v in zip(PATHS, steps) if v != UNMEASURED})
 
     # steps ------------------------------------------------------------------------------------------
     def commit(self) -> None:
         with self._lock:
             now, began = time.perf_counter(), self._began
             took, self._began = (None if began is None else now - began), now
-            for name, b in self._buckets.items():
-                if b.pending is not None and b.chosen is None:
-                    self._record(name, b, *b.pending)
-                b.pending = None
-                timed = b.ran is not None and b.ran == b.before and took is not None and b.chosen is None
-                b.last = (b.ran, took) if timed else None  # a step like the one before it; sent next step
-                b.before, b.ran = b.ran, None
-            fixed = bool(self._buckets) and all(b.chosen is not None for b in self._buckets.values())
+            self._chunkings.commit(took)
+            fixed = self._chunkings.fixed
             ran_codes = self._policy is None or self._policy.native is None
             self._model.timeline.committed(began, now, self.predicting and fixed and ran_codes)
             if self._policy is not None:
@@ -542,7 +632,7 @@ class Schedule:
                 if self._policy.recheck_due:
                     self._recheck()
             elif self._model.watch is not None:
-                self._model.watched(took, self._buckets)
+                self._model.watched(took, self._chunkings.buckets)
 
     def _recheck(self) -> None:
         """A fresh policy, as at the start: codes steps first (a bucket first met on a native path
@@ -562,30 +652,21 @@ class Schedule:
     def rollback(self) -> None:
         with self._lock:
             self._began = None  # the next step's time is not a clean measurement
-            for b in self._buckets.values():
-                b.pending, b.ran, b.before = None, None, None
+            self._chunkings.rollback()
             self._model.timeline.rolled_back()
             if self._policy is not None:
-                if self._policy.phase is Phase.DECIDING:
-                    self._policy.medians = None
-                self._policy.drift.agreed = None
+                self._policy.rolled_back()
 
     def _prediction(self) -> "dict | None":
         """policy="auto" with a link, its first block of codes steps timed: the native steps the
         model predicts (None without a link, or before every bucket's exchanges were timed)."""
-        return self._model.natives_step(self._buckets) if self.predicting else None
-
-    def _record(self, name: str, b: _Bucket, candidate: int, seconds: float) -> None:
-        b.times.setdefault(candidate, []).append(seconds)
-        if all(len(b.times.get(c, ())) >= TRIALS for c in self.candidates):
-            b.chosen = min(self.candidates, key=lambda c: (statistics.median(b.times[c]), self.candidates.index(c)))
-            log.info("hvd_aps schedule: bucket %s runs %s (%s)", name, describe(b.chosen), _times_text(b.times))
+        return self._model.natives_step(self._chunkings.buckets) if self.predicting else None
 
     def reset(self) -> None:
         """Start over (the world changed: what was measured no longer holds; what pin() gave,
         measured nowhere, stays, as on a rank joining with the same pins)."""
         with self._lock:
-            self._buckets.clear()
+            self._chunkings = _Chunkings(self.candidates)
             self._began = None
             self._start()
             for decisions in self._pins:
@@ -602,18 +683,9 @@ class Schedule:
         with self._lock:
             rows = [{"bucket": name, "chosen": self._chosen_text(b),
                      "seconds": {describe(c): statistics.median(t) for c, t in b.times.items()}}
-                    for name, b in self._buckets.items()]
+                    for name, b in self._chunkings.buckets.items()]
             if self._policy is not None:
-                p = self._policy
-                medians = p.medians if p.phase is Phase.DECIDED and p.medians else {
-                    k: statistics.median(v) for k, v in p.steps.items() if v}
-                seconds = {f"{_path_text(k)} step": v for k, v in medians.items()}
-                seconds.update({f"{_path_text(k)} step (predicted)": v for k, v in (p.prediction or {}).items()
-                                if k is not CODES})
-                seconds.update({f"codes step ({when})": v for when, v in (("settled", p.drift.settled),
-                                                                         ("latest", p.drift.latest)) if v is not None})
-                chosen = None if p.chosen is None else _path_text(p.chosen)
-                rows.append({"bucket": "(policy: every bucket)", "chosen": chosen, "seconds": seconds})
+                rows.append(self._policy.report())
             return rows
 
     def decisions(self) -> dict:
@@ -621,12 +693,10 @@ class Schedule:
         chunk, 0 unchunked}, "policy": "codes", "native" or None (still trying; only with
         policy="auto"), "native_dtype": the dtype of the framework's allreduce (policy "native")}."""
         with self._lock:
-            out = {"chunk_bytes": {name: b.chosen for name, b in self._buckets.items() if b.chosen is not None}}
+            out = {"chunk_bytes": {name: b.chosen for name, b in self._chunkings.buckets.items()
+                                   if b.chosen is not None}}
             if self._policy is not None:
-                chosen = self._policy.chosen
-                out["policy"] = None if chosen is None else PinnedPolicy.NATIVE.value if chosen.native else chosen.value
-                if chosen is not None and chosen.native:
-                    out["native_dtype"] = chosen.value
+                out.update(self._policy.decision())
             return out
 
     def pin(self, decisions: dict) -> None:
@@ -648,9 +718,7 @@ class Schedule:
         `undecided_only`: only where nothing is decided (a checkpoint loaded over the pins: what
         it decided stands)."""
         chunks, policy, dtype = _pinned(decisions, self.natives, self._policy is not None)
-        for name, value in chunks.items():
-            if not undecided_only or self._bucket(name).chosen is None:
-                self._bucket(name).chosen = value
+        self._chunkings.pin(chunks, undecided_only)
         if policy is not None and not (undecided_only and self._policy.phase is Phase.DECIDED):
             self._policy.chosen = dtype if policy is PinnedPolicy.NATIVE else CODES
             self._policy.phase, self._policy.pinned = Phase.DECIDED, True
@@ -664,8 +732,7 @@ class Schedule:
 
     def state_dict(self) -> dict:
         with self._lock:
-            state = {name: {"times": {str(c): list(t) for c, t in b.times.items()}, "chosen": b.chosen}
-                     for name, b in self._buckets.items()}
+            state = self._chunkings.state()
             if self._policy is not None:
                 state["(policy)"] = self._policy.state()
             return state
@@ -678,8 +745,7 @@ class Schedule:
             self._began = None  # timing a step begun before the checkpoint
             state = dict(state)
             saved = state.pop("(policy)", None)
-            self._buckets = {name: _Bucket({int(c): list(t) for c, t in s["times"].items()}, s["chosen"])
-                             for name, s in state.items()}
+            self._chunkings.load(state)
             self._start()
             if self._policy is not None and saved is not None:
                 if self._policy.offers(saved):

@@ -24,8 +24,10 @@ import numpy as np
 from . import _arrays, _device, _layout, _metadata, _tables, codec, scaling
 from ._layout import Segment
 from ._residuals import OWNER, SEND
-from ._stats import BucketStats
-from .config import Rounding, Scaling
+from ._schedule import Schedule
+from ._state import ExchangeState
+from ._stats import BucketStats, StatsRecorder
+from .config import APSConfig, Rounding, Scaling
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # ranges are summed in float32: no x N headroom needed
 HYBRID_SAMPLE = 4096  # elements per tensor the hybrid policy's error estimate looks at
@@ -123,21 +125,32 @@ class Agreement:
         return 4 * sum(self.bucket.sizes) >= STREAM_BYTES
 
 
-@dataclasses.dataclass
-class Run:
-    """One exchange under way: its Agreement, the arrays it reads and writes, and what its stages
-    gather (stages of a graph may run at once: `lock`)."""
-    agreement: Agreement
-    data: object        # flat: what is encoded (with error feedback: gradient + residual)
-    out: object         # flat: where the results go
-    residual: object = None  # error feedback: where this step's send residuals go (flat like data)
-    # error feedback: per lane, where this step's owner residuals go (this rank's shard)
-    owner_residuals: list = dataclasses.field(default_factory=list)
-    sums: Optional[list] = None  # the stats' sample sums: (held segment of each block, per-block sums) per stage call
-    limits_here: Optional[list] = None  # the stats: per lane, each tensor's largest value sent, where the data lies
-    committed: Optional[list] = None   # error feedback: per lane, the committed owner residuals (read at reduce)
-    bytes_sent: int = 0
-    lock: object = dataclasses.field(default_factory=threading.Lock)
+class Exchange:
+    """One exchange of a bucket in the codes group, as its stages see it: its Agreement, the
+    arrays it reads and writes, and what its stages gather (stages of a graph may run at once:
+    `lock`). hvd_aps.exchange.BucketExchange, the driver of the exchange, is one; CodesStages.agree
+    starts it, every later stage reads and fills it, done() ends it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.end()
+
+    def start(self, agreement: Agreement, source, results) -> None:
+        self.end()
+        self.agreement = agreement
+        self.source = source    # flat: what is encoded (with error feedback: gradient + residual)
+        self.results = results  # flat: where the results go
+
+    def end(self) -> None:
+        """Nothing under way (what the last exchange held let go)."""
+        self.agreement: Optional[Agreement] = None
+        self.source = self.results = None
+        self.residual = None  # error feedback: where this step's send residuals go (flat like source)
+        self.owner_residuals = []  # error feedback: per lane, where this step's owner residuals go (this rank's shard)
+        self.sums: Optional[list] = None  # the stats' sample sums: (held segment of each block, per-block sums) per stage call
+        self.limits_here: Optional[list] = None  # the stats: per lane, each tensor's largest value sent, where the data lies
+        self.committed: Optional[list] = None  # error feedback: per lane, the committed owner residuals (read at reduce)
+        self.bytes_sent = 0
 
 
 def formats_and_shifts(config, amaxes: np.ndarray, errors: np.ndarray, world: int) -> tuple:
@@ -240,15 +253,21 @@ def _carried(chunks: list, fmts: tuple, segments: int) -> np.ndarray:
     return carried
 
 
-class CodesExchange:
-    """The stages of a bucket's exchange for one rank of the codes group (`world` ranks; with two
-    levels, one per host). Collaborators: the frozen config, the ExchangeState (residuals, step
-    counts, schedule, buffers) and the StatsRecorder."""
+class CodesStages:
+    """The stages of one bucket's Exchange for one rank of the codes group (`world` ranks; with
+    two levels, one per host). Collaborators: the frozen config, the ExchangeState (residuals,
+    step counts, schedule, buffers) and the StatsRecorder."""
 
-    def __init__(self, config, state, stats, world: int, rank: int, seed_rank: int):
+    def __init__(self, config: APSConfig, state: ExchangeState, stats: StatsRecorder, world: int, rank: int,
+                 seed_rank: int):
         self.config, self.state, self.stats = config, state, stats
         self.world, self.rank, self.seed_rank = world, rank, seed_rank
         self.fmts = [config.fmt] + ([config.hybrid] if config.hybrid is not None else [])
+
+    @property
+    def schedule(self) -> Schedule:
+        """How each bucket runs (the state's): what the driver asks before and tells after an exchange."""
+        return self.state.schedule
 
     # 1. metadata ----------------------------------------------------------------------------------
     def metadata(self, bucket: Bucket, data) -> tuple:
@@ -269,10 +288,10 @@ class CodesExchange:
         return _metadata.with_amaxes(vector, held.tensor, peaks), data
 
     # 2. agreement ---------------------------------------------------------------------------------
-    def agree(self, bucket: Bucket, agreed, data, out, *, divisor: float, xp, candidate: int,
-              padded: bool = True, chunked: Optional[int] = None) -> Run:
-        """The metadata allreduce's result -> the exchange's Run under its Agreement: every tensor's format and
-        shift, the plan of its lanes and chunks for `candidate` (chunk bytes), the result array
+    def agree(self, ex: Exchange, bucket: Bucket, agreed, data, out, *, divisor: float, xp, candidate: int,
+              padded: bool = True, chunked: Optional[int] = None) -> None:
+        """The metadata allreduce's result -> `ex` started under its Agreement: every tensor's format
+        and shift, the plan of its lanes and chunks for `candidate` (chunk bytes), the result array
         (`out`, else a reused buffer), NaN-filled already for the tensors in the fallback.
         padded: the allgather needs messages of equal sizes. chunked: the elements the chunk count
         is cut from, where other groups must cut as many (default: the finite ones held here)."""
@@ -293,37 +312,36 @@ class CodesExchange:
         agreement = Agreement(bucket, plan, shifts, _uploaded(shifts.astype(np.int32), xp), fallback, count, divisor,
                               self._seeds(bucket, self.seed_rank, SEND, xp) if stochastic else None,
                               self._seeds(bucket, -1, OWNER, xp) if stochastic else None, tuple(lanes_of.tolist()))
-        run = Run(agreement, data, out)
+        ex.start(agreement, data, out)
         if self.config.error_feedback:
-            self._feedback(run, xp)
+            self._feedback(ex, xp)
         if self.stats.enabled:
-            run.sums, run.limits_here = [], [limits(fmt, agreement.shifts_here) for fmt in plan.fmts]
-        return run
+            ex.sums, ex.limits_here = [], [limits(fmt, agreement.shifts_here) for fmt in plan.fmts]
 
     def _seeds(self, bucket: Bucket, rank: int, side: str, xp):
         return _uploaded(np.array([self.state.seed_for(rank, key, side) for key in bucket.keys], np.uint64), xp)
 
-    def _feedback(self, run: Run, xp) -> None:
+    def _feedback(self, ex: Exchange, xp) -> None:
         """Error feedback: where this step's send residuals go (the fallback's restart from zero),
         and per lane where its owner residuals go."""
-        a = run.agreement
+        a = ex.agreement
         keys, sizes = self._send_keys(a.bucket)
-        run.residual = self.state.residuals.next_flat((a.bucket.name, SEND), keys, sizes, xp)
+        ex.residual = self.state.residuals.next_flat((a.bucket.name, SEND), keys, sizes, xp)
         held = a.bucket.held()
         for k in a.fallback:
-            run.residual[held.offsets[k]:held.offsets[k + 1]] = 0
+            ex.residual[held.offsets[k]:held.offsets[k + 1]] = 0
         for n, (keys, owned) in enumerate(zip(a.plan.owner_keys, a.plan.owned)):
-            run.owner_residuals.append(self.state.residuals.next_flat((a.bucket.name, OWNER, n), keys,
+            ex.owner_residuals.append(self.state.residuals.next_flat((a.bucket.name, OWNER, n), keys,
                                                                  [size for _, _, size in owned], xp))
 
     def _send_keys(self, bucket: Bucket) -> tuple:
         return bucket.kept("send keys", lambda: (tuple((bucket.keys[s.tensor], SEND, s.start) for s in bucket.segments),
                                                  [s.size for s in bucket.segments]))
 
-    def owned(self, run: Run) -> list:
+    def owned(self, ex: Exchange) -> list:
         """(tensor, start, size) of every share this rank owns and re-encodes: where its owner
         residuals lie."""
-        return [share for owned in run.agreement.plan.owned for share in owned]
+        return [share for owned in ex.agreement.plan.owned for share in owned]
 
     def check(self, bucket: Bucket, agreed) -> tuple:
         """The metadata allreduce's result checked (every rank configured alike, with the same
@@ -339,38 +357,38 @@ class CodesExchange:
                         fmts=tuple(self.fmts), sample=self.stats.sample)
 
     # 3. begin: encode -----------------------------------------------------------------------------
-    def begin(self, run: Run, chunk: int) -> tuple:
+    def begin(self, ex: Exchange, chunk: int) -> tuple:
         """Encode chunk `chunk` -> (bytes to alltoall, bytes per destination rank)."""
-        a = run.agreement
+        a = ex.agreement
         plan = a.plan.chunks[chunk]
-        xp = _xp(run.out)
+        xp = _xp(ex.results)
         message = self.state.buffers.get((a.bucket.name, "send", chunk), plan.send_bytes, np.uint8, xp)
         if plan.clear_send.size:  # a reused buffer would send last step's bits in a stream's unused high bits
             message[_device.on_device(plan.clear_send, message)] = 0
-        engine = codec.engine_for(run.data)
+        engine = codec.engine_for(ex.source)
         for n, (lc, fmt) in enumerate(zip(plan.lanes, a.plan.fmts)):
             send = lc.send
             if not send.count:
                 continue
             shifts = _device.take(a.shifts_here, send.tensor)
-            engine.table_encode(run.data, fmt, send, shifts, self.config.rounding,
+            engine.table_encode(ex.source, fmt, send, shifts, self.config.rounding,
                                 None if a.seeds is None else _device.take(a.seeds, send.tensor), self.config.saturate,
-                                message, run.residual)
-            if run.sums is not None:
+                                message, ex.residual)
+            if ex.sums is not None:
                 first, step = (_device.on_device(c, message) for c in a.plan.samples[chunk][n])
-                sums = engine.table_stats(run.data, message, fmt, send, shifts, first, step,
-                                          _device.take(run.limits_here[n], send.tensor))
-                with run.lock:
-                    run.sums.append((send.segment, sums))
-        with run.lock:
-            run.bytes_sent += sum(plan.splits) - plan.splits[self.rank]
+                sums = engine.table_stats(ex.source, message, fmt, send, shifts, first, step,
+                                          _device.take(ex.limits_here[n], send.tensor))
+                with ex.lock:
+                    ex.sums.append((send.segment, sums))
+        with ex.lock:
+            ex.bytes_sent += sum(plan.splits) - plan.splits[self.rank]
         return message, plan.splits
 
     # 4. reduce: sum and re-encode this rank's range ---------------------------------------------
-    def reduce(self, run: Run, chunk: int, received) -> object:
+    def reduce(self, ex: Exchange, chunk: int, received) -> object:
         """The N packed copies of this rank's range of a chunk -> its reduced, re-encoded range
         (bytes to allgather, padded to every owner's longest message alike)."""
-        a = run.agreement
+        a = ex.agreement
         plan = a.plan.chunks[chunk]
         xp = _xp(received)
         rows = received.reshape(self.world, plan.row_bytes)
@@ -384,7 +402,7 @@ class CodesExchange:
                 continue
             total = self.state.buffers.get((a.bucket.name, "sum", n, chunk), hi - lo, np.float32, xp)
             peaks = engine.table_sum(rows, fmt, lc.reduce, _device.take(a.shifts_here, lc.reduce.tensor), total)
-            residual = self._owner_residual(run, n, lo, hi)
+            residual = self._owner_residual(ex, n, lo, hi)
             if residual is not None:  # the owner's re-encode loses bits too
                 total += residual[0]
                 peaks = engine.table_amax(total, lc.reduce)
@@ -399,47 +417,49 @@ class CodesExchange:
             engine.table_encode(total, fmt, lc.reencode, shifts, self.config.rounding,
                                 None if a.owner_seeds is None else _device.take(a.owner_seeds, lc.reencode.tensor),
                                 self.config.saturate, message, None if residual is None else residual[1])
-        with run.lock:
-            run.bytes_sent += int(message.size) * (self.world - 1)
+        with ex.lock:
+            ex.bytes_sent += int(message.size) * (self.world - 1)
         return message
 
-    def _owner_residual(self, run: Run, lane: int, lo: int, hi: int):
+    def _owner_residual(self, ex: Exchange, lane: int, lo: int, hi: int):
         """Error feedback: (committed, next) owner residual of flat range lo..hi of `lane`; None
         without feedback."""
-        a = run.agreement
-        if not run.owner_residuals:
+        a = ex.agreement
+        if not ex.owner_residuals:
             return None
-        with run.lock:  # read once the residuals of shares that changed owner have moved here (exchange.run)
-            if run.committed is None:
-                xp = _xp(run.owner_residuals[0])
-                run.committed = [self.state.residuals.committed_flat((a.bucket.name, OWNER, n), keys,
+        with ex.lock:  # read once the residuals of shares that changed owner have moved here (exchange.run)
+            if ex.committed is None:
+                xp = _xp(ex.owner_residuals[0])
+                ex.committed = [self.state.residuals.committed_flat((a.bucket.name, OWNER, n), keys,
                                                                      [size for _, _, size in owned], xp)
                                  for n, (keys, owned) in enumerate(zip(a.plan.owner_keys, a.plan.owned))]
         start = a.plan.shards[lane][0]
-        return run.committed[lane][lo - start:hi - start], run.owner_residuals[lane][lo - start:hi - start]
+        return ex.committed[lane][lo - start:hi - start], ex.owner_residuals[lane][lo - start:hi - start]
 
     # 5. finish: decode every owner's range --------------------------------------------------------
-    def finish(self, run: Run, chunk: int, gathered) -> None:
+    def finish(self, ex: Exchange, chunk: int, gathered) -> None:
         """Every owner's reduced range of a chunk -> its place in the results."""
-        a = run.agreement
+        a = ex.agreement
         engine = codec.engine_for(gathered)
         for lc, fmt in zip(a.plan.chunks[chunk].lanes, a.plan.fmts):
             if lc.finish.count:  # each block's exponent read from the message where it lies
                 exponents = _device.take(gathered, lc.exponents).view(_tables.EXPONENT)
-                engine.table_decode(gathered, fmt, lc.finish, exponents, run.out, np.float32(a.divisor), a.stream)
+                engine.table_decode(gathered, fmt, lc.finish, exponents, ex.results, np.float32(a.divisor), a.stream)
 
-    def done(self, run: Run):
+    def done(self, ex: Exchange):
         """After the last chunk: the results (the flat `out`), the bytes recorded and the stats
         handed to the recorder (read a step later), the tensors' exchange noted for the step's
-        commit."""
-        a = run.agreement
-        if run.sums is not None:
-            self.stats.record_bucket_later(a.bucket.name, [sums for _, sums in run.sums],
+        commit; `ex` ended."""
+        a = ex.agreement
+        if ex.sums is not None:
+            self.stats.record_bucket_later(a.bucket.name, [sums for _, sums in ex.sums],
                                            functools.partial(self._bucket_stats, a.bucket, a.plan, a.shifts, a.lanes_of,
-                                                             [segment for segment, _ in run.sums]))
-        self.stats.record_sent(run.bytes_sent)
+                                                             [segment for segment, _ in ex.sums]))
+        self.stats.record_sent(ex.bytes_sent)
         self.state.exchanged(a.bucket.keys)
-        return run.out
+        results = ex.results
+        ex.end()
+        return results
 
     def _bucket_stats(self, bucket: Bucket, plan: Plan, shifts: np.ndarray, lanes_of: tuple, segments: list,
                       block_sums: list) -> BucketStats:

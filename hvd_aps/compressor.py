@@ -3,7 +3,7 @@ two methods, the configuration, and the Exchanger (hvd_aps.exchanger: state, sta
 step) that every other entry point is handed through it.
 
 wire="codes" (the default) sends the format's codes themselves, 1 byte per element for 8-bit
-formats and packed below that: compress() hands the gradient to a codes exchange (hvd_aps._tokens,
+formats and packed below that: compress() hands the gradient to a codes exchange (hvd_aps._batches,
 hvd_aps.exchange) and gives Horovod a one-element token to allreduce, whose result tells
 decompress() what op and scale factors Horovod applied. wire="values" rounds onto the format's
 grid and lets Horovod's own allreduce carry float16 (hvd_aps._values).
@@ -11,23 +11,25 @@ grid and lets Horovod's own allreduce carry float16 (hvd_aps._values).
 The per-framework conversions and collectives live in thin adapters (hvd_aps._tokens.Adapter),
 chosen per tensor; the numerics in hvd_aps._stages, the state in hvd_aps._state.
 """
+import dataclasses
 import enum
+import inspect
 import secrets
 import sys
 from typing import Optional, Union
 
-from . import _horovod, _tokens, calfile, dashboard
+from . import _batches, _horovod, _tokens, calfile, dashboard
 from ._schedule import Schedule
 from ._state import ExchangeState
 from ._stats import STATS_SAMPLE, StatsRecorder, TensorStats
-from .config import (AUTO, DEFAULT_BUCKET_BYTES, DEFAULT_HYBRID_THRESHOLD, DEFAULT_MIN_ELEMENTS, DEFAULT_TIMEOUT,
-                     APSConfig, Policy, Wire, recipe)
+from .config import APSConfig, Policy, Wire, recipe
 from .exchanger import Exchanger
 from .formats import FloatFormat
 
 # the settings that give a state_dict's residuals and step counts their meaning: a state saved
 # under others does not load (chunking, buckets and the policy only schedule, so they may change)
 RESUMED_SETTINGS = ("fmt", "rounding", "scaling", "saturate", "wire", "error_feedback", "hybrid")
+_SETTINGS = tuple(f.name for f in dataclasses.fields(APSConfig) if f.name != "fmt")  # APSCompressor's **settings
 
 
 def _not_for_autograph(method):
@@ -56,9 +58,9 @@ class APSCompressor:
             below what a step's timing resolves; rare events (saturation) resolve to about
             1 / stats_sample of a tensor.
 
-    The other arguments (rounding, scaling, saturate, wire, bucket_bytes, min_elements,
-    error_feedback, hybrid, hybrid_threshold, chunk_bytes, hierarchical, policy, fallback, timeout)
-    are hvd_aps.APSConfig's fields (defaults: nearest rounding, APS, codes on the wire, 16 MiB
+    The other keyword arguments are hvd_aps.APSConfig's fields, passed to it as they are (rounding,
+    scaling, saturate, wire, bucket_bytes, min_elements, error_feedback, hybrid, hybrid_threshold,
+    chunk_bytes, hierarchical, policy, fallback, timeout; defaults: nearest rounding, APS, codes on the wire, 16 MiB
     buckets, their chunking tuned at run time, tensors under 4096 elements through the framework's
     plain allreduce, two levels where hosts hold several ranks, codes always, 30 minutes' wait for
     the other ranks in a collective).
@@ -74,17 +76,16 @@ class APSCompressor:
                                        compression=hvd_aps.APSCompressor(hvd_aps.e4m3))
     """
 
-    def __init__(self, fmt: Union[FloatFormat, str], rounding: str = "nearest", scaling: str = "aps",
-                 saturate: bool = False, wire: str = "codes", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 min_elements: int = DEFAULT_MIN_ELEMENTS, error_feedback: bool = False,
-                 hybrid: Union[FloatFormat, str, None] = None, hybrid_threshold: float = DEFAULT_HYBRID_THRESHOLD,
-                 chunk_bytes: Union[int, str] = AUTO, hierarchical: Optional[bool] = None, policy: str = "codes",
-                 fallback: str = "float32", timeout: float = DEFAULT_TIMEOUT, seed: Optional[int] = None,
-                 stats: bool = True, stats_sample: int = STATS_SAMPLE):
-        config = APSConfig(fmt=fmt, rounding=rounding, scaling=scaling, saturate=saturate, wire=wire,
-                           bucket_bytes=bucket_bytes, min_elements=min_elements, error_feedback=error_feedback,
-                           hybrid=hybrid, hybrid_threshold=hybrid_threshold, chunk_bytes=chunk_bytes,
-                           hierarchical=hierarchical, policy=policy, fallback=fallback, timeout=timeout)
+    def __init__(self, fmt: Union[FloatFormat, str], *, seed: Optional[int] = None, stats: bool = True,
+                 stats_sample: int = STATS_SAMPLE, **settings):
+        try:
+            config = APSConfig(fmt=fmt, **settings)
+        except TypeError as error:
+            unknown = sorted(set(settings) - set(_SETTINGS))
+            if not unknown:
+                raise
+            raise TypeError(f"APSCompressor got unknown arguments {unknown}: its settings are APSConfig's fields "
+                            f"{list(_SETTINGS)}, besides seed, stats and stats_sample") from error
         self._setup(config, seed, StatsRecorder(stats, stats_sample))
 
     @classmethod
@@ -107,7 +108,7 @@ class APSCompressor:
             schedule = Schedule(config.candidates, config.policy is Policy.AUTO, calfile.job_link(), config.natives)
             state = ExchangeState(secrets.randbits(63) if seed is None else int(seed), schedule)
         self.config, self.exchanger = config, Exchanger(config, state, stats)
-        self._batches = _tokens.Batches(self.exchanger)
+        self._batches = _batches.Batches(self.exchanger)
         self._serves = None  # the optimizer, DDP model or FSDP2 model this compressor was given to
         self._horovod_owner = None  # the Horovod optimizer compressing through it, once one has
         self._logged_bytes = 0  # bytes sent when log_to last wrote
@@ -175,7 +176,7 @@ class APSCompressor:
             return tensor
         if isinstance(ctx, _tokens.Cast):
             return _tokens.adapter_of(tensor).native_result(tensor, ctx.like)
-        if isinstance(ctx, _tokens.Context):
+        if isinstance(ctx, _batches.Context):
             return self._batches.result(tensor, ctx)
         return _tokens.adapter_of(tensor).decompress_values(tensor, ctx, self.exchanger)
 
@@ -300,6 +301,18 @@ class APSCompressor:
 
     def reset_stats(self) -> None:
         self.recorder.reset()
+
+
+def _signature() -> inspect.Signature:
+    """APSCompressor's signature as help() and editors show it: fmt, APSConfig's fields with their
+    defaults, then the compressor's own arguments."""
+    own = inspect.signature(APSCompressor.__init__).parameters
+    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+              for f in dataclasses.fields(APSConfig) if f.name != "fmt"]
+    return inspect.Signature([own["self"], own["fmt"], *fields, own["seed"], own["stats"], own["stats_sample"]])
+
+
+APSCompressor.__init__.__signature__ = _signature()
 
 
 def _shown(value) -> str:

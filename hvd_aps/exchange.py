@@ -2,7 +2,7 @@
 
 Every codes path (Horovod's optimizers, hvd_aps.torch and .tensorflow, Keras 3, DDP, FSDP2) runs
 through `run` with a `Collectives` per group of ranks: a few collectives and a way to run a host
-stage (a plain call; tf.numpy_function in a TF graph). Stages: hvd_aps._stages.CodesExchange's::
+stage (a plain call; tf.numpy_function in a TF graph). Stages: hvd_aps._stages.CodesStages'::
 
     0. two levels: alltoall of its slices in the host (CPU: _host_memory), summed in local-rank order
     1. stage: each tensor's max |g| and size, the signature;     collective: Max-allreduce (all ranks)
@@ -26,8 +26,9 @@ import numpy as np
 
 from . import _arrays, _layout, _metadata
 from ._schedule import NATIVE
-from ._stages import Bucket
+from ._stages import Bucket, CodesStages, Exchange
 from ._residuals import OWNER, SEND
+from ._scatter import ScatterStages
 from .config import Path, Policy
 
 
@@ -194,18 +195,18 @@ class Levels:
         return cls(coll, coll, None)
 
 
-def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = False,
+def run(stages: CodesStages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = False,
         divisor: Optional[int] = None):
     """One bucket's exchange -> the float32 sums across ranks (average=True: divided by N) as one
     flat array, the tensors end to end (NaN-filled where a rank held NaN/Inf). `flat`: this
     rank's gradients end to end (bucket.sizes), one float32 array (a graph tensor in TF graphs);
-    `stages`: a CodesExchange for the codes group; bucket.name: stable from step to step and
+    `stages`: the CodesStages of the codes group; bucket.name: stable from step to step and
     equal on every rank (collective names, buffer keys, the schedule); `out`: eager callers may
     pass the flat array to write the results into (`flat` itself: in place; each element is
     read before its result is written). divisor: what the sums are divided by, where it is not
     the group's size (FSDP's two levels: every rank's count, the hosts' sums having come from a
     reduce-scatter inside each host)."""
-    schedule, coll = stages.state.schedule, levels.cross
+    schedule, coll = stages.schedule, levels.cross
     handed = time.perf_counter()  # the bucket's hand-over to the driver: where its place in the step starts
     if not coll.eager and stages.config.policy is Policy.AUTO:
         _warn_graph_policy()
@@ -224,13 +225,16 @@ def run(stages, bucket: Bucket, flat, levels: Levels, out=None, average: bool = 
     return result
 
 
-class BucketExchange:
-    """One bucket's codes exchange (steps 0-6 of the module docstring): its stages are methods,
-    and what one stage hands the next (the data the metadata stage prepared, the Run the
-    agreement started) are fields. Graph frameworks run the stages inside their graph (Collectives.stage), as often as
-    the graph runs; eager ones call them once."""
+class BucketExchange(Exchange):
+    """One bucket's codes exchange (steps 0-6 of the module docstring), one object: its driver
+    (result, pipeline), its stages as methods, the groups and host slices of two levels, and, as
+    the Exchange it is, what its stages read and fill from the agreement on. Graph frameworks
+    run the stages inside their graph (Collectives.stage), as often as the graph runs; eager
+    ones call them once."""
 
-    def __init__(self, stages, bucket: Bucket, flat, levels: Levels, out, divisor: float, candidate: int):
+    def __init__(self, stages: CodesStages, bucket: Bucket, flat, levels: Levels, out, divisor: float,
+                 candidate: int):
+        super().__init__()
         self.stages, self.bucket, self.levels, self.out, self.divisor = stages, bucket, levels, out, divisor
         self.candidate, self.coll, local = candidate, levels.cross, levels.local
         self.cuts = self.slice_message = self.chunked = None
@@ -245,7 +249,7 @@ class BucketExchange:
             self.held, self.data, self.slice_out = bucket, flat, out
         self.parts = 1 if local is None else local.world
         self.follow = stages.config.error_feedback and self.coll.eager
-        self.prepared = self.run = None  # the metadata stage's data; the exchange under way (_stages.Run)
+        self.prepared = None  # what the metadata stage hands the agreement
 
     def result(self):
         """The driver: metadata, agreement, the chunks pipelined, the host's gather."""
@@ -259,8 +263,8 @@ class BucketExchange:
         token, = world.stage(self.agree, [agreed], [np.uint8])
         if self.follow:  # a share's owner residual lies with its owner
             _follow_layout(self.stages.state, self.bucket, OWNER,
-                           _signature(self.bucket, self.parts, self.coll.world, self.run.agreement.lanes_of), world,
-                           self.stages.owned(self.run))
+                           _signature(self.bucket, self.parts, self.coll.world, self.agreement.lanes_of), world,
+                           self.stages.owned(self))
         result = self.pipeline(token)
         if self.levels.local is not None:
             result = _gather(self.bucket, self.cuts, result, self.levels.local, self.out, self.slice_message,
@@ -269,7 +273,7 @@ class BucketExchange:
 
     def chunks(self) -> int:
         if self.coll.eager:
-            return self.run.agreement.count
+            return self.agreement.count
         elements = self.chunked or sum(s.size for s in self.held.segments)
         return _graph_chunks(elements, self.stages.config.graph_chunk_bytes)
 
@@ -301,28 +305,28 @@ class BucketExchange:
     def agree(self, agreed) -> tuple:
         """Step 2: APS shifts and formats agreed, the chunks laid out."""
         xp = _arrays.array_module(self.prepared)  # NumPy for graph tensors: their stages see NumPy
-        self.run = self.stages.agree(self.held, agreed, self.prepared, self.slice_out, divisor=self.divisor, xp=xp,
-                                     candidate=self.candidate, padded=self.coll.equal_allgather, chunked=self.chunked)
+        self.stages.agree(self, self.held, agreed, self.prepared, self.slice_out, divisor=self.divisor, xp=xp,
+                          candidate=self.candidate, padded=self.coll.equal_allgather, chunked=self.chunked)
         self.prepared = None
         return (_TOKEN,)
 
     def encode(self, chunk: int, token, array) -> tuple:
         """Step 3: every owner's part of the chunk encoded -> (message, splits)."""
-        send, splits = self.stages.begin(self.run, chunk)
+        send, splits = self.stages.begin(self, chunk)
         return send, np.asarray(splits, np.int32)
 
     def reduce(self, chunk: int, received) -> tuple:
         """Step 4: this rank's part decoded and summed, re-encoded."""
-        return (self.stages.reduce(self.run, chunk, received),)
+        return (self.stages.reduce(self, chunk, received),)
 
     def finish(self, chunk: int, gathered) -> tuple:
         """Step 5: every owner's part decoded into the results."""
-        self.stages.finish(self.run, chunk, gathered)
+        self.stages.finish(self, chunk, gathered)
         return (_TOKEN,)
 
     def done(self, *finished) -> tuple:
-        run, self.run = self.run, None
-        return (self.stages.done(run),)
+        """After the last chunk: the results."""
+        return (self.stages.done(self),)
 
 
 def _read(agreed):
@@ -385,7 +389,7 @@ def _follow_layout(state, bucket: Bucket, side: str, signature: str, group: Coll
     state.residuals.laid_out(bucket.keys, side, signature)
 
 
-def reduce_scatter(stages, name: str, rows, coll: Collectives, out, divisor: float = 1):
+def reduce_scatter(stages: ScatterStages, name: str, rows, coll: Collectives, out, divisor: float = 1):
     """The codes reduce-scatter (hvd_aps._scatter): rows (world, n) float32, row r for rank r ->
     `out` (n float32), this rank's row summed over the ranks and divided by `divisor`. Eager."""
     vector, rows = stages.metadata(name, rows)
@@ -477,7 +481,7 @@ def _gather(bucket: Bucket, cuts: list, result, local: Collectives, out, message
     return whole
 
 
-def _native(stages, bucket: Bucket, flat, world: Collectives, out, divisor: int, path: Path):
+def _native(stages: CodesStages, bucket: Bucket, flat, world: Collectives, out, divisor: int, path: Path):
     """policy="auto" where codes do not pay: the framework's own allreduce of the bucket on the
     native `path`, counted in the stats and the bytes. The casts run as stages, so the arrays are
     NumPy or CuPy there even where the framework's are tensors (TensorFlow)."""

@@ -19,8 +19,8 @@ import threading
 from typing import Callable, Optional
 
 from . import _device, codec, exchange
-from ._scatter import ScatterExchange
-from ._stages import Bucket, CodesExchange
+from ._scatter import ScatterStages
+from ._stages import Bucket, CodesStages
 from ._state import ExchangeState
 from ._stats import StatsRecorder
 from .config import APSConfig, Path
@@ -37,7 +37,7 @@ class Exchanger:
         self._in_flight, self._error, self._ending = 0, None, False
 
     # stages per group --------------------------------------------------------------------------
-    def stages(self, world: int, rank: int, seed_rank: Optional[int] = None) -> CodesExchange:
+    def stages(self, world: int, rank: int, seed_rank: Optional[int] = None) -> CodesStages:
         """The codes exchange's stages for this rank of a codes group of `world` ranks (kept: they
         hold the group's buffers). seed_rank keys stochastic rounding's draws (default `rank`: on
         two levels the host's number, so an element of the host's sum draws alike whichever local
@@ -46,15 +46,15 @@ class Exchanger:
         key = ("codes", world, rank, rank if seed_rank is None else seed_rank)
         with self._lock:
             if key not in self._stages:
-                self._stages[key] = CodesExchange(self.config, self.state, self.recorder, *key[1:])
+                self._stages[key] = CodesStages(self.config, self.state, self.recorder, *key[1:])
             return self._stages[key]
 
-    def scatter_stages(self, world: int, rank: int) -> ScatterExchange:
+    def scatter_stages(self, world: int, rank: int) -> ScatterStages:
         """The reduce-scatter's stages for this rank of a group of `world` ranks."""
         key = ("scatter", world, rank)
         with self._lock:
             if key not in self._stages:
-                self._stages[key] = ScatterExchange(self.config, self.state, self.recorder, world, rank)
+                self._stages[key] = ScatterStages(self.config, self.state, self.recorder, world, rank)
             return self._stages[key]
 
     def forget_stages(self) -> None:

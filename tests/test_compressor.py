@@ -132,7 +132,7 @@ def test_a_batch_averaged_by_its_exchange_comes_back_as_it_is():
 
 
 def test_a_steps_unread_tokens_are_checked_at_once_as_each_alone():
-    """_check_unread reads the averaged batches' tokens in one go and checks them as apply_op
+    """check_unread reads the averaged batches' tokens in one go and checks them as apply_op
     checks each: averages recorded, a Sum's token refused, a reduction that is no sum refused."""
     class Rows:  # an adapter's read_tokens: the tokens as rows, in one read
         reads = 0
@@ -153,12 +153,12 @@ def test_a_steps_unread_tokens_are_checked_at_once_as_each_alone():
         return out
 
     steps = launched([summed * np.float32(0.25)] * 3, [summed * np.float32(0.25)])
-    _tokens._check_unread(steps)
+    _tokens.check_unread(steps)
     assert [b.reduction.said_average for b in steps] == [[True] * 3, [True]] and Rows.reads == 1
     with pytest.raises(RuntimeError, match="Use one APSCompressor for each reduction"):
-        _tokens._check_unread(launched([summed * np.float32(0.25)], [summed * np.float32(0.25), summed]))
+        _tokens.check_unread(launched([summed * np.float32(0.25)], [summed * np.float32(0.25), summed]))
     with pytest.raises(ValueError, match="wire='values'"):
-        _tokens._check_unread(launched([summed * np.float32(0.25), np.array([1.0, 3.0], np.float32)]))
+        _tokens.check_unread(launched([summed * np.float32(0.25), np.array([1.0, 3.0], np.float32)]))
 
 
 def test_missing_host_engine_warns_once(monkeypatch):

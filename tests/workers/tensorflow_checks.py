@@ -52,7 +52,7 @@ def one_by_one_warned(groups):
             loss = tf.add_n([tf.reduce_sum(w * w) for w in weights])
         return hvd.DistributedGradientTape(tape, compression=comp, num_groups=groups).gradient(loss, weights)
 
-    hvd_aps._tokens._warn_one_by_one.cache_clear()  # once a process: the allreduce calls above warned already
+    hvd_aps._batches._warn_one_by_one.cache_clear()  # once a process: the allreduce calls above warned already
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step()
