@@ -11,7 +11,9 @@ benchmark measured without communication).
     .venv/bin/python examples/plan_check.py --calibration cal.json --calibration cal2.json --rates 1gbit ...
 
 --calibration, repeated: the settings predicted with each, side by side (how far the calibration
-moves them from one run of it to the next); --rates: only the settings at those rates.
+moves them from one run of it to the next); --rates: only the settings at those rates. Each
+prediction comes with the range plan states (hvd_aps.calibration.draws: the calibration fitted again
+from its own repeats drawn again), and the summary says how many measured steps fall inside it.
 
 --rows FILE[:TENSORS]: netns_cluster's rows; TENSORS the gradient tensors of a `tensors` profile
 (its rows name the parameters, not how many tensors hold them); a setting found in several files
@@ -54,16 +56,21 @@ def workload(row: dict, entry: perf.EntryPoint, tensors: "int | None", timelines
                          [tuple(g) for g in timeline] if timeline else None)
 
 
-def predict(row: dict, tensors: "int | None", base: pathlib.Path, timelines: dict) -> float:
+def predict(row: dict, tensors: "int | None", base: pathlib.Path, timelines: dict) -> tuple:
+    """(the predicted step, its range: (low, high) over the calibration's draws, None without)."""
     entry, name, fmt = entry_and_path(row["compression"])
     framework = "torch" if entry is perf.EntryPoint.DDP else "horovod"
     shape = f"{row['hosts']}x{row['ranks_per_host']}.{row['rate']}.{framework}"
     loaded = calibration.load(base.with_name(f"{base.stem}.{shape}.json"))
-    path = next(p for p in loaded.paths(entry, [fmt] if fmt else []) if p.name == name)
-    world = row["hosts"] * row["ranks_per_host"]
-    cluster = perf.Cluster(row["hosts"], loaded.link, row["ranks_per_host"], sharing=world, copy=loaded.copy or 0.0,
-                           **loaded.contentions())
-    return perf.step_time(workload(row, entry, tensors, timelines), path, cluster)
+    world, work = row["hosts"] * row["ranks_per_host"], workload(row, entry, tensors, timelines)
+
+    def step(cal):
+        path = next(p for p in cal.paths(entry, [fmt] if fmt else []) if p.name == name)
+        cluster = perf.Cluster(row["hosts"], cal.link, row["ranks_per_host"], sharing=world, copy=cal.copy or 0.0,
+                               **cal.contentions())
+        return perf.step_time(work, path, cluster)
+    drawn = calibration.draws(loaded)
+    return step(loaded), calibration.spread([step(d) for d in drawn]) if drawn else None
 
 
 def settings(specs: list) -> list:
@@ -86,32 +93,44 @@ def check(rows: list, calibration: pathlib.Path, timelines: dict) -> list:
     out = []
     for row, tensors, runs in rows:
         measured = statistics.median(runs)
-        predicted = predict(row, tensors, calibration, timelines)
+        predicted, span = predict(row, tensors, calibration, timelines)
         out.append({k: row[k] for k in ("profile", "params", "hosts", "ranks_per_host", "rate", "compression")}
                    | {"tensors": tensors, "runs": runs, "measured": measured, "predicted": predicted,
-                      "error": predicted / measured - 1})
+                      "error": predicted / measured - 1, "range": span,
+                      "covered": None if span is None else span[0] <= measured <= span[1]})
     return out
+
+
+def _span_text(span) -> str:
+    return "-" if span is None else f"{1e3 * span[0]:.1f}-{1e3 * span[1]:.1f}"
 
 
 def report(checks: list) -> None:
     """The settings' table, an error column a calibration (and their range where several), then
     each calibration's summary."""
     several = len(checks) > 1
+    ranged = not several and any(o["range"] is not None for o in checks[0])
     print(f"{'profile':>9} {'tensors':>7} {'rate':>8} {'compression':>14} {'runs':>4} {'meas ms':>8} {'spread':>6} "
-          + ("" if several else f"{'pred ms':>8} ") + " ".join(f"{'error':>6}" for _ in checks)
+          + ("" if several else f"{'pred ms':>8} ") + (f"{'pred range':>13} " if ranged else "")
+          + " ".join(f"{'error':>6}" for _ in checks)
           + (f" {'range':>6}" if several else ""))
     for predictions in zip(*checks):
         o, errors = predictions[0], [p["error"] for p in predictions]
         spread = (max(o["runs"]) - min(o["runs"])) / o["measured"]
         print(f"{o['profile']:>9} {o['tensors'] or '':>7} {o['rate']:>8} {o['compression']:>14} {len(o['runs']):>4} "
-              f"{1e3 * o['measured']:8.1f} {spread:6.0%} " + ("" if several else f"{1e3 * o['predicted']:8.1f} ")
+              f"{1e3 * o['measured']:8.1f} {spread:6.0%} "
+              + ("" if several else f"{1e3 * o['predicted']:8.1f} ")
+              + (f"{_span_text(o['range']):>13} " if ranged else "")
               + " ".join(f"{e:+6.0%}" for e in errors) + (f" {max(errors) - min(errors):6.0%}" if several else ""))
     print()
     for out in checks:
         errors = sorted(abs(o["error"]) for o in out)
+        covered = [o["covered"] for o in out if o["covered"] is not None]
+        coverage = (f"; inside the stated range: {sum(covered)} of {len(covered)} "
+                    f"({sum(covered) / len(covered):.0%})" if covered else "")
         print(f"{len(errors)} settings: median absolute error {statistics.median(errors):.1%}, worst "
               f"{errors[-1]:.0%}, within 10 %: {sum(e <= 0.10 for e in errors)}, within 20 %: "
-              f"{sum(e <= 0.20 for e in errors)}")
+              f"{sum(e <= 0.20 for e in errors)}" + coverage)
 
 
 def main():

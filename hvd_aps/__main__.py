@@ -23,6 +23,9 @@ _COUNT_SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}
 PIN_MARGIN = 0.25
 
 
+COEFFICIENTS = (("fixed", 1e3), ("per_tensor", 1e3), ("per_element", 1e9))  # calibrate's columns, their scales
+
+
 def _table(header, rows):
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -55,11 +58,21 @@ def calibrate_command(args):
           f"engine)...", file=sys.stderr)
     result = calibration.calibrate([str(f) for f in args.format], args.world, device=args.device)
     calibration.save(result, args.out)
-    rows = [(fmt, f"{c['fixed'] * 1e3:.3f}", f"{c['per_tensor'] * 1e3:.3f}", f"{c['per_element'] * 1e9:.3f}")
-            for fmt, c in result["codecs"].items()]
+    drawn = calibration.draws(calibration.parse(result))
+    rows = [(fmt, *(_with_range(getattr(codec_of, field), [getattr(d.codecs[fmt], field) for d in drawn], scale)
+                    for field, scale in COEFFICIENTS))
+            for fmt, codec_of in calibration.parse(result).codecs.items()]
     print(_table(["format", "ms per exchange", "ms per tensor", "ns per element"], rows))
+    print(f"(in brackets: the central {calibration.RANGE} % of {len(drawn)} fits of these timings, each "
+          f"bucket's repeats drawn again; python -m hvd_aps plan gives each prediction's range alike)")
     print(f"\nfloat32 copies through host memory, every core at once: {result['copy'] * 1e9:.3f} ns per element")
     print(f"written to {args.out}")
+
+
+def _with_range(value: float, drawn: list, scale: float) -> str:
+    """A fitted coefficient and the range its draws span, in the table's unit."""
+    low, high = calibration.spread(drawn)
+    return f"{value * scale:.3f} ({low * scale:.3f}-{high * scale:.3f})"
 
 
 def _calibrate_links(args):
@@ -134,8 +147,8 @@ def plan_command(args):
     formats = [str(f) for f in args.format]
     if args.device is calibration.Device.CUDA and not args.calibration:
         args.calibration = calibration.GPU_PROJECTION
-    loaded = calibration.load(args.calibration) if args.calibration else calibration.Calibration(
-        {fmt: calibration.fit_codec(fmt, args.hosts * args.ranks_per_host)[0] for fmt in formats})
+    loaded = calibration.load(args.calibration) if args.calibration else calibration.parse(
+        calibration.calibrate(formats, args.hosts * args.ranks_per_host))
     codecs = loaded.codecs
     missing = [f for f in formats if f not in codecs]
     if missing:
@@ -166,11 +179,17 @@ def plan_command(args):
         _say_costs(loaded, args.entry_point, clusters[0].sharing)
     if args.device is calibration.Device.CUDA:
         print(f"(on a GPU: {loaded.describe()})")
+    drawn = calibration.draws(loaded)
+    _say_range(drawn, args.calibration)
     for rate, cluster in zip(args.links.split(","), clusters):
         rows = perf.table(work, paths, cluster, step)
+        ranges = _ranges(drawn, loaded, cluster, lambda d, c: perf.table(work, d.paths(args.entry_point, formats), c,
+                                                                         step))
         print(f"\n{rate} between hosts: fastest {min(rows, key=lambda row: row[1])[0].name}")
-        print(_table(["path", "step ms", "x float32", "on the links ms", "processor ms", "error"],
-                     [(p.name, f"{t * 1e3:.1f}", f"{x:.2f}", *(f"{v * 1e3:.1f}" for v in split(work, p, cluster)),
+        ranged = ["range ms"] if ranges else []
+        print(_table(["path", "step ms", *ranged, "x float32", "on the links ms", "processor ms", "error"],
+                     [(p.name, f"{t * 1e3:.1f}", *([_range_text(ranges[p.name])] if ranges else []), f"{x:.2f}",
+                       *(f"{v * 1e3:.1f}" for v in split(work, p, cluster)),
                        _error(p.name, args.hosts * args.ranks_per_host)) for p, t, x in rows]))
     print()
     for path in paths[2:]:
@@ -234,6 +253,32 @@ def _say_costs(loaded: calibration.Calibration, entry: perf.EntryPoint, sharing:
     if loaded.sharing is not None and loaded.sharing != sharing:
         print(f"note: those costs were measured with {loaded.sharing:g} ranks sharing a machine's cores, planned "
               f"with {sharing:g} (--sharing)", file=sys.stderr)
+
+
+def _say_range(drawn: list, file: Optional[str]) -> None:
+    """How plan's ranges are found, or why there are none."""
+    if drawn:
+        print(f"range: the central {calibration.RANGE} % of the step predicted by {len(drawn)} fits of the "
+              f"calibration's own timings, each timing's repeats drawn again (a bootstrap): what the calibration's "
+              f"noise moves, not how far a cluster's steps move from run to run")
+    else:
+        print(f"note: no ranges: {file or 'the calibration'} kept no repeated timings (python -m hvd_aps calibrate "
+              f"writes them)", file=sys.stderr)
+
+
+def _ranges(drawn: list, loaded: calibration.Calibration, cluster: perf.Cluster, table) -> dict:
+    """{path name: (low, high) step seconds} over the draws: table(draw, cluster) of each, the
+    cluster's link the draw's where it is the link the calibration measured."""
+    steps = {}
+    for draw in drawn:
+        between = draw.link if loaded.link is not None and cluster.between == loaded.link else cluster.between
+        for path, seconds, _ in table(draw, dataclasses.replace(cluster, between=between)):
+            steps.setdefault(path.name, []).append(seconds)
+    return {name: calibration.spread(values) for name, values in steps.items()}
+
+
+def _range_text(span: tuple) -> str:
+    return f"{span[0] * 1e3:.1f}-{span[1] * 1e3:.1f}"
 
 
 def _error(path: str, world: int) -> str:

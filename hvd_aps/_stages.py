@@ -145,11 +145,15 @@ class Exchange:
         """Nothing under way (what the last exchange held let go)."""
         self.agreement: Optional[Agreement] = None
         self.source = self.results = None
-        self.residual = None  # error feedback: where this step's send residuals go (flat like source)
-        self.owner_residuals = []  # error feedback: per lane, where this step's owner residuals go (this rank's shard)
-        self.sums: Optional[list] = None  # the stats' sample sums: (held segment of each block, per-block sums) per stage call
-        self.limits_here: Optional[list] = None  # the stats: per lane, each tensor's largest value sent, where the data lies
-        self.committed: Optional[list] = None  # error feedback: per lane, the committed owner residuals (read at reduce)
+        # error feedback: where this step's send residuals go (flat like source), and per lane
+        # where its owner residuals go (this rank's shard), the committed ones read at reduce
+        self.residual = None
+        self.owner_residuals = []
+        self.committed: Optional[list] = None
+        # the stats: the sample sums (held segment of each block, per-block sums) per stage call,
+        # and per lane each tensor's largest value sent, where the data lies
+        self.sums: Optional[list] = None
+        self.limits_here: Optional[list] = None
         self.bytes_sent = 0
 
 

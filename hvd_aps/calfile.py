@@ -36,7 +36,9 @@ class Calibration:
     perf.EntryCost}}), the contention of codec and compute and of the framework's allreduce and
     compute (perf.Cluster.contention, wire_contention) and the ranks that shared a machine's
     cores there; whether its codecs were measured or projected, on which
-    device, when, and the command that made them."""
+    device, when, and the command that made them; and the repeated timings behind the codecs
+    ({format: ((elements, tensors, seconds of each repeat), ...)}) and the link ((elements,
+    seconds of each repeat), ...), which hvd_aps.calibration.draws fits again for a range."""
     codecs: dict
     copy: Optional[float] = None
     link: Optional[perf.Link] = None
@@ -49,6 +51,8 @@ class Calibration:
     contention: Optional[float] = None
     wire_contention: Optional[float] = None
     sharing: Optional[float] = None
+    repeats: dict = dataclasses.field(default_factory=dict)
+    link_repeats: tuple = ()
 
     def entry_cost(self, entry: Optional[perf.EntryPoint], path: str) -> perf.EntryCost:
         """What `path` costs through `entry` in the job measured (nothing where it was not)."""
@@ -100,11 +104,13 @@ def _read(path) -> dict:
 
 
 def links_entry(link: perf.Link, cluster: perf.Cluster, rows: Sequence, costs: Optional[dict] = None) -> dict:
-    """A calibration file's "links" entry: the fitted link, the shape it was measured on, the times,
+    """A calibration file's "links" entry: the fitted link, the shape it was measured on, the times
+    (rows of elements, median seconds and every repeat's seconds: hvd_aps.calibration.time_links),
     and where measured in the same job (hvd_aps.entry_costs.measure) the entry points' costs and
     the steps they were found from, the contentions, and the ranks that shared a machine's cores."""
     entry = {"bandwidth": link.bandwidth, "latency": link.latency, "hosts": cluster.hosts,
-             "ranks_per_host": cluster.ranks_per_host, "measured": [{"elements": n, "seconds": s} for n, s in rows]}
+             "ranks_per_host": cluster.ranks_per_host,
+             "measured": [{"elements": n, "seconds": s, "repeats": list(times)} for n, s, times in rows]}
     if costs:
         entry |= {"entry_points": {e.value: {path: dataclasses.asdict(cost) for path, cost in paths.items()}
                                    for e, paths in costs["entry_points"].items()},
@@ -139,11 +145,21 @@ def load(path) -> Calibration:
     data = _read(path)
     if not data:
         raise ValueError(f"no calibration file {path}: run python -m hvd_aps calibrate --out {path}")
+    return parse(data)
+
+
+def parse(data: dict) -> Calibration:
+    """A calibration file's contents (hvd_aps.calibration.calibrate's dict) as a Calibration."""
     links = data.get("links") or {}
+    repeats = {fmt: tuple((r["elements"], r["tensors"], tuple(r["repeats"])) for r in rows)
+               for fmt, rows in data.get("measured", {}).items() if rows and all("repeats" in r for r in rows)}
+    link_repeats = tuple((r["elements"], tuple(r["repeats"])) for r in links.get("measured", ())
+                         if "repeats" in r)
     entry_points = {perf.EntryPoint(e): {path: perf.EntryCost(**cost) for path, cost in paths.items()}
                     for e, paths in links.get("entry_points", {}).items()}
     return Calibration({fmt: Codec(**fitted) for fmt, fitted in data.get("codecs", {}).items()}, data.get("copy"),
                        perf.Link(links["bandwidth"], links["latency"]) if links else None,
                        (links["hosts"], links["ranks_per_host"]) if links else None,
                        Kind(data.get("kind", Kind.MEASURED)), data.get("device"), data.get("date"), data.get("command"),
-                       entry_points, links.get("contention"), links.get("wire_contention"), links.get("sharing"))
+                       entry_points, links.get("contention"), links.get("wire_contention"), links.get("sharing"),
+                       repeats, link_repeats if len(link_repeats) == len(links.get("measured", ())) else ())

@@ -27,7 +27,7 @@ from ._arrays import array_module
 from ._choice import Choice
 from ._stages import Bucket
 from .calfile import (FORMAT, GPU_PROJECTION, LINK_ENV, Calibration, Kind, add_links, job_link, links_entry, load,
-                      save)
+                      parse, save)
 from .compressor import APSCompressor
 from .perf import Codec
 
@@ -37,7 +37,7 @@ from .perf import Codec
 __all__ = ["FORMAT", "GPU_PROJECTION", "LINK_ENV", "Calibration", "Kind", "add_links", "job_link", "links_entry",
            "load", "save", "BUCKETS", "DEVICE_BUCKETS", "Device", "DEVICES", "REPEATS", "LINK_ELEMENTS", "Mirror",
            "engine_name", "device_name", "exchange_runner", "time_exchange", "fit_codec", "fit_rows", "time_copy", "fit_link",
-           "time_links", "calibrate"]
+           "time_links", "calibrate", "time_exchanges", "DRAWS", "RANGE", "draws", "spread", "parse"]
 
 BUCKETS = ((1 << 14, 1), (1 << 18, 1), (1 << 22, 1), (1 << 14, 16), (1 << 18, 16), (1 << 22, 16), (1 << 18, 256),
            (1 << 22, 256))  # up to the hundreds of tensors a ResNet-50 or a BERT bucket holds
@@ -52,6 +52,8 @@ class Device(Choice):
 
 DEVICES = tuple(d.value for d in Device)
 REPEATS = 5  # timed exchanges per bucket (after one untimed): the median is fitted
+DRAWS = 200  # calibrations fitted again from resampled repeats: a prediction's range (draws)
+RANGE = 90   # percent of those draws' predictions a range holds (the 5th to the 95th percentile)
 COPY_ELEMENTS = 1 << 23  # float32 a core copies per timed copy: 32 MiB, past the caches as gradients are
 # float32 elements of the framework's allreduces timed for the link fit: latency-bound to bandwidth-bound
 LINK_ELEMENTS = (1 << 6, 1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)
@@ -138,27 +140,35 @@ def exchange_runner(fmt: str, world: int, elements: int, tensors: int, device: "
         yield run
 
 
-def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: int = REPEATS,
-                  device: "Device | str" = Device.CPU) -> float:
-    """Median seconds of one exchange_runner() exchange, after one untimed."""
+def time_exchanges(fmt: str, world: int, elements: int, tensors: int, repeats: int = REPEATS,
+                   device: "Device | str" = Device.CPU) -> list:
+    """Seconds of each of `repeats` exchange_runner() exchanges, after one untimed."""
     times = []
     with exchange_runner(fmt, world, elements, tensors, device) as run:
         for _ in range(repeats + 1):
             started = time.perf_counter()
             run()
             times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+    return times[1:]
+
+
+def time_exchange(fmt: str, world: int, elements: int, tensors: int, repeats: int = REPEATS,
+                  device: "Device | str" = Device.CPU) -> float:
+    """Median seconds of one exchange_runner() exchange, after one untimed."""
+    return statistics.median(time_exchanges(fmt, world, elements, tensors, repeats, device))
 
 
 def fit_codec(fmt: str, world: int, buckets: Sequence = BUCKETS, repeats: int = REPEATS,
               device: "Device | str" = Device.CPU) -> tuple:
-    """(Codec, [(elements, tensors, seconds)]): least squares of the measured times, relative to
-    each (the buckets span three orders of magnitude), on a cost per exchange, per tensor and per
-    element (none below zero); a Codec of a GPU is a `device` one (perf.Codec.busy)."""
+    """(Codec, [(elements, tensors, median seconds, every repeat's seconds)]): least squares of
+    the medians, relative to each (the buckets span three orders of magnitude), on a cost per
+    exchange, per tensor and per element (none below zero); a Codec of a GPU is a `device` one
+    (perf.Codec.busy)."""
     device = _parsed(device)
-    rows = [(n, t, time_exchange(fmt, world, n, t, repeats, device))
-            for n, t in tqdm(buckets, desc=f"calibrate {fmt} on {device}", unit="bucket", leave=False)]
-    return fit_rows(rows, device=device is not Device.CPU), rows
+    timed = [(n, t, time_exchanges(fmt, world, n, t, repeats, device))
+             for n, t in tqdm(buckets, desc=f"calibrate {fmt} on {device}", unit="bucket", leave=False)]
+    rows = [(n, t, statistics.median(times), times) for n, t, times in timed]
+    return fit_rows([row[:3] for row in rows], device=device is not Device.CPU), rows
 
 
 def fit_rows(rows: Sequence, device: bool) -> Codec:
@@ -212,9 +222,10 @@ def fit_link(rows: Sequence, cluster: perf.Cluster) -> perf.Link:
 
 def time_links(allreduce: Callable[[np.ndarray], object], cluster: perf.Cluster,
                elements: Sequence[int] = LINK_ELEMENTS, repeats: int = REPEATS) -> tuple:
-    """(Link, [(elements, seconds)]): the framework's float32 `allreduce` (a blocking call every
-    rank makes alike) timed inside the job at each size, median of `repeats` after one untimed,
-    and fitted as fit_link does. Every rank must call it."""
+    """(Link, [(elements, median seconds, every repeat's seconds)]): the framework's float32
+    `allreduce` (a blocking call every rank makes alike) timed inside the job at each size,
+    `repeats` times after one untimed, and the medians fitted as fit_link does. Every rank must
+    call it."""
     rows = []
     for n in elements:
         values = np.ones(n, np.float32)
@@ -223,8 +234,8 @@ def time_links(allreduce: Callable[[np.ndarray], object], cluster: perf.Cluster,
             started = time.perf_counter()
             allreduce(values)
             times.append(time.perf_counter() - started)
-        rows.append((n, statistics.median(times[1:])))
-    return fit_link(rows, cluster), rows
+        rows.append((n, statistics.median(times[1:]), times[1:]))
+    return fit_link([row[:2] for row in rows], cluster), rows
 
 
 def calibrate(formats: Sequence[str], world: int, buckets: Optional[Sequence] = None, repeats: int = REPEATS,
@@ -237,9 +248,38 @@ def calibrate(formats: Sequence[str], world: int, buckets: Optional[Sequence] = 
     for fmt in formats:
         fitted, rows = fit_codec(fmt, world, buckets, repeats, device)
         codecs[fmt] = dataclasses.asdict(fitted)
-        measured[fmt] = [{"elements": n, "tensors": t, "seconds": s} for n, t, s in rows]
+        measured[fmt] = [{"elements": n, "tensors": t, "seconds": s, "repeats": times} for n, t, s, times in rows]
     return {"format": FORMAT, "engine": engine_name(device),
             "device": device_name(device), "date": time.strftime("%Y-%m-%d"), "world": world,
             "codecs": codecs, "measured": measured, "copy": time_copy(repeats=repeats)}
 
 
+def draws(calibrated: Calibration, count: int = DRAWS, seed: int = 0) -> list:
+    """`count` calibrations fitted again from `calibrated`'s own repeated timings, each bucket's
+    (and each link size's) median taken over its repeats drawn again with replacement (a
+    bootstrap): how far the fit moves with the noise of the timings behind it, alike on every
+    run. [] where the file kept no repeats (older files, projections)."""
+    if not calibrated.repeats:
+        return []
+    rng = np.random.default_rng(seed)
+
+    def median(times):
+        return float(np.median(rng.choice(times, len(times))))
+
+    shape = calibrated.link_shape
+    unit = perf.Cluster(shape[0], perf.Link(1.0), shape[1]) if shape else None
+    out = []
+    for _ in range(count):
+        codecs = {fmt: fit_rows([(n, t, median(times)) for n, t, times in rows], calibrated.codecs[fmt].device)
+                  for fmt, rows in calibrated.repeats.items()}
+        link = calibrated.link
+        if calibrated.link_repeats and unit is not None:
+            link = fit_link([(n, median(times)) for n, times in calibrated.link_repeats], unit)
+        out.append(dataclasses.replace(calibrated, codecs={**calibrated.codecs, **codecs}, link=link))
+    return out
+
+
+def spread(values: Sequence[float]) -> tuple:
+    """(low, high): the central RANGE percent of the draws' predictions."""
+    low, high = np.percentile(np.asarray(values, np.float64), [(100 - RANGE) / 2, (100 + RANGE) / 2])
+    return float(low), float(high)

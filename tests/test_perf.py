@@ -333,7 +333,7 @@ def test_a_calibration_file_keeps_the_costs_measured_in_a_job(tmp_path):
              "steps": {perf.EntryPoint.HOROVOD: {"float32": {4: 0.1, 512: 0.13}}}, "contention": 0.6,
              "wire_contention": 0.3}
     cluster = perf.Cluster(2, perf.Link(1e8, 1e-4), sharing=2)
-    calibration.add_links(out, calibration.links_entry(perf.Link(1e8, 1e-4), cluster, [(64, 1e-3)], costs))
+    calibration.add_links(out, calibration.links_entry(perf.Link(1e8, 1e-4), cluster, [(64, 1e-3, [1e-3])], costs))
     loaded = calibration.load(out)
     assert loaded.contentions() == {"contention": 0.6, "wire_contention": 0.3} and loaded.sharing == 2
     assert loaded.link == perf.Link(1e8, 1e-4)
@@ -401,6 +401,50 @@ def test_calibrate_and_plan_from_the_command_line(tmp_path):
                    "--links", "1gbit,100gbit", "--format", "e4m3", "--calibration", out], CLI_S, dict(os.environ))
     assert "1gbit between hosts" in run.stdout and "100gbit between hosts" in run.stdout
     assert "codes e4m3" in run.stdout and ("faster than both below" in run.stdout or "faster than neither" in run.stdout)
+    assert "range ms" in run.stdout and f"fits of the calibration's own timings" in run.stdout  # its repeats kept
+
+
+SPREAD_CODEC = perf.Codec(2e-4, 3e-9, 5e-6)
+APART = (0.7, 0.9, 1.0, 1.1, 1.6)  # each bucket's repeats, as factors of its median
+
+
+def _with_repeats(factors, link_factors=None) -> calibration.Calibration:
+    """A calibration whose buckets' (and link sizes') repeats spread by `factors` around times
+    SPREAD_CODEC (and a 1 Gbit/s link of 50 us) gives exactly."""
+    rows = [{"elements": n, "tensors": t, "seconds": SPREAD_CODEC.time(n, t),
+             "repeats": [f * SPREAD_CODEC.time(n, t) for f in factors]} for n, t in calibration.BUCKETS]
+    data = {"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(SPREAD_CODEC)},
+            "measured": {"e4m3": rows}}
+    if link_factors:
+        link, cluster = perf.Link(1.25e8, 5e-5), perf.Cluster(2, perf.Link(1.25e8, 5e-5), 1)
+        times = [(n, perf.allreduce(4 * n, cluster)) for n in calibration.LINK_ELEMENTS]
+        data["links"] = calibration.links_entry(link, cluster, [(n, s, [f * s for f in link_factors])
+                                                                 for n, s in times])
+    return calibration.parse(data)
+
+
+def test_a_plans_range_comes_from_the_calibrations_own_repeats():
+    """draws() fits the codec (and the link) again from each timing's repeats drawn again:
+    repeats alike give the point fit itself, repeats apart a range around it; the same draws on
+    every call; no draws from a file that kept no repeats."""
+    def spread(drawn):
+        return calibration.spread([d.codecs["e4m3"].time(1 << 22, 16) for d in drawn])
+
+    alike = calibration.draws(_with_repeats((1.0,) * 5))
+    assert len(alike) == calibration.DRAWS
+    low, high = spread(alike)
+    assert low == pytest.approx(SPREAD_CODEC.time(1 << 22, 16), rel=1e-9) == pytest.approx(high, rel=1e-9)
+    apart = _with_repeats(APART, link_factors=APART)
+    drawn = calibration.draws(apart)
+    low, high = spread(drawn)
+    assert low < 0.97 * SPREAD_CODEC.time(1 << 22, 16) and high > 1.03 * SPREAD_CODEC.time(1 << 22, 16)
+    assert low >= 0.7 * SPREAD_CODEC.time(1 << 22, 16) and high <= 1.6 * SPREAD_CODEC.time(1 << 22, 16)
+    bandwidths = calibration.spread([d.link.bandwidth for d in drawn])
+    assert bandwidths[0] < apart.link.bandwidth < bandwidths[1]
+    assert [d.codecs for d in calibration.draws(apart)] == [d.codecs for d in drawn]
+    older = calibration.parse({"format": calibration.FORMAT, "codecs": {"e4m3": dataclasses.asdict(SPREAD_CODEC)},
+                               "measured": {"e4m3": [{"elements": 1, "tensors": 1, "seconds": 1e-3}]}})
+    assert calibration.draws(older) == []
 
 
 def test_links_measured_inside_a_torchrun_job_feed_the_plan(tmp_path):
