@@ -19,6 +19,7 @@ class Choice(str, enum.Enum):
     @classmethod
     def parse(cls, value, what: str):
         """`value` (a member or its text) as a member; a ValueError naming `what` and the choices."""
-        if value not in [c.value for c in cls]:
-            raise ValueError(f"{what} must be one of {[c.value for c in cls]}, got {value!r}")
-        return cls(value)
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{what} must be one of {[c.value for c in cls]}, got {value!r}") from None
