@@ -58,10 +58,11 @@ def calibrate_command(args):
           f"engine)...", file=sys.stderr)
     result = calibration.calibrate([str(f) for f in args.format], args.world, device=args.device)
     calibration.save(result, args.out)
-    drawn = calibration.draws(calibration.parse(result))
+    measured = calibration.parse(result)
+    drawn = calibration.draws(measured)
     rows = [(fmt, *(_with_range(getattr(codec_of, field), [getattr(d.codecs[fmt], field) for d in drawn], scale)
                     for field, scale in COEFFICIENTS))
-            for fmt, codec_of in calibration.parse(result).codecs.items()]
+            for fmt, codec_of in measured.codecs.items()]
     print(_table(["format", "ms per exchange", "ms per tensor", "ns per element"], rows))
     print(f"(in brackets: the central {calibration.RANGE} % of {len(drawn)} fits of these timings, each "
           f"bucket's repeats drawn again; python -m hvd_aps plan gives each prediction's range alike)")

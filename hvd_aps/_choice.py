@@ -1,4 +1,4 @@
-"""The base of every configured choice: an enum whose members are their own names as text, so a
+"""The base of every configured choice: an enum whose values are the choices' text, so a
 setting given as a string ("nearest", "cuda") is parsed once, at the edge, into a member that
 compares equal to it and prints as it on every Python."""
 import enum
@@ -13,8 +13,9 @@ class Choice(str, enum.Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
-    def __hash__(self) -> int:  # as its text, which it equals (Enum's own hash is its member name's)
-        return str.__hash__(self)
+    # hashed as its text, which it equals (Enum's own hash is its member name's): str's C slot, no
+    # Python call where a member keys a cache
+    __hash__ = str.__hash__
 
     @classmethod
     def parse(cls, value, what: str):

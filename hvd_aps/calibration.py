@@ -44,6 +44,8 @@ BUCKETS = ((1 << 14, 1), (1 << 18, 1), (1 << 22, 1), (1 << 14, 16), (1 << 18, 16
 # a GPU's kernels pass 4M elements in tens of microseconds: its fit also takes 256 MiB buckets, as
 # a large model's are, so the cost per element is measured where it is not hidden by launches
 DEVICE_BUCKETS = BUCKETS + ((1 << 26, 1), (1 << 26, 16))
+
+
 class Device(Choice):
     """Where the codec is calibrated."""
     CPU = "cpu"    # the host's engine
